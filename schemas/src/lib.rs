@@ -1,0 +1,43 @@
+//! The records that cross Sluice's topics and its HTTP API, in one place.
+//!
+//! The JSON Schema files under `schemas/v1/` are the contract: producers, workers and outside
+//! consumers validate against them. The Rust types here mirror them, and the tests in this crate
+//! check the two against each other (every example validates and round-trips through the types;
+//! a fully populated value of every type validates), so neither can drift alone.
+
+pub mod decode;
+pub mod models;
+pub mod records;
+pub mod validate;
+
+pub use decode::{DecodeError, decode_task};
+pub use records::*;
+pub use validate::{RecordKind, Violation, validate};
+
+/// Version of the record layouts in this crate, carried in every record's `version` field and in
+/// the [`HEADER_SCHEMA_VERSION`] header.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Kafka header carrying the record's schema version.
+pub const HEADER_SCHEMA_VERSION: &str = "sluice-schema-version";
+/// Kafka header carrying how many times a task has been attempted (set by redrive).
+pub const HEADER_ATTEMPT: &str = "sluice-attempt";
+
+/// Default topic names. Each binary lets them be overridden.
+pub mod topics {
+    pub const TASKS: &str = "sluice.tasks.v1";
+    pub const COMPLETIONS: &str = "sluice.completions.v1";
+    pub const DLQ: &str = "sluice.dlq.v1";
+}
+
+/// Headers on every DLQ record; the same facts are fields of [`DlqRecord`].
+pub mod dlq_headers {
+    pub const REASON: &str = "sluice-dlq-reason";
+    pub const MESSAGE: &str = "sluice-dlq-message";
+    pub const ATTEMPTS: &str = "sluice-dlq-attempts";
+    pub const SOURCE_TOPIC: &str = "sluice-dlq-source-topic";
+    pub const SOURCE_PARTITION: &str = "sluice-dlq-source-partition";
+    pub const SOURCE_OFFSET: &str = "sluice-dlq-source-offset";
+    pub const FIRST_FAILED_AT: &str = "sluice-dlq-first-failed-at";
+    pub const LAST_FAILED_AT: &str = "sluice-dlq-last-failed-at";
+}

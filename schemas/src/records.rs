@@ -1,0 +1,281 @@
+//! Rust types of the records described by `schemas/v1/*.schema.json`.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+/// Body of `POST /v1/tasks` (`task-request.schema.json`). Absent values take the model's defaults
+/// when the producer turns it into a [`TaskRecord`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskRequest {
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub negative_prompt: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guidance_scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sampler: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub width: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub height: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_images: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<Map<String, Value>>,
+}
+
+/// Fully explicit generation parameters, as carried by a [`TaskRecord`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Generation {
+    pub prompt: String,
+    pub negative_prompt: String,
+    pub steps: u32,
+    pub guidance_scale: f64,
+    pub seed: u64,
+    pub sampler: String,
+    pub width: u32,
+    pub height: u32,
+    pub num_images: u32,
+    pub params: Map<String, Value>,
+}
+
+/// A record on the tasks topic (`task.schema.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskRecord {
+    pub version: u32,
+    pub task_id: Uuid,
+    pub submitted_at: DateTime<Utc>,
+    pub tenant: String,
+    #[serde(default)]
+    pub user: Option<String>,
+    pub model: String,
+    pub request: Generation,
+}
+
+/// Where a record was read from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceRef {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompletionStatus {
+    Succeeded,
+    Failed,
+}
+
+/// One stored image of a completed task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputRef {
+    pub index: u32,
+    pub url: String,
+    pub key: String,
+    pub content_type: String,
+    pub bytes: u64,
+    pub sha256: String,
+    pub width: u32,
+    pub height: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionError {
+    pub reason: DlqReason,
+    pub message: String,
+}
+
+/// Milliseconds spent in each phase of a task.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timings {
+    pub queued_ms: u64,
+    pub inference_ms: u64,
+    pub upload_ms: u64,
+    pub total_ms: u64,
+}
+
+/// A record on the completions topic (`completion.schema.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionEvent {
+    pub version: u32,
+    pub task_id: Uuid,
+    pub status: CompletionStatus,
+    pub model: String,
+    pub tenant: String,
+    #[serde(default)]
+    pub user: Option<String>,
+    pub outputs: Vec<OutputRef>,
+    #[serde(default)]
+    pub error: Option<CompletionError>,
+    pub timings: Timings,
+    pub worker_id: String,
+    pub attempt: u32,
+    pub completed_at: DateTime<Utc>,
+    pub source: SourceRef,
+}
+
+/// Why a record was dead-lettered (`dlq.schema.json#/$defs/reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DlqReason {
+    Malformed,
+    SchemaViolation,
+    UnsupportedVersion,
+    UnsupportedModel,
+    TooLarge,
+    ResourceExhausted,
+    ModelError,
+    RetriesExhausted,
+}
+
+impl DlqReason {
+    pub const ALL: [DlqReason; 8] = [
+        DlqReason::Malformed,
+        DlqReason::SchemaViolation,
+        DlqReason::UnsupportedVersion,
+        DlqReason::UnsupportedModel,
+        DlqReason::TooLarge,
+        DlqReason::ResourceExhausted,
+        DlqReason::ModelError,
+        DlqReason::RetriesExhausted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DlqReason::Malformed => "malformed",
+            DlqReason::SchemaViolation => "schema_violation",
+            DlqReason::UnsupportedVersion => "unsupported_version",
+            DlqReason::UnsupportedModel => "unsupported_model",
+            DlqReason::TooLarge => "too_large",
+            DlqReason::ResourceExhausted => "resource_exhausted",
+            DlqReason::ModelError => "model_error",
+            DlqReason::RetriesExhausted => "retries_exhausted",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DlqReason> {
+        DlqReason::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for DlqReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Kafka headers as read: name and optional value bytes, in order.
+pub type RawHeaders = Vec<(String, Option<Vec<u8>>)>;
+
+/// A header of the original record, kept byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OriginalHeader {
+    pub key: String,
+    pub value_base64: Option<String>,
+}
+
+/// The dead-lettered record as it was read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OriginalRecord {
+    #[serde(default)]
+    pub key_base64: Option<String>,
+    pub value_base64: String,
+    pub headers: Vec<OriginalHeader>,
+    #[serde(default)]
+    pub timestamp_ms: Option<i64>,
+}
+
+impl OriginalRecord {
+    pub fn new(key: Option<&[u8]>, value: &[u8], headers: &[(String, Option<Vec<u8>>)], timestamp_ms: Option<i64>) -> Self {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        OriginalRecord {
+            key_base64: key.map(|k| b64.encode(k)),
+            value_base64: b64.encode(value),
+            headers: headers
+                .iter()
+                .map(|(k, v)| OriginalHeader {
+                    key: k.clone(),
+                    value_base64: v.as_ref().map(|v| b64.encode(v)),
+                })
+                .collect(),
+            timestamp_ms,
+        }
+    }
+
+    /// The original value bytes.
+    pub fn value(&self) -> Result<Vec<u8>, base64::DecodeError> {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.decode(&self.value_base64)
+    }
+
+    /// The original key bytes, if the record had a key.
+    pub fn key(&self) -> Result<Option<Vec<u8>>, base64::DecodeError> {
+        use base64::Engine as _;
+        self.key_base64
+            .as_ref()
+            .map(|k| base64::engine::general_purpose::STANDARD.decode(k))
+            .transpose()
+    }
+
+    /// The original headers.
+    pub fn headers(&self) -> Result<RawHeaders, base64::DecodeError> {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        self.headers
+            .iter()
+            .map(|h| Ok((h.key.clone(), h.value_base64.as_ref().map(|v| b64.decode(v)).transpose()?)))
+            .collect()
+    }
+}
+
+/// A record on the DLQ topic (`dlq.schema.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DlqRecord {
+    pub version: u32,
+    pub reason: DlqReason,
+    pub message: String,
+    pub attempts: u32,
+    #[serde(default)]
+    pub task_id: Option<Uuid>,
+    pub source: SourceRef,
+    pub first_failed_at: DateTime<Utc>,
+    pub last_failed_at: DateTime<Utc>,
+    pub worker_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub details: Option<Map<String, Value>>,
+    pub original: OriginalRecord,
+}
+
+/// Stored beside a task's images, written after all of them (`manifest.schema.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResultManifest {
+    pub version: u32,
+    pub task_id: Uuid,
+    pub outputs: Vec<OutputRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_ms: Option<u64>,
+    pub created_at: DateTime<Utc>,
+    pub worker_id: String,
+}

@@ -1,0 +1,232 @@
+//! The schema files and the Rust types, checked against each other.
+//!
+//! - every valid example validates, and survives a round trip through its Rust type unchanged
+//!   (a schema field the type lacks would be dropped or rejected);
+//! - a fully populated value of every type validates (a type field the schema lacks would be
+//!   rejected: every schema closes its objects);
+//! - every invalid example is rejected, naming the fields it expects.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use chrono::{TimeZone, Utc};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use sluice_schemas::*;
+use uuid::Uuid;
+
+fn examples(kind: &str, validity: &str) -> Vec<(PathBuf, Value)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/v1").join(kind).join(validity);
+    let mut files: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    assert!(!files.is_empty(), "no examples in {}", dir.display());
+    files
+        .into_iter()
+        .map(|p| {
+            let v = serde_json::from_str(&fs::read_to_string(&p).unwrap()).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (p, v)
+        })
+        .collect()
+}
+
+fn round_trip<T: Serialize + DeserializeOwned>(kind: RecordKind, dir: &str) {
+    for (path, value) in examples(dir, "valid") {
+        if let Err(v) = validate(kind, &value) {
+            panic!("{} should be valid: {v:?}", path.display());
+        }
+        let typed: T = serde_json::from_value(value.clone()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let back = serde_json::to_value(&typed).unwrap();
+        assert_eq!(back, value, "{} changed in a round trip through its type", path.display());
+    }
+}
+
+fn rejects(kind: RecordKind, dir: &str) {
+    for (path, case) in examples(dir, "invalid") {
+        let expected: Vec<String> = serde_json::from_value(case["expect_fields"].clone()).unwrap();
+        let violations = validate(kind, &case["value"]).expect_err(&format!("{} should be invalid", path.display()));
+        let fields: Vec<&str> = violations.iter().map(|v| v.field.as_str()).collect();
+        for field in &expected {
+            assert!(
+                fields.contains(&field.as_str()),
+                "{}: expected a violation on {field}, got {violations:?}",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn task_requests() {
+    round_trip::<TaskRequest>(RecordKind::TaskRequest, "task-request");
+    rejects(RecordKind::TaskRequest, "task-request");
+}
+
+#[test]
+fn tasks() {
+    round_trip::<TaskRecord>(RecordKind::Task, "task");
+    rejects(RecordKind::Task, "task");
+}
+
+#[test]
+fn completions() {
+    round_trip::<CompletionEvent>(RecordKind::Completion, "completion");
+    rejects(RecordKind::Completion, "completion");
+}
+
+#[test]
+fn dlq_records() {
+    round_trip::<DlqRecord>(RecordKind::Dlq, "dlq");
+    rejects(RecordKind::Dlq, "dlq");
+}
+
+fn must_validate(kind: RecordKind, value: &impl Serialize) {
+    let json = serde_json::to_value(value).unwrap();
+    if let Err(v) = validate(kind, &json) {
+        panic!("{kind:?} built from the Rust type does not validate: {v:?}\n{json:#}");
+    }
+}
+
+#[test]
+fn manifests() {
+    round_trip::<ResultManifest>(RecordKind::Manifest, "manifest");
+    rejects(RecordKind::Manifest, "manifest");
+}
+
+#[test]
+fn fully_populated_types_validate() {
+    let when = Utc.with_ymd_and_hms(2026, 11, 22, 9, 30, 0).unwrap();
+    let source = SourceRef {
+        topic: topics::TASKS.into(),
+        partition: 2,
+        offset: 9,
+    };
+    let request = TaskRequest {
+        model: "terrain".into(),
+        prompt: Some("p".into()),
+        negative_prompt: Some("n".into()),
+        steps: Some(1),
+        guidance_scale: Some(1.0),
+        seed: Some(models::MAX_SEED),
+        sampler: Some("onestep".into()),
+        width: Some(2048),
+        height: Some(16),
+        num_images: Some(8),
+        params: Some(models::terrain::Params::default().to_map()),
+    };
+    must_validate(RecordKind::TaskRequest, &request);
+
+    let (model, generation) = models::normalize(request, || unreachable!()).unwrap();
+    let task = TaskRecord {
+        version: SCHEMA_VERSION,
+        task_id: Uuid::new_v4(),
+        submitted_at: when,
+        tenant: "t".into(),
+        user: Some("u".into()),
+        model,
+        request: generation,
+    };
+    must_validate(RecordKind::Task, &task);
+
+    let completion = CompletionEvent {
+        version: SCHEMA_VERSION,
+        task_id: task.task_id,
+        status: CompletionStatus::Succeeded,
+        model: "terrain".into(),
+        tenant: "t".into(),
+        user: Some("u".into()),
+        outputs: vec![OutputRef {
+            index: 0,
+            url: "s3://b/k/0.png".into(),
+            key: "k/0.png".into(),
+            content_type: "image/png".into(),
+            bytes: 1,
+            sha256: "0".repeat(64),
+            width: 1,
+            height: 1,
+        }],
+        error: None,
+        timings: Timings {
+            queued_ms: 1,
+            inference_ms: 2,
+            upload_ms: 3,
+            total_ms: 6,
+        },
+        worker_id: "w".into(),
+        attempt: 1,
+        completed_at: when,
+        source: source.clone(),
+    };
+    must_validate(RecordKind::Completion, &completion);
+    let manifest = ResultManifest {
+        version: SCHEMA_VERSION,
+        task_id: task.task_id,
+        outputs: completion.outputs.clone(),
+        inference_ms: Some(5),
+        created_at: when,
+        worker_id: "w".into(),
+    };
+    must_validate(RecordKind::Manifest, &manifest);
+    for reason in DlqReason::ALL {
+        let failed = CompletionEvent {
+            status: CompletionStatus::Failed,
+            outputs: vec![],
+            error: Some(CompletionError {
+                reason,
+                message: "m".into(),
+            }),
+            ..completion.clone()
+        };
+        must_validate(RecordKind::Completion, &failed);
+        assert_eq!(DlqReason::parse(reason.as_str()), Some(reason));
+
+        let dlq = DlqRecord {
+            version: SCHEMA_VERSION,
+            reason,
+            message: "m".into(),
+            attempts: 3,
+            task_id: Some(task.task_id),
+            source: source.clone(),
+            first_failed_at: when,
+            last_failed_at: when,
+            worker_id: "w".into(),
+            details: Some(json!({"width": 1}).as_object().unwrap().clone()),
+            original: OriginalRecord::new(
+                Some(b"k"),
+                &[0xff, 0x00],
+                &[("h".into(), Some(vec![1])), ("e".into(), None)],
+                Some(5),
+            ),
+        };
+        must_validate(RecordKind::Dlq, &dlq);
+    }
+}
+
+#[test]
+fn normalized_minimal_request_is_a_valid_task() {
+    let request: TaskRequest = serde_json::from_str(r#"{"model":"terrain"}"#).unwrap();
+    let (model, generation) = models::normalize(request, || 1234).unwrap();
+    assert_eq!(generation.seed, 1234);
+    assert_eq!((generation.width, generation.height, generation.steps), (128, 128, 1));
+    let task = TaskRecord {
+        version: SCHEMA_VERSION,
+        task_id: Uuid::new_v4(),
+        submitted_at: Utc::now(),
+        tenant: "default".into(),
+        user: None,
+        model,
+        request: generation,
+    };
+    must_validate(RecordKind::Task, &task);
+}
+
+#[test]
+fn original_record_keeps_bytes() {
+    let headers = vec![("a".to_string(), Some(vec![0u8, 1, 2])), ("b".to_string(), None)];
+    let original = OriginalRecord::new(Some(&[9, 9]), &[0xff, 0xfe, 0x00], &headers, None);
+    let json = serde_json::to_string(&original).unwrap();
+    let back: OriginalRecord = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.value().unwrap(), vec![0xff, 0xfe, 0x00]);
+    assert_eq!(back.key().unwrap(), Some(vec![9, 9]));
+    assert_eq!(back.headers().unwrap(), headers);
+}
