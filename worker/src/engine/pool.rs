@@ -1,0 +1,208 @@
+//! Engine threads and the device gate.
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread;
+
+use tokio::sync::{Semaphore, oneshot};
+
+use super::{Backend, EngineError, Placement, Runtime, Tensor};
+
+/// Builds one backend of a model; called once on every engine thread.
+pub type Loader = Arc<dyn Fn(&Runtime) -> Result<Box<dyn Backend>, EngineError> + Send + Sync>;
+
+enum Command {
+    Run {
+        model: String,
+        inputs: Vec<Tensor>,
+        reply: oneshot::Sender<Result<Vec<Tensor>, EngineError>>,
+    },
+    Load {
+        model: String,
+        loader: Loader,
+        reply: oneshot::Sender<Result<Placement, EngineError>>,
+    },
+    Unload {
+        model: String,
+        reply: oneshot::Sender<bool>,
+    },
+    ReleaseMemory {
+        model: String,
+    },
+}
+
+/// Handle to the engine threads. Cheap to clone; the threads stop when the last handle is dropped.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    slots: Vec<std_mpsc::Sender<Command>>,
+    idle: Mutex<Vec<usize>>,
+    gate: Semaphore,
+    runtime: Arc<Runtime>,
+}
+
+impl Engine {
+    /// Starts `slots` engine threads (at least one).
+    pub fn start(runtime: Arc<Runtime>, slots: usize) -> Engine {
+        let slots = slots.max(1);
+        let senders = (0..slots)
+            .map(|i| {
+                let (tx, rx) = std_mpsc::channel();
+                let runtime = runtime.clone();
+                thread::Builder::new()
+                    .name(format!("sluice-engine-{i}"))
+                    .spawn(move || slot_main(runtime, rx))
+                    .expect("spawn engine thread");
+                tx
+            })
+            .collect();
+        Engine {
+            inner: Arc::new(Inner {
+                slots: senders,
+                idle: Mutex::new((0..slots).rev().collect()),
+                gate: Semaphore::new(slots),
+                runtime,
+            }),
+        }
+    }
+
+    pub fn slots(&self) -> usize {
+        self.inner.slots.len()
+    }
+
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.inner.runtime
+    }
+
+    /// Runs a batch of `model` on one engine thread. An `exclusive` run waits until no other run
+    /// is on the device and keeps it to itself.
+    pub async fn run(&self, model: &str, inputs: Vec<Tensor>, exclusive: bool) -> Result<Vec<Tensor>, EngineError> {
+        let permits = if exclusive { self.inner.slots.len() as u32 } else { 1 };
+        let _permit = self.inner.gate.acquire_many(permits).await.map_err(|_| EngineError::Stopped)?;
+        let slot = self
+            .inner
+            .idle
+            .lock()
+            .expect("idle slots")
+            .pop()
+            .expect("a permit guarantees an idle slot");
+        let _back = ReturnSlot { inner: &self.inner, slot };
+        let (reply, rx) = oneshot::channel();
+        self.inner.slots[slot]
+            .send(Command::Run {
+                model: model.to_owned(),
+                inputs,
+                reply,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    /// Loads `model` on every engine thread. On failure, threads that did load it drop it again,
+    /// so a model is either everywhere or nowhere.
+    pub async fn load(&self, model: &str, loader: Loader) -> Result<Placement, EngineError> {
+        let mut replies = Vec::new();
+        for slot in &self.inner.slots {
+            let (reply, rx) = oneshot::channel();
+            slot.send(Command::Load {
+                model: model.to_owned(),
+                loader: loader.clone(),
+                reply,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+            replies.push(rx);
+        }
+        let mut placement = None;
+        let mut failure = None;
+        for rx in replies {
+            match rx.await.map_err(|_| EngineError::Stopped)? {
+                Ok(p) => placement = Some(p),
+                Err(e) => failure = Some(e),
+            }
+        }
+        if let Some(e) = failure {
+            self.unload(model).await;
+            return Err(e);
+        }
+        Ok(placement.expect("at least one slot"))
+    }
+
+    /// Drops every session of `model` on every engine thread and waits until they are gone.
+    /// Returns whether any thread had it loaded.
+    pub async fn unload(&self, model: &str) -> bool {
+        let mut replies = Vec::new();
+        for slot in &self.inner.slots {
+            let (reply, rx) = oneshot::channel();
+            if slot
+                .send(Command::Unload {
+                    model: model.to_owned(),
+                    reply,
+                })
+                .is_ok()
+            {
+                replies.push(rx);
+            }
+        }
+        let mut any = false;
+        for rx in replies {
+            any |= rx.await.unwrap_or(false);
+        }
+        any
+    }
+
+    /// Asks every session of `model` to give back unused arena memory on its next run.
+    pub fn release_memory(&self, model: &str) {
+        for slot in &self.inner.slots {
+            let _ = slot.send(Command::ReleaseMemory { model: model.to_owned() });
+        }
+    }
+}
+
+struct ReturnSlot<'a> {
+    inner: &'a Inner,
+    slot: usize,
+}
+
+impl Drop for ReturnSlot<'_> {
+    fn drop(&mut self) {
+        self.inner.idle.lock().expect("idle slots").push(self.slot);
+    }
+}
+
+fn slot_main(runtime: Arc<Runtime>, commands: std_mpsc::Receiver<Command>) {
+    let mut models: HashMap<String, Box<dyn Backend>> = HashMap::new();
+    while let Ok(command) = commands.recv() {
+        match command {
+            Command::Run { model, inputs, reply } => {
+                let result = match models.get_mut(&model) {
+                    Some(backend) => backend.run(&inputs),
+                    None => Err(EngineError::Run(format!("model {model} is not loaded"))),
+                };
+                drop(inputs);
+                let _ = reply.send(result);
+            }
+            Command::Load { model, loader, reply } => {
+                // Drop the old sessions first: their memory must be free before the new ones load.
+                models.remove(&model);
+                let result = loader(&runtime).map(|backend| {
+                    let placement = backend.placement();
+                    models.insert(model, backend);
+                    placement
+                });
+                let _ = reply.send(result);
+            }
+            Command::Unload { model, reply } => {
+                let _ = reply.send(models.remove(&model).is_some());
+            }
+            Command::ReleaseMemory { model } => {
+                if let Some(backend) = models.get_mut(&model) {
+                    backend.release_memory();
+                }
+            }
+        }
+    }
+}

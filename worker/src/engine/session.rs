@@ -1,0 +1,218 @@
+//! An ONNX Runtime session as a [`Backend`]: CPU or CUDA execution provider, memory options.
+
+use std::path::Path;
+
+use ort::ep;
+use ort::session::{RunOptions, Session, SessionInputValue};
+use ort::value::TensorRef;
+
+use super::{Backend, EngineError, Runtime, Tensor, TensorData};
+
+/// How a CUDA arena grows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ArenaExtend {
+    /// Grow by exactly the requested size: no memory reserved beyond what runs need.
+    #[default]
+    SameAsRequested,
+    /// Grow by powers of two: fewer extensions, more memory held.
+    NextPowerOfTwo,
+}
+
+/// cuDNN convolution algorithm search.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ConvSearch {
+    /// Try every algorithm once per shape: fastest kernels, slow first run, more workspace.
+    Exhaustive,
+    /// cuDNN's heuristics: quick to start.
+    #[default]
+    Heuristic,
+    /// The default algorithm, no search.
+    Default,
+}
+
+/// Where sessions should run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda {
+        device_id: i32,
+        /// `gpu_mem_limit` of the CUDA arena, bytes.
+        mem_limit: Option<usize>,
+        arena_extend: ArenaExtend,
+        conv_search: ConvSearch,
+        /// Fail instead of falling back to CPU when the CUDA provider can't be registered.
+        require: bool,
+    },
+}
+
+/// Session settings shared by every model of a worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionOptions {
+    pub device: Device,
+    /// Threads inside one operator; 0 lets ONNX Runtime choose (one per core).
+    pub intra_threads: usize,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            device: Device::Cpu,
+            intra_threads: 0,
+        }
+    }
+}
+
+/// Where a session ended up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    Cpu,
+    Cuda(i32),
+}
+
+impl Placement {
+    /// The arena name ONNX Runtime's shrinkage run option expects.
+    fn arena(self) -> String {
+        match self {
+            Placement::Cpu => "cpu:0".to_owned(),
+            Placement::Cuda(id) => format!("gpu:{id}"),
+        }
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Cpu => f.write_str("cpu"),
+            Placement::Cuda(id) => write!(f, "cuda:{id}"),
+        }
+    }
+}
+
+/// One ONNX Runtime session.
+pub struct OrtBackend {
+    session: Session,
+    placement: Placement,
+    shrink_next_run: bool,
+}
+
+impl OrtBackend {
+    /// Loads `path`. On CUDA, a provider that can't be registered falls back to CPU with a
+    /// warning, unless the device requires it.
+    pub fn load(runtime: &Runtime, path: &Path, options: &SessionOptions) -> Result<OrtBackend, EngineError> {
+        if !path.is_file() {
+            return Err(EngineError::Load(format!("model file {} does not exist", path.display())));
+        }
+        if let Device::Cuda {
+            device_id,
+            mem_limit,
+            arena_extend,
+            conv_search,
+            require,
+        } = &options.device
+        {
+            let mut cuda = ep::CUDA::default()
+                .with_device_id(*device_id)
+                .with_arena_extend_strategy(match arena_extend {
+                    ArenaExtend::SameAsRequested => ep::ArenaExtendStrategy::SameAsRequested,
+                    ArenaExtend::NextPowerOfTwo => ep::ArenaExtendStrategy::NextPowerOfTwo,
+                })
+                .with_conv_algorithm_search(match conv_search {
+                    ConvSearch::Exhaustive => ep::cuda::ConvAlgorithmSearch::Exhaustive,
+                    ConvSearch::Heuristic => ep::cuda::ConvAlgorithmSearch::Heuristic,
+                    ConvSearch::Default => ep::cuda::ConvAlgorithmSearch::Default,
+                });
+            if let Some(limit) = mem_limit {
+                cuda = cuda.with_memory_limit(*limit);
+            }
+            match Self::build(runtime, path, options, Some(cuda.build().error_on_failure())) {
+                Ok(session) => {
+                    runtime.note_session(&session);
+                    return Ok(OrtBackend {
+                        session,
+                        placement: Placement::Cuda(*device_id),
+                        shrink_next_run: false,
+                    });
+                }
+                Err(e) if *require => return Err(EngineError::Load(format!("CUDA execution provider required but unavailable: {e}"))),
+                Err(e) => tracing::warn!(error = %e, model = %path.display(), "CUDA execution provider unavailable; running on CPU"),
+            }
+        }
+        let session = Self::build(runtime, path, options, None)?;
+        runtime.note_session(&session);
+        Ok(OrtBackend {
+            session,
+            placement: Placement::Cpu,
+            shrink_next_run: false,
+        })
+    }
+
+    fn build(
+        runtime: &Runtime,
+        path: &Path,
+        options: &SessionOptions,
+        provider: Option<ep::ExecutionProviderDispatch>,
+    ) -> Result<Session, EngineError> {
+        let load = |e: &dyn std::fmt::Display| EngineError::Load(format!("{}: {e}", path.display()));
+        let mut builder = Session::builder(runtime.environment()).map_err(|e| load(&e))?;
+        builder = builder.with_intra_threads(options.intra_threads).map_err(|e| load(&e))?;
+        if runtime.has_shared_cpu_arena() {
+            // Allocate from the process-wide capped arena instead of a private one per session.
+            builder = builder.with_env_allocators().map_err(|e| load(&e))?;
+        }
+        let mut providers = Vec::new();
+        providers.extend(provider);
+        providers.push(ep::CPU::default().with_arena_allocator(true).build());
+        builder = builder.with_execution_providers(providers).map_err(|e| load(&e))?;
+        builder.commit_from_file(path).map_err(|e| {
+            let message = e.to_string();
+            if super::is_out_of_memory(&message) {
+                EngineError::OutOfMemory(message)
+            } else {
+                load(&e)
+            }
+        })
+    }
+}
+
+impl Backend for OrtBackend {
+    fn run(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {
+        let mut values: Vec<(String, SessionInputValue<'_>)> = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            let shape = input.shape.clone();
+            let value: SessionInputValue<'_> = match &input.data {
+                TensorData::F32(v) => TensorRef::from_array_view((shape, v.as_slice()))
+                    .map_err(EngineError::from_run)?
+                    .into(),
+                TensorData::I64(v) => TensorRef::from_array_view((shape, v.as_slice()))
+                    .map_err(EngineError::from_run)?
+                    .into(),
+                TensorData::I32(v) => TensorRef::from_array_view((shape, v.as_slice()))
+                    .map_err(EngineError::from_run)?
+                    .into(),
+            };
+            values.push((input.name.clone(), value));
+        }
+        let mut options = RunOptions::new().map_err(EngineError::from_run)?;
+        if std::mem::take(&mut self.shrink_next_run) {
+            options
+                .set("memory.enable_memory_arena_shrinkage", self.placement.arena())
+                .map_err(EngineError::from_run)?;
+        }
+        let outputs = self.session.run_with_options(values, &options).map_err(EngineError::from_run)?;
+        let mut result = Vec::with_capacity(outputs.len());
+        for (name, value) in outputs.iter() {
+            let (shape, data) = value.try_extract_tensor::<f32>().map_err(EngineError::from_run)?;
+            let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+            result.push(Tensor::f32(name, shape, data.to_vec()));
+        }
+        Ok(result)
+    }
+
+    fn release_memory(&mut self) {
+        self.shrink_next_run = true;
+    }
+
+    fn placement(&self) -> Placement {
+        self.placement
+    }
+}

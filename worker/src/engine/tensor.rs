@@ -1,0 +1,102 @@
+//! Owned tensors passed to and from the engine threads.
+
+/// Element data of a [`Tensor`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorData {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+    I32(Vec<i32>),
+}
+
+impl TensorData {
+    pub fn len(&self) -> usize {
+        match self {
+            TensorData::F32(v) => v.len(),
+            TensorData::I64(v) => v.len(),
+            TensorData::I32(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A named tensor with its batch on axis 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: TensorData,
+}
+
+impl Tensor {
+    pub fn f32(name: impl Into<String>, shape: Vec<usize>, data: Vec<f32>) -> Tensor {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        Tensor {
+            name: name.into(),
+            shape,
+            data: TensorData::F32(data),
+        }
+    }
+
+    /// Number of rows (the size of axis 0).
+    pub fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(0)
+    }
+
+    /// Elements per row.
+    pub fn row_len(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// Joins tensors of one name and element type along the batch axis.
+    ///
+    /// # Panics
+    /// If `parts` is empty or mixes element types (a model's input has one type).
+    pub fn concat(parts: &[&Tensor]) -> Tensor {
+        fn gather<'a, T: Copy + 'a>(parts: &[&'a Tensor], get: impl Fn(&'a TensorData) -> Option<&'a Vec<T>>) -> Vec<T> {
+            parts
+                .iter()
+                .flat_map(|p| get(&p.data).expect("one element type per input").iter().copied())
+                .collect()
+        }
+        let first = parts[0];
+        let data = match &first.data {
+            TensorData::F32(_) => TensorData::F32(gather(parts, |d| if let TensorData::F32(v) = d { Some(v) } else { None })),
+            TensorData::I64(_) => TensorData::I64(gather(parts, |d| if let TensorData::I64(v) = d { Some(v) } else { None })),
+            TensorData::I32(_) => TensorData::I32(gather(parts, |d| if let TensorData::I32(v) = d { Some(v) } else { None })),
+        };
+        let mut shape = first.shape.clone();
+        shape[0] = parts.iter().map(|p| p.rows()).sum();
+        Tensor {
+            name: first.name.clone(),
+            shape,
+            data,
+        }
+    }
+
+    /// The f32 elements of rows `start..end`, or `None` for another element type.
+    pub fn f32_rows(&self, start: usize, end: usize) -> Option<&[f32]> {
+        let n = self.row_len();
+        match &self.data {
+            TensorData::F32(v) => v.get(start * n..end * n),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn concat_joins_rows_in_order() {
+        let a = Tensor::f32("x", vec![1, 2], vec![1.0, 2.0]);
+        let b = Tensor::f32("x", vec![2, 2], vec![3.0, 4.0, 5.0, 6.0]);
+        let c = Tensor::concat(&[&a, &b]);
+        assert_eq!(c.shape, vec![3, 2]);
+        assert_eq!(c.f32_rows(1, 3).unwrap(), &[3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(c.row_len(), 2);
+    }
+}
