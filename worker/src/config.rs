@@ -1,0 +1,194 @@
+//! Worker configuration: one clap struct, grouped by concern. Every flag is also an environment
+//! variable (12-factor); the S3 endpoint and credentials come from the standard `AWS_*` variables.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, ValueEnum};
+
+use sluice_service::kafka::KafkaClientArgs;
+use sluice_service::telemetry::LogFormat;
+
+use crate::engine::{ArenaExtend, ConvSearch};
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "sluice-worker",
+    version,
+    about = "Consumes Sluice tasks from Kafka and runs them on ONNX Runtime"
+)]
+pub struct Config {
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    #[command(flatten)]
+    pub storage: StorageArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub batching: BatchingArgs,
+    #[command(flatten)]
+    pub delivery: DeliveryArgs,
+    /// Address of the HTTP server (`/metrics`, `/healthz`, `/readyz`, `/admin/reload`).
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:9090")]
+    pub listen: SocketAddr,
+    /// Bearer token required by `/admin/*` (without one, bind the listener to loopback).
+    #[arg(long, env = "SLUICE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Name of this worker in completion events and logs (default: hostname-pid).
+    #[arg(long, env = "SLUICE_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Log format: `json` for production, `text` for people.
+    #[arg(long, env = "SLUICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct KafkaArgs {
+    #[command(flatten)]
+    pub client: KafkaClientArgs,
+    /// Consumer group of the workers.
+    #[arg(long, env = "SLUICE_GROUP_ID", default_value = "sluice-workers")]
+    pub group_id: String,
+    /// Static group membership (`group.instance.id`), e.g. the pod name: a restarted worker gets
+    /// its partitions back without a rebalance.
+    #[arg(long, env = "SLUICE_GROUP_INSTANCE_ID")]
+    pub group_instance_id: Option<String>,
+    #[arg(long, env = "SLUICE_TASKS_TOPIC", default_value = sluice_schemas::topics::TASKS)]
+    pub tasks_topic: String,
+    #[arg(long, env = "SLUICE_COMPLETIONS_TOPIC", default_value = sluice_schemas::topics::COMPLETIONS)]
+    pub completions_topic: String,
+    #[arg(long, env = "SLUICE_DLQ_TOPIC", default_value = sluice_schemas::topics::DLQ)]
+    pub dlq_topic: String,
+    /// Records larger than this go to the DLQ as `too_large` without being parsed.
+    #[arg(long, env = "SLUICE_MAX_TASK_BYTES", default_value_t = 1 << 20)]
+    pub max_task_bytes: usize,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StorageArgs {
+    /// Where images go: `s3://bucket/prefix` or `file:///path`.
+    #[arg(long, env = "SLUICE_OUTPUT_URL")]
+    pub output_url: String,
+    /// Uploads in flight at once.
+    #[arg(long, env = "SLUICE_UPLOAD_CONCURRENCY", default_value_t = 64)]
+    pub upload_concurrency: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Model repository: one directory per model name, each with a `model.onnx`.
+    #[arg(long, env = "SLUICE_MODEL_DIR")]
+    pub model_dir: PathBuf,
+    /// Models to serve, comma-separated.
+    #[arg(long, env = "SLUICE_MODELS", value_delimiter = ',', default_value = "terrain")]
+    pub models: Vec<String>,
+    /// Path of libonnxruntime.so.
+    #[arg(long, env = "ORT_DYLIB_PATH")]
+    pub ort_dylib_path: Option<PathBuf>,
+    /// Execution provider.
+    #[arg(long, env = "SLUICE_DEVICE", value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+    /// CUDA device id.
+    #[arg(long, env = "SLUICE_CUDA_DEVICE_ID", default_value_t = 0)]
+    pub cuda_device_id: i32,
+    /// `gpu_mem_limit` of the CUDA arena, bytes.
+    #[arg(long, env = "SLUICE_GPU_MEM_LIMIT")]
+    pub gpu_mem_limit: Option<usize>,
+    /// How the CUDA arena grows.
+    #[arg(long, env = "SLUICE_ARENA_EXTEND_STRATEGY", value_enum, default_value_t = ArenaExtend::SameAsRequested)]
+    pub arena_extend_strategy: ArenaExtend,
+    /// cuDNN convolution algorithm search.
+    #[arg(long, env = "SLUICE_CUDNN_CONV_ALGO_SEARCH", value_enum, default_value_t = ConvSearch::Heuristic)]
+    pub cudnn_conv_algo_search: ConvSearch,
+    /// Exit instead of falling back to CPU when the CUDA provider can't be registered.
+    #[arg(long, env = "SLUICE_REQUIRE_GPU")]
+    pub require_gpu: bool,
+    /// Cap of a shared CPU arena, bytes. Batches that don't fit fail with a real out-of-memory
+    /// error and are halved.
+    #[arg(long, env = "SLUICE_ORT_CPU_ARENA_MAX_BYTES")]
+    pub cpu_arena_max_bytes: Option<usize>,
+    /// Threads inside one operator (0: one per core).
+    #[arg(long, env = "SLUICE_INTRA_THREADS", default_value_t = 0)]
+    pub intra_threads: usize,
+    /// Batches that may run on the device at once, each on its own engine thread and session.
+    #[arg(long, env = "SLUICE_ENGINE_SLOTS", default_value_t = 1)]
+    pub engine_slots: usize,
+    /// Free memory a reload requires before it loads the new model, bytes (CPU: available system
+    /// memory; CUDA: free device memory). Below it the worker exits for a clean restart.
+    #[arg(long, env = "SLUICE_RELOAD_MIN_FREE_BYTES", default_value_t = 256 << 20)]
+    pub reload_min_free_bytes: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BatchingArgs {
+    /// Most tasks in one model call.
+    #[arg(long, env = "SLUICE_MAX_BATCH", default_value_t = 8)]
+    pub max_batch: usize,
+    /// Most rows (entries on the model's batch axis: tiles, images) in one model call; a bucket's
+    /// batch is capped at this many rows' worth of tasks, and never below one task.
+    #[arg(long, env = "SLUICE_MAX_BATCH_ROWS", default_value_t = 64)]
+    pub max_batch_rows: usize,
+    /// Longest a task waits for its batch to fill, milliseconds.
+    #[arg(long, env = "SLUICE_MAX_WAIT_MS", default_value_t = 50)]
+    pub max_wait_ms: u64,
+    /// Clean batches at the learned ceiling before trying one task more.
+    #[arg(long, env = "SLUICE_PROBE_AFTER", default_value_t = 16)]
+    pub probe_after: u32,
+    /// Turns off the exclusive device permit at batch 1 (for experiments only).
+    #[arg(long, env = "SLUICE_NO_SERIALIZE_SINGLES", hide = true)]
+    pub no_serialize_singles: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DeliveryArgs {
+    /// Tasks read but not yet finished before the worker pauses its partitions.
+    #[arg(long, env = "SLUICE_MAX_IN_FLIGHT", default_value_t = 256)]
+    pub max_in_flight: usize,
+    /// How often finished offsets are committed, milliseconds.
+    #[arg(long, env = "SLUICE_COMMIT_INTERVAL_MS", default_value_t = 500)]
+    pub commit_interval_ms: u64,
+    /// On a revoke, how long in-flight tasks of the revoked partitions may take to finish.
+    #[arg(long, env = "SLUICE_DRAIN_TIMEOUT_MS", default_value_t = 10_000)]
+    pub drain_timeout_ms: u64,
+    /// On SIGTERM, how long the worker drains before it commits and leaves. Keep it below the
+    /// orchestrator's grace period (Kubernetes: terminationGracePeriodSeconds).
+    #[arg(long, env = "SLUICE_SHUTDOWN_GRACE_MS", default_value_t = 20_000)]
+    pub shutdown_grace_ms: u64,
+    /// Attempts of a transient failure (storage, broker) before the task is dead-lettered.
+    #[arg(long, env = "SLUICE_RETRY_MAX_ATTEMPTS", default_value_t = 20)]
+    pub retry_max_attempts: u32,
+    /// Total time a task may spend retrying transient failures, milliseconds.
+    #[arg(long, env = "SLUICE_RETRY_MAX_ELAPSED_MS", default_value_t = 300_000)]
+    pub retry_max_elapsed_ms: u64,
+    /// First retry delay, milliseconds; it doubles each attempt, with jitter, up to 10 s.
+    #[arg(long, env = "SLUICE_RETRY_BASE_DELAY_MS", default_value_t = 200)]
+    pub retry_base_delay_ms: u64,
+}
+
+impl DeliveryArgs {
+    pub fn commit_interval(&self) -> Duration {
+        Duration::from_millis(self.commit_interval_ms)
+    }
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
+    }
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
+    }
+}
+
+impl Config {
+    pub fn worker_id(&self) -> String {
+        self.worker_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "worker".into());
+            format!("{}-{}", host.trim(), std::process::id())
+        })
+    }
+}

@@ -1,0 +1,98 @@
+//! The worker's HTTP server: `/metrics`, `/healthz` (alive), `/readyz` (serving), and
+//! `POST /admin/reload`.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::serving::{Health, ReloadOverrides, Serving, ServingError};
+
+pub struct AppState {
+    pub metrics: Metrics,
+    pub health: watch::Receiver<Health>,
+    pub serving: Arc<Serving>,
+    /// Bearer token for `/admin/*`; none leaves them open (bind to loopback then).
+    pub admin_token: Option<String>,
+    /// Fired when a reload leaves the worker unable to serve.
+    pub fatal: CancellationToken,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
+        )
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/admin/reload", post(reload))
+        .with_state(state)
+}
+
+async fn healthz(State(s): State<Arc<AppState>>) -> Response {
+    let health = s.health.borrow().clone();
+    let status = if health.fatal.is_none() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(health)).into_response()
+}
+
+async fn readyz(State(s): State<Arc<AppState>>) -> Response {
+    let health = s.health.borrow().clone();
+    let status = if health.ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(health)).into_response()
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReloadRequest {
+    model: Option<String>,
+    intra_threads: Option<usize>,
+    gpu_mem_limit: Option<usize>,
+}
+
+async fn reload(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Option<Json<ReloadRequest>>) -> Response {
+    if let Some(token) = &s.admin_token {
+        let given = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(token.as_str()) {
+            return (
+                StatusCode::UNAUTHORIZED,
+                Json(serde_json::json!({"error": "missing or wrong bearer token"})),
+            )
+                .into_response();
+        }
+    }
+    let request = body.map(|Json(b)| b).unwrap_or_default();
+    let overrides = ReloadOverrides {
+        intra_threads: request.intra_threads,
+        gpu_mem_limit: request.gpu_mem_limit,
+    };
+    match s.serving.reload(request.model.as_deref(), overrides).await {
+        Ok(reports) => (StatusCode::OK, Json(serde_json::json!({ "reloads": reports }))).into_response(),
+        Err(e @ ServingError::UnknownModel(_)) => {
+            (StatusCode::NOT_FOUND, Json(serde_json::json!({"error": e.to_string()}))).into_response()
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "reload failed; the worker cannot serve and exits");
+            s.fatal.cancel();
+            (StatusCode::INTERNAL_SERVER_ERROR, Json(serde_json::json!({"error": e.to_string()}))).into_response()
+        }
+    }
+}

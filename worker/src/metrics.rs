@@ -1,0 +1,221 @@
+//! Every Prometheus metric of the worker, registered in one place. Stages record through
+//! [`crate::events`] rather than touching these directly.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, exponential_buckets,
+};
+use sluice_service::metrics::register;
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    pub tasks_received: IntCounter,
+    pub tasks_finished: IntCounterVec,
+    pub dlq_records: IntCounterVec,
+    pub duplicates_skipped: IntCounter,
+    pub batches: IntCounterVec,
+    pub batch_size: HistogramVec,
+    pub batch_ceiling: IntGaugeVec,
+    pub ooms: IntCounterVec,
+    pub inference_seconds: HistogramVec,
+    pub upload_seconds: Histogram,
+    pub task_seconds: Histogram,
+    pub in_flight: IntGauge,
+    pub oldest_in_flight_seconds: prometheus::Gauge,
+    pub consumer_lag: IntGaugeVec,
+    pub commits: IntCounter,
+    pub commit_failures: IntCounter,
+    pub retries: IntCounterVec,
+    pub paused: IntGauge,
+    pub assigned_partitions: IntGauge,
+    pub rebalances: IntCounterVec,
+    pub reloads: IntCounterVec,
+    pub model_loaded: IntGaugeVec,
+    pub rss_bytes: IntGauge,
+    pub arena_in_use_bytes: IntGauge,
+    pub arena_allocated_bytes: IntGauge,
+}
+
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("metric options")
+}
+
+fn gauge_vec(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    IntGaugeVec::new(Opts::new(name, help), labels).expect("metric options")
+}
+
+fn seconds(name: &str, help: &str) -> HistogramOpts {
+    HistogramOpts::new(name, help).buckets(exponential_buckets(0.001, 2.0, 18).expect("buckets"))
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        Metrics {
+            tasks_received: register(
+                &r,
+                IntCounter::new("sluice_worker_tasks_received_total", "Records read from the tasks topic").unwrap(),
+            ),
+            tasks_finished: register(
+                &r,
+                counter_vec(
+                    "sluice_worker_tasks_finished_total",
+                    "Tasks finished, by status (succeeded, failed)",
+                    &["status"],
+                ),
+            ),
+            dlq_records: register(
+                &r,
+                counter_vec("sluice_worker_dlq_records_total", "Records sent to the DLQ, by reason", &["reason"]),
+            ),
+            duplicates_skipped: register(
+                &r,
+                IntCounter::new(
+                    "sluice_worker_duplicates_skipped_total",
+                    "Redelivered tasks whose results already existed: announced again, not run again",
+                )
+                .unwrap(),
+            ),
+            batches: register(
+                &r,
+                counter_vec("sluice_worker_batches_total", "Model calls, by bucket", &["bucket"]),
+            ),
+            batch_size: register(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new("sluice_worker_batch_size", "Tasks per model call, by bucket")
+                        .buckets(vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0]),
+                    &["bucket"],
+                )
+                .unwrap(),
+            ),
+            batch_ceiling: register(
+                &r,
+                gauge_vec(
+                    "sluice_worker_batch_ceiling",
+                    "Learned largest batch (tasks) per bucket",
+                    &["bucket"],
+                ),
+            ),
+            ooms: register(
+                &r,
+                counter_vec("sluice_worker_oom_total", "Out-of-memory errors handled, by bucket", &["bucket"]),
+            ),
+            inference_seconds: register(
+                &r,
+                HistogramVec::new(seconds("sluice_worker_inference_seconds", "Duration of model calls"), &["model"]).unwrap(),
+            ),
+            upload_seconds: register(
+                &r,
+                Histogram::with_opts(seconds("sluice_worker_upload_seconds", "Duration of storing one task's images")).unwrap(),
+            ),
+            task_seconds: register(
+                &r,
+                Histogram::with_opts(seconds("sluice_worker_task_seconds", "From submission to completion")).unwrap(),
+            ),
+            in_flight: register(
+                &r,
+                IntGauge::new("sluice_worker_in_flight_tasks", "Tasks read and not yet finished").unwrap(),
+            ),
+            oldest_in_flight_seconds: register(
+                &r,
+                prometheus::Gauge::new("sluice_worker_oldest_in_flight_seconds", "Age of the oldest unfinished task").unwrap(),
+            ),
+            consumer_lag: register(
+                &r,
+                gauge_vec(
+                    "sluice_worker_consumer_lag",
+                    "High watermark minus committed offset, per assigned partition",
+                    &["topic", "partition"],
+                ),
+            ),
+            commits: register(&r, IntCounter::new("sluice_worker_commits_total", "Offset commits").unwrap()),
+            commit_failures: register(
+                &r,
+                IntCounter::new(
+                    "sluice_worker_commit_failures_total",
+                    "Offset commits that failed (retried on the next tick)",
+                )
+                .unwrap(),
+            ),
+            retries: register(
+                &r,
+                counter_vec(
+                    "sluice_worker_retries_total",
+                    "Retries of transient failures, by operation",
+                    &["operation"],
+                ),
+            ),
+            paused: register(
+                &r,
+                IntGauge::new("sluice_worker_paused", "1 while partitions are paused for backpressure").unwrap(),
+            ),
+            assigned_partitions: register(
+                &r,
+                IntGauge::new(
+                    "sluice_worker_assigned_partitions",
+                    "Partitions of the tasks topic assigned to this worker",
+                )
+                .unwrap(),
+            ),
+            rebalances: register(
+                &r,
+                counter_vec("sluice_worker_rebalances_total", "Partition assignments and revocations", &["kind"]),
+            ),
+            reloads: register(
+                &r,
+                counter_vec(
+                    "sluice_worker_reloads_total",
+                    "Model reloads, by model and result",
+                    &["model", "result"],
+                ),
+            ),
+            model_loaded: register(
+                &r,
+                gauge_vec("sluice_worker_model_loaded", "1 when the model is loaded and serving", &["model"]),
+            ),
+            rss_bytes: register(
+                &r,
+                IntGauge::new("sluice_worker_rss_bytes", "Resident set size of the process").unwrap(),
+            ),
+            arena_in_use_bytes: register(
+                &r,
+                IntGauge::new("sluice_worker_arena_in_use_bytes", "Bytes in use in the shared CPU arena").unwrap(),
+            ),
+            arena_allocated_bytes: register(
+                &r,
+                IntGauge::new("sluice_worker_arena_allocated_bytes", "Bytes the shared CPU arena holds").unwrap(),
+            ),
+            registry: r,
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// Resident set size of this process, bytes.
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()))
+        .map(|pages| pages * page_size())
+        .unwrap_or(0)
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 { size as u64 } else { 4096 }
+}
+
+/// Memory the system can still give, bytes (`MemAvailable`).
+pub fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

@@ -1,0 +1,307 @@
+//! Ordered offset tracking: per partition, offset N is committed only once every record below N
+//! has been finished (its completion or DLQ record acknowledged by the broker).
+//!
+//! Tasks finish out of order — inside a batch, across batches, and when a poison record goes to
+//! the DLQ at once — so the committable offset of a partition is the lowest offset still
+//! pending, or one past the last record read when none is.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::task::Origin;
+
+/// A topic partition.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TopicPartition {
+    pub topic: Arc<str>,
+    pub partition: i32,
+}
+
+#[derive(Debug)]
+struct Partition {
+    generation: u64,
+    /// Offsets read and not yet finished, with when they were read.
+    pending: BTreeMap<i64, Instant>,
+    /// One past the highest offset read.
+    next: Option<i64>,
+    /// The last offset committed (the next record to read after a restart).
+    committed: Option<i64>,
+}
+
+impl Partition {
+    fn committable(&self) -> Option<i64> {
+        self.pending.keys().next().copied().or(self.next)
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    partitions: HashMap<TopicPartition, Partition>,
+    generation: u64,
+    in_flight: usize,
+}
+
+/// The tracker. Shared by the source thread (which tracks records as it reads them and drains
+/// partitions on revoke), the stages (which acknowledge) and the committer.
+#[derive(Debug, Default)]
+pub struct Offsets {
+    state: Mutex<State>,
+    finished: Condvar,
+}
+
+impl Offsets {
+    pub fn new() -> Offsets {
+        Offsets::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("offsets lock")
+    }
+
+    /// Starts tracking newly assigned partitions, under a new generation.
+    pub fn assign(&self, partitions: &[TopicPartition]) {
+        let mut state = self.lock();
+        state.generation += 1;
+        let generation = state.generation;
+        for tp in partitions {
+            if let Some(old) = state.partitions.remove(tp) {
+                state.in_flight -= old.pending.len();
+            }
+            state.partitions.insert(
+                tp.clone(),
+                Partition {
+                    generation,
+                    pending: BTreeMap::new(),
+                    next: None,
+                    committed: None,
+                },
+            );
+        }
+    }
+
+    /// Records that `offset` was read. Returns its origin, or `None` when the partition is not
+    /// assigned (a record that raced a revoke; it will be read again by the new owner).
+    pub fn track(&self, tp: &TopicPartition, offset: i64) -> Option<Origin> {
+        let mut state = self.lock();
+        let partition = state.partitions.get_mut(tp)?;
+        if partition.pending.insert(offset, Instant::now()).is_some() {
+            return None; // read twice under one assignment (a seek); the first one is in flight
+        }
+        partition.next = Some(partition.next.map_or(offset + 1, |n| n.max(offset + 1)));
+        let generation = partition.generation;
+        state.in_flight += 1;
+        Some(Origin {
+            topic: tp.topic.clone(),
+            partition: tp.partition,
+            offset,
+            generation,
+        })
+    }
+
+    /// Marks a record finished. Returns false when the acknowledgement is stale: the partition
+    /// was revoked (or revoked and assigned again) since the record was read.
+    pub fn ack(&self, origin: &Origin) -> bool {
+        let mut state = self.lock();
+        let tp = TopicPartition {
+            topic: origin.topic.clone(),
+            partition: origin.partition,
+        };
+        let Some(partition) = state.partitions.get_mut(&tp) else {
+            return false;
+        };
+        if partition.generation != origin.generation || partition.pending.remove(&origin.offset).is_none() {
+            return false;
+        }
+        state.in_flight -= 1;
+        drop(state);
+        self.finished.notify_all();
+        true
+    }
+
+    /// Whether `origin` still belongs to a current assignment (work on it is not wasted).
+    pub fn is_current(&self, origin: &Origin) -> bool {
+        let state = self.lock();
+        let tp = TopicPartition {
+            topic: origin.topic.clone(),
+            partition: origin.partition,
+        };
+        state.partitions.get(&tp).is_some_and(|p| p.generation == origin.generation)
+    }
+
+    /// Records read and not yet finished.
+    pub fn in_flight(&self) -> usize {
+        self.lock().in_flight
+    }
+
+    /// How long the oldest unfinished record has been in flight.
+    pub fn oldest_age(&self) -> Option<Duration> {
+        let state = self.lock();
+        state
+            .partitions
+            .values()
+            .flat_map(|p| p.pending.values())
+            .min()
+            .map(|t| t.elapsed())
+    }
+
+    /// Offsets that can be committed and differ from the last commit.
+    pub fn commit_candidates(&self) -> Vec<(TopicPartition, i64)> {
+        let state = self.lock();
+        let mut out: Vec<_> = state
+            .partitions
+            .iter()
+            .filter_map(|(tp, p)| {
+                let c = p.committable()?;
+                (p.committed != Some(c)).then(|| (tp.clone(), c))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Notes a successful commit.
+    pub fn committed(&self, commits: &[(TopicPartition, i64)]) {
+        let mut state = self.lock();
+        for (tp, offset) in commits {
+            if let Some(p) = state.partitions.get_mut(tp) {
+                p.committed = Some(p.committed.map_or(*offset, |c| c.max(*offset)));
+            }
+        }
+    }
+
+    /// The last committed offset of every assigned partition.
+    pub fn committed_offsets(&self) -> Vec<(TopicPartition, Option<i64>)> {
+        self.lock().partitions.iter().map(|(tp, p)| (tp.clone(), p.committed)).collect()
+    }
+
+    /// Blocks until every record of `partitions` is finished or `timeout` passes. Returns how
+    /// many are still pending.
+    pub fn wait_drained(&self, partitions: &[TopicPartition], timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let pending = |state: &State| {
+            partitions
+                .iter()
+                .filter_map(|tp| state.partitions.get(tp))
+                .map(|p| p.pending.len())
+                .sum::<usize>()
+        };
+        let mut state = self.lock();
+        loop {
+            let left = pending(&state);
+            let now = Instant::now();
+            if left == 0 || now >= deadline {
+                return left;
+            }
+            state = self.finished.wait_timeout(state, deadline - now).expect("offsets lock").0;
+        }
+    }
+
+    /// Stops tracking `partitions` and returns their final commit candidates. Records still in
+    /// flight are abandoned: their acknowledgements will be ignored, and the new owner reads them
+    /// again from the committed offset.
+    pub fn revoke(&self, partitions: &[TopicPartition]) -> Vec<(TopicPartition, i64)> {
+        let mut state = self.lock();
+        let mut out = Vec::new();
+        for tp in partitions {
+            if let Some(p) = state.partitions.remove(tp) {
+                state.in_flight -= p.pending.len();
+                if let Some(c) = p.committable().filter(|c| p.committed != Some(*c)) {
+                    out.push((tp.clone(), c));
+                }
+            }
+        }
+        drop(state);
+        self.finished.notify_all();
+        out
+    }
+
+    /// Every assigned partition.
+    pub fn assigned(&self) -> Vec<TopicPartition> {
+        let mut v: Vec<_> = self.lock().partitions.keys().cloned().collect();
+        v.sort();
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tp(p: i32) -> TopicPartition {
+        TopicPartition {
+            topic: "t".into(),
+            partition: p,
+        }
+    }
+
+    #[test]
+    fn commits_only_below_the_lowest_unfinished_offset() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0)]);
+        let o: Vec<_> = (10..15).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
+        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 10)]);
+        // Finish out of order: 12, 14, 10.
+        assert!(offsets.ack(&o[2]) && offsets.ack(&o[4]) && offsets.ack(&o[0]));
+        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 11)]);
+        offsets.committed(&[(tp(0), 11)]);
+        assert!(offsets.commit_candidates().is_empty());
+        assert!(offsets.ack(&o[1]));
+        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 13)]);
+        assert!(offsets.ack(&o[3]));
+        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 15)]);
+        assert_eq!(offsets.in_flight(), 0);
+    }
+
+    #[test]
+    fn partitions_are_independent() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0), tp(1)]);
+        let a = offsets.track(&tp(0), 0).unwrap();
+        let _b = offsets.track(&tp(1), 7).unwrap();
+        assert!(offsets.ack(&a));
+        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 1), (tp(1), 7)]);
+    }
+
+    #[test]
+    fn acks_from_a_revoked_assignment_are_ignored() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0)]);
+        let old = offsets.track(&tp(0), 5).unwrap();
+        assert_eq!(offsets.revoke(&[tp(0)]), vec![(tp(0), 5)]);
+        assert_eq!(offsets.in_flight(), 0);
+        assert!(!offsets.is_current(&old));
+        offsets.assign(&[tp(0)]);
+        assert!(!offsets.ack(&old), "an ack from before the revoke must not count");
+        let new = offsets.track(&tp(0), 5).unwrap();
+        assert!(offsets.is_current(&new));
+        assert!(offsets.ack(&new));
+        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 6)]);
+    }
+
+    #[test]
+    fn records_of_unassigned_partitions_are_not_tracked() {
+        let offsets = Offsets::new();
+        assert!(offsets.track(&tp(3), 1).is_none());
+        assert_eq!(offsets.in_flight(), 0);
+    }
+
+    #[test]
+    fn wait_drained_returns_when_the_last_record_finishes() {
+        let offsets = Arc::new(Offsets::new());
+        offsets.assign(&[tp(0)]);
+        let o = offsets.track(&tp(0), 1).unwrap();
+        let o2 = offsets.clone();
+        let finisher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            o2.ack(&o);
+        });
+        let started = Instant::now();
+        assert_eq!(offsets.wait_drained(&[tp(0)], Duration::from_secs(10)), 0);
+        assert!(started.elapsed() < Duration::from_secs(5));
+        finisher.join().unwrap();
+        // And gives up after the timeout with what is left.
+        offsets.track(&tp(0), 2).unwrap();
+        assert_eq!(offsets.wait_drained(&[tp(0)], Duration::from_millis(20)), 1);
+    }
+}

@@ -1,0 +1,127 @@
+//! Publishing completion events and DLQ records. A task's offset is acknowledged only after the
+//! broker has acknowledged its record (acks=all, idempotent producer).
+
+use std::time::Duration;
+
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sluice_schemas::{CompletionEvent, DlqRecord, HEADER_SCHEMA_VERSION, OriginalRecord, SCHEMA_VERSION, dlq_headers};
+use thiserror::Error;
+use uuid::Uuid;
+
+use crate::task::{Failure, Record};
+
+#[derive(Debug, Error)]
+#[error("publishing to {topic} failed: {message}")]
+pub struct PublishError {
+    pub topic: String,
+    pub message: String,
+}
+
+#[derive(Clone)]
+pub struct Publisher {
+    producer: FutureProducer,
+    completions_topic: String,
+    dlq_topic: String,
+    worker_id: String,
+    /// How long one send may wait in the producer's queue.
+    queue_timeout: Duration,
+}
+
+impl Publisher {
+    pub fn new(producer: FutureProducer, completions_topic: String, dlq_topic: String, worker_id: String) -> Publisher {
+        Publisher {
+            producer,
+            completions_topic,
+            dlq_topic,
+            worker_id,
+            queue_timeout: Duration::from_secs(5),
+        }
+    }
+
+    pub fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+
+    pub fn producer(&self) -> &FutureProducer {
+        &self.producer
+    }
+
+    async fn send(&self, topic: &str, key: Option<&[u8]>, payload: &[u8], headers: OwnedHeaders) -> Result<(), PublishError> {
+        let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(payload).headers(headers);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        self.producer
+            .send(record, self.queue_timeout)
+            .await
+            .map(|_| ())
+            .map_err(|(e, _)| PublishError {
+                topic: topic.to_owned(),
+                message: e.to_string(),
+            })
+    }
+
+    /// Publishes a completion event, keyed by its task id.
+    pub async fn completion(&self, event: &CompletionEvent) -> Result<(), PublishError> {
+        let payload = serde_json::to_vec(event).expect("completion serializes");
+        let key = event.task_id.to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: HEADER_SCHEMA_VERSION,
+                value: Some(SCHEMA_VERSION.to_string().as_bytes()),
+            })
+            .insert(Header {
+                key: "content-type",
+                value: Some("application/json".as_bytes()),
+            });
+        self.send(&self.completions_topic, Some(key.as_bytes()), &payload, headers).await
+    }
+
+    /// Publishes a DLQ record: the original key unchanged, the original value and headers kept
+    /// byte for byte inside the record, and the failure as fields and as `sluice-dlq-*` headers.
+    pub async fn dead_letter(&self, record: &Record, failure: &Failure, task_id: Option<Uuid>) -> Result<DlqRecord, PublishError> {
+        let now = chrono::Utc::now();
+        let dlq = DlqRecord {
+            version: SCHEMA_VERSION,
+            reason: failure.reason,
+            message: failure.message.clone(),
+            attempts: failure.attempts,
+            task_id,
+            source: record.origin.source_ref(),
+            first_failed_at: failure.first_failed_at,
+            last_failed_at: now,
+            worker_id: self.worker_id.clone(),
+            details: failure.details.clone(),
+            original: OriginalRecord::new(record.key.as_deref(), &record.value, &record.headers, record.timestamp_ms),
+        };
+        let payload = serde_json::to_vec(&dlq).expect("DLQ record serializes");
+        let partition = record.origin.partition.to_string();
+        let offset = record.origin.offset.to_string();
+        let attempts = failure.attempts.to_string();
+        let first = failure.first_failed_at.to_rfc3339();
+        let last = now.to_rfc3339();
+        // Header values must stay small; the full message is in the record.
+        let message: String = failure.message.chars().take(1000).collect();
+        let headers = [
+            (dlq_headers::REASON, failure.reason.as_str()),
+            (dlq_headers::MESSAGE, message.as_str()),
+            (dlq_headers::ATTEMPTS, attempts.as_str()),
+            (dlq_headers::SOURCE_TOPIC, &record.origin.topic),
+            (dlq_headers::SOURCE_PARTITION, partition.as_str()),
+            (dlq_headers::SOURCE_OFFSET, offset.as_str()),
+            (dlq_headers::FIRST_FAILED_AT, first.as_str()),
+            (dlq_headers::LAST_FAILED_AT, last.as_str()),
+            (HEADER_SCHEMA_VERSION, "1"),
+        ]
+        .into_iter()
+        .fold(OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            })
+        });
+        self.send(&self.dlq_topic, record.key.as_deref(), &payload, headers).await?;
+        Ok(dlq)
+    }
+}

@@ -1,0 +1,359 @@
+//! Which models are loaded, and reloading them without leaking memory.
+//!
+//! A reload (admin endpoint or SIGHUP) stops taking batches for the model and waits for the ones
+//! in flight, drops every session of the old model first, checks that the memory came back
+//! (process RSS and arena; free device memory on CUDA) and that enough is free, then loads. If
+//! the new model fails to load, the previous one is loaded again — from the very file it was
+//! loaded from, held open, so replacing the file does not take the fallback away. If that fails
+//! too, the worker exits non-zero so that the orchestrator starts a clean process: it never
+//! keeps running in a state where it cannot serve.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+use thiserror::Error;
+use tokio::sync::{Mutex, RwLock, RwLockReadGuard, watch};
+
+use crate::engine::{Device, Engine, EngineError, Loader, Placement, Runtime, SessionOptions};
+use crate::metrics::{self, Metrics};
+use crate::models::{ModelAdapter, adapter_for};
+
+/// What `/readyz` and `/healthz` report.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Health {
+    pub models_loaded: bool,
+    pub reloading: u32,
+    pub consuming: bool,
+    pub shutting_down: bool,
+    pub fatal: Option<String>,
+}
+
+impl Health {
+    pub fn ready(&self) -> bool {
+        self.models_loaded && self.reloading == 0 && self.consuming && !self.shutting_down && self.fatal.is_none()
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum ServingError {
+    #[error("model {0:?} is not served by this worker (SLUICE_MODELS)")]
+    UnknownModel(String),
+    #[error("no adapter for model {0:?}: this build serves {1}")]
+    NoAdapter(String, String),
+    #[error("model {name}: {path} does not exist")]
+    MissingFile { name: String, path: String },
+    #[error("model {name}: {source}")]
+    Load { name: String, source: EngineError },
+    /// The worker can no longer serve and must be restarted.
+    #[error("fatal: {0}")]
+    Fatal(String),
+}
+
+/// Memory figures around a reload.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct MemorySnapshot {
+    pub rss_bytes: u64,
+    pub arena_allocated_bytes: Option<u64>,
+    pub arena_in_use_bytes: Option<u64>,
+    pub available_bytes: Option<u64>,
+    pub device_free_bytes: Option<u64>,
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReloadReport {
+    pub model: String,
+    /// `reloaded` or `fell_back`.
+    pub result: &'static str,
+    pub error: Option<String>,
+    pub placement: String,
+    pub before: MemorySnapshot,
+    pub after_unload: MemorySnapshot,
+    pub after: MemorySnapshot,
+    pub drain_ms: u64,
+    pub total_ms: u64,
+}
+
+/// Per-reload changes of the session options.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct ReloadOverrides {
+    pub intra_threads: Option<usize>,
+    pub gpu_mem_limit: Option<usize>,
+}
+
+struct Loaded {
+    /// The file the current sessions were loaded from, held open for the fallback.
+    file: File,
+    placement: Placement,
+    /// False once a reload failed for good: nothing may run on a model that is not loaded.
+    serving: bool,
+}
+
+struct Served {
+    adapter: Arc<dyn ModelAdapter>,
+    path: PathBuf,
+    state: RwLock<Loaded>,
+}
+
+pub struct Serving {
+    engine: Engine,
+    models: HashMap<String, Served>,
+    options: Mutex<SessionOptions>,
+    metrics: Metrics,
+    health: watch::Sender<Health>,
+    min_free_bytes: u64,
+}
+
+/// A held model: batches run while one of these is alive; a reload waits for all of them.
+pub struct ModelGuard<'a> {
+    _guard: RwLockReadGuard<'a, Loaded>,
+}
+
+impl Serving {
+    /// Loads every model. Any failure is a startup error naming the model and the file.
+    pub async fn start(
+        engine: Engine,
+        model_dir: &Path,
+        names: &[String],
+        options: SessionOptions,
+        metrics: Metrics,
+        health: watch::Sender<Health>,
+        min_free_bytes: u64,
+    ) -> Result<Serving, ServingError> {
+        let mut models = HashMap::new();
+        for name in names {
+            let adapter =
+                adapter_for(name).ok_or_else(|| ServingError::NoAdapter(name.clone(), crate::models::terrain::NAME.to_owned()))?;
+            let path = model_dir.join(name).join("model.onnx");
+            let file = File::open(&path).map_err(|_| ServingError::MissingFile {
+                name: name.clone(),
+                path: path.display().to_string(),
+            })?;
+            let placement = engine
+                .load(name, loader(&adapter, fd_path(&file), options.clone()))
+                .await
+                .map_err(|source| ServingError::Load {
+                    name: name.clone(),
+                    source,
+                })?;
+            tracing::info!(model = %name, path = %path.display(), %placement, "model loaded");
+            metrics.model_loaded.with_label_values(&[name]).set(1);
+            models.insert(
+                name.clone(),
+                Served {
+                    adapter,
+                    path,
+                    state: RwLock::new(Loaded {
+                        file,
+                        placement,
+                        serving: true,
+                    }),
+                },
+            );
+        }
+        health.send_modify(|h| h.models_loaded = true);
+        Ok(Serving {
+            engine,
+            models,
+            options: Mutex::new(options),
+            metrics,
+            health,
+            min_free_bytes,
+        })
+    }
+
+    pub fn adapter(&self, model: &str) -> Option<Arc<dyn ModelAdapter>> {
+        self.models.get(model).map(|s| s.adapter.clone())
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<_> = self.models.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Holds `model` for one batch; `None` when it is not served (a reload failed for good and
+    /// the worker is about to exit: the batch must be left unacknowledged, not failed).
+    pub async fn hold(&self, model: &str) -> Option<ModelGuard<'_>> {
+        let guard = self.models.get(model)?.state.read().await;
+        guard.serving.then_some(ModelGuard { _guard: guard })
+    }
+
+    pub fn snapshot(&self) -> MemorySnapshot {
+        let runtime: &Runtime = self.engine.runtime();
+        let arena = runtime.cpu_arena_stats();
+        let device = self.models.values().find_map(|s| match s.state.try_read().ok()?.placement {
+            Placement::Cuda(id) => Some(id),
+            Placement::Cpu => None,
+        });
+        MemorySnapshot {
+            rss_bytes: metrics::rss_bytes(),
+            arena_allocated_bytes: arena.map(|a| a.total_allocated),
+            arena_in_use_bytes: arena.map(|a| a.in_use),
+            available_bytes: metrics::available_memory_bytes(),
+            device_free_bytes: device.and_then(crate::gpu::device_memory).map(|(free, _)| free),
+        }
+    }
+
+    /// Reloads `model`, or every model. See the module documentation.
+    pub async fn reload(&self, model: Option<&str>, overrides: ReloadOverrides) -> Result<Vec<ReloadReport>, ServingError> {
+        let names: Vec<String> = match model {
+            Some(m) if !self.models.contains_key(m) => return Err(ServingError::UnknownModel(m.to_owned())),
+            Some(m) => vec![m.to_owned()],
+            None => self.names(),
+        };
+        {
+            let mut options = self.options.lock().await;
+            if let Some(t) = overrides.intra_threads {
+                options.intra_threads = t;
+            }
+            if let (Some(limit), Device::Cuda { mem_limit, .. }) = (overrides.gpu_mem_limit, &mut options.device) {
+                *mem_limit = Some(limit);
+            }
+        }
+        let mut reports = Vec::new();
+        for name in names {
+            self.health.send_modify(|h| h.reloading += 1);
+            let report = self.reload_one(&name).await;
+            self.health.send_modify(|h| h.reloading -= 1);
+            match report {
+                Ok(report) => reports.push(report),
+                Err(e) => {
+                    self.metrics.reloads.with_label_values(&[&name, "fatal"]).inc();
+                    self.metrics.model_loaded.with_label_values(&[&name]).set(0);
+                    self.health.send_modify(|h| h.fatal = Some(e.to_string()));
+                    return Err(e);
+                }
+            }
+        }
+        Ok(reports)
+    }
+
+    async fn reload_one(&self, name: &str) -> Result<ReloadReport, ServingError> {
+        let served = &self.models[name];
+        let started = Instant::now();
+        // Stop taking batches for this model; wait for those in flight.
+        let mut state = served.state.write().await;
+        let result = self.swap(name, served, &mut state, started).await;
+        if result.is_err() {
+            state.serving = false;
+        }
+        result
+    }
+
+    async fn swap(&self, name: &str, served: &Served, state: &mut Loaded, started: Instant) -> Result<ReloadReport, ServingError> {
+        let drain_ms = started.elapsed().as_millis() as u64;
+        let before = self.snapshot();
+
+        self.engine.unload(name).await;
+        self.metrics.model_loaded.with_label_values(&[name]).set(0);
+        if self.models.len() == 1 {
+            // No session is left anywhere: give the whole arena back, then the freed heap.
+            if let Err(e) = self.engine.runtime().reset_cpu_arena() {
+                return Err(ServingError::Fatal(format!("resetting the CPU arena failed: {e}")));
+            }
+        }
+        // SAFETY: malloc_trim only returns free heap pages to the system.
+        unsafe { libc::malloc_trim(0) };
+        let after_unload = MemorySnapshot {
+            device_free_bytes: self.device_free(state.placement),
+            ..self.snapshot()
+        };
+        let free = match state.placement {
+            Placement::Cuda(_) => after_unload.device_free_bytes,
+            Placement::Cpu => after_unload.available_bytes,
+        };
+        if let Some(free) = free.filter(|f| *f < self.min_free_bytes) {
+            return Err(ServingError::Fatal(format!(
+                "only {free} bytes free after dropping {name} (need {}): memory did not come back; restarting clean",
+                self.min_free_bytes
+            )));
+        }
+
+        let options = self.options.lock().await.clone();
+        let new_file = File::open(&served.path);
+        let attempt = match &new_file {
+            Ok(file) => {
+                self.engine
+                    .load(name, loader(&served.adapter, fd_path(file), options.clone()))
+                    .await
+            }
+            Err(e) => Err(EngineError::Load(format!("{}: {e}", served.path.display()))),
+        };
+        let (result, error) = match attempt {
+            Ok(placement) => {
+                *state = Loaded {
+                    file: new_file.expect("opened"),
+                    placement,
+                    serving: true,
+                };
+                ("reloaded", None)
+            }
+            Err(error) => {
+                tracing::warn!(model = name, error = %error, "new model failed to load; loading the previous one");
+                match self.engine.load(name, loader(&served.adapter, fd_path(&state.file), options)).await {
+                    Ok(placement) => {
+                        state.placement = placement;
+                        ("fell_back", Some(error.to_string()))
+                    }
+                    Err(fallback) => {
+                        return Err(ServingError::Fatal(format!(
+                            "model {name}: new version failed ({error}) and the previous one failed too ({fallback})"
+                        )));
+                    }
+                }
+            }
+        };
+        self.metrics.model_loaded.with_label_values(&[name]).set(1);
+        self.metrics.reloads.with_label_values(&[name, result]).inc();
+        let after = MemorySnapshot {
+            device_free_bytes: self.device_free(state.placement),
+            ..self.snapshot()
+        };
+        let report = ReloadReport {
+            model: name.to_owned(),
+            result,
+            error,
+            placement: state.placement.to_string(),
+            before,
+            after_unload,
+            after,
+            drain_ms,
+            total_ms: started.elapsed().as_millis() as u64,
+        };
+        tracing::info!(
+            model = name,
+            result,
+            rss_before = before.rss_bytes,
+            rss_after_unload = after_unload.rss_bytes,
+            rss_after = after.rss_bytes,
+            arena_after_unload = ?after_unload.arena_allocated_bytes,
+            device_free_after_unload = ?after_unload.device_free_bytes,
+            ms = report.total_ms,
+            "model reloaded"
+        );
+        Ok(report)
+    }
+
+    fn device_free(&self, placement: Placement) -> Option<u64> {
+        match placement {
+            Placement::Cuda(id) => crate::gpu::device_memory(id).map(|(free, _)| free),
+            Placement::Cpu => None,
+        }
+    }
+}
+
+/// The path through which a held file is read again, whatever happened to its name since.
+fn fd_path(file: &File) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
+fn loader(adapter: &Arc<dyn ModelAdapter>, path: PathBuf, options: SessionOptions) -> Loader {
+    let adapter = adapter.clone();
+    Arc::new(move |runtime: &Runtime| adapter.load(runtime, &path, &options))
+}

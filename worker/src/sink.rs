@@ -1,0 +1,230 @@
+//! Storing images. Keys are derived from the task id and image index, images are written
+//! create-only (a redelivered task can never turn one image into two different objects), and a
+//! small result manifest is written last: its presence means the task's results are complete.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chrono::Utc;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig};
+use sha2::{Digest, Sha256};
+use sluice_schemas::{OutputRef, RecordKind, ResultManifest, SCHEMA_VERSION};
+use thiserror::Error;
+use uuid::Uuid;
+
+use crate::encode::Image;
+
+#[derive(Debug, Error)]
+pub enum SinkError {
+    /// The output URL can't be used.
+    #[error("invalid output URL {url}: {reason}")]
+    Config { url: String, reason: String },
+    /// The store failed; worth retrying (network, server down, throttling).
+    #[error("object store: {0}")]
+    Store(#[from] object_store::Error),
+    /// A manifest in the store is not one this worker wrote.
+    #[error("manifest {key} is unreadable: {reason}")]
+    BadManifest { key: String, reason: String },
+}
+
+/// The output location.
+#[derive(Clone)]
+pub struct Sink {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    /// `s3://bucket` or `file:///root`, to which keys are appended for output URLs.
+    url_base: String,
+}
+
+impl std::fmt::Debug for Sink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sink")
+            .field("url_base", &self.url_base)
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+impl Sink {
+    /// Opens `s3://bucket/prefix` (endpoint and credentials from the `AWS_*` variables) or
+    /// `file:///path`.
+    pub fn from_url(url: &str) -> Result<Sink, SinkError> {
+        Sink::from_url_with(url, std::iter::empty::<(String, String)>())
+    }
+
+    /// Like [`Sink::from_url`], with `AWS_*` settings given here taking precedence over the
+    /// environment (tools that talk to several stacks).
+    pub fn from_url_with(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> Result<Sink, SinkError> {
+        let config = |reason: &str| SinkError::Config {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(config("no bucket"));
+            }
+            // Our own retry loop (crate::retry) counts attempts and feeds the DLQ; the client
+            // retries only briefly underneath it.
+            let retry = RetryConfig {
+                max_retries: 2,
+                retry_timeout: Duration::from_secs(10),
+                ..Default::default()
+            };
+            // Timeouts go through config keys: replacing the client options would drop what
+            // `from_env` read (AWS_ALLOW_HTTP, proxies).
+            let mut builder = AmazonS3Builder::from_env();
+            for (key, value) in settings {
+                if let Ok(key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
+                    builder = builder.with_config(key, value);
+                }
+            }
+            let store = builder
+                .with_bucket_name(bucket)
+                .with_retry(retry)
+                .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), "30s")
+                .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout), "5s")
+                .build()
+                .map_err(|e| config(&e.to_string()))?;
+            Ok(Sink {
+                store: Arc::new(store),
+                prefix: Path::from(prefix),
+                url_base: format!("s3://{bucket}"),
+            })
+        } else if let Some(path) = url.strip_prefix("file://") {
+            std::fs::create_dir_all(path).map_err(|e| config(&e.to_string()))?;
+            let store = LocalFileSystem::new_with_prefix(path).map_err(|e| config(&e.to_string()))?;
+            Ok(Sink {
+                store: Arc::new(store),
+                prefix: Path::default(),
+                url_base: format!("file://{}", path.trim_end_matches('/')),
+            })
+        } else {
+            Err(config("expected s3://bucket/prefix or file:///path"))
+        }
+    }
+
+    fn key(&self, task_id: Uuid, name: &str) -> Path {
+        self.prefix.clone().join(task_id.to_string()).join(name)
+    }
+
+    fn url(&self, key: &Path) -> String {
+        format!("{}/{}", self.url_base, key)
+    }
+
+    /// The task's manifest, if its results are complete.
+    pub async fn manifest(&self, task_id: Uuid) -> Result<Option<ResultManifest>, SinkError> {
+        let key = self.key(task_id, "manifest.json");
+        let bytes = match self.store.get(&key).await {
+            Ok(result) => result.bytes().await?,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let bad = |reason: String| SinkError::BadManifest {
+            key: key.to_string(),
+            reason,
+        };
+        let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+        sluice_schemas::validate(RecordKind::Manifest, &value).map_err(|v| bad(format!("{v:?}")))?;
+        serde_json::from_value(value).map(Some).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Stores image `index` of a task. If an earlier attempt already stored it, the stored object
+    /// is kept and described instead.
+    pub async fn put_image(&self, task_id: Uuid, index: u32, image: &Image) -> Result<OutputRef, SinkError> {
+        let key = self.key(task_id, &format!("{index}.png"));
+        let options = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        let bytes = Bytes::from(image.bytes.clone());
+        let (stored_len, sha) = match self.store.put_opts(&key, PutPayload::from_bytes(bytes), options).await {
+            Ok(_) => (image.bytes.len() as u64, hex::encode(Sha256::digest(&image.bytes))),
+            Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => {
+                let existing = self.store.get(&key).await?.bytes().await?;
+                (existing.len() as u64, hex::encode(Sha256::digest(&existing)))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(OutputRef {
+            index,
+            url: self.url(&key),
+            key: key.to_string(),
+            content_type: image.content_type.to_owned(),
+            bytes: stored_len,
+            sha256: sha,
+            width: image.width,
+            height: image.height,
+        })
+    }
+
+    /// Writes the manifest, after every image.
+    pub async fn put_manifest(
+        &self,
+        task_id: Uuid,
+        outputs: &[OutputRef],
+        inference_ms: u64,
+        worker_id: &str,
+    ) -> Result<ResultManifest, SinkError> {
+        let manifest = ResultManifest {
+            version: SCHEMA_VERSION,
+            task_id,
+            outputs: outputs.to_vec(),
+            inference_ms: Some(inference_ms),
+            created_at: Utc::now(),
+            worker_id: worker_id.to_owned(),
+        };
+        let body = serde_json::to_vec(&manifest).expect("manifest serializes");
+        self.store.put(&self.key(task_id, "manifest.json"), PutPayload::from(body)).await?;
+        Ok(manifest)
+    }
+
+    /// Reads an object by its key (for tools and tests).
+    pub async fn read(&self, key: &str) -> Result<Bytes, SinkError> {
+        Ok(self.store.get(&Path::from(key)).await?.bytes().await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(bytes: &[u8]) -> Image {
+        Image {
+            bytes: bytes.to_vec(),
+            width: 1,
+            height: 1,
+            content_type: "image/png",
+        }
+    }
+
+    #[tokio::test]
+    async fn an_image_is_written_once_and_described_as_stored() {
+        let dir = std::env::temp_dir().join(format!("sluice-sink-{}", Uuid::new_v4()));
+        let sink = Sink::from_url(&format!("file://{}", dir.display())).unwrap();
+        let task = Uuid::new_v4();
+        let first = sink.put_image(task, 0, &image(b"first")).await.unwrap();
+        // A second attempt made different bytes (say, another batch size): the first object stays.
+        let second = sink.put_image(task, 0, &image(b"second attempt")).await.unwrap();
+        assert_eq!(first, second);
+        assert_eq!(sink.read(&first.key).await.unwrap().as_ref(), b"first");
+        assert_eq!(first.sha256, hex::encode(Sha256::digest(b"first")));
+        assert!(first.url.starts_with("file://") && first.url.ends_with(&format!("{task}/0.png")));
+
+        assert!(sink.manifest(task).await.unwrap().is_none());
+        sink.put_manifest(task, std::slice::from_ref(&first), 5, "w").await.unwrap();
+        let manifest = sink.manifest(task).await.unwrap().unwrap();
+        assert_eq!(manifest.outputs, vec![first]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn rejects_other_urls() {
+        assert!(matches!(Sink::from_url("http://x/y"), Err(SinkError::Config { .. })));
+        assert!(matches!(Sink::from_url("s3:///prefix"), Err(SinkError::Config { .. })));
+    }
+}

@@ -1,0 +1,272 @@
+//! Reading the tasks topic. The consumer is polled on its own OS thread, so long inference never
+//! blocks polling (no member is kicked for exceeding `max.poll.interval.ms`). Backpressure pauses
+//! the assigned partitions when too many tasks are in flight and resumes them when half have
+//! finished. Rebalance callbacks run on this thread: on a revoke, in-flight tasks of the revoked
+//! partitions get up to the drain timeout to finish, then what is done is committed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::message::{Headers, Message};
+use rdkafka::statistics::Statistics;
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::offsets::{Offsets, TopicPartition};
+use crate::task::Record;
+
+/// Consumer callbacks: rebalances, statistics (for lag).
+pub struct SourceContext {
+    offsets: Arc<Offsets>,
+    metrics: Metrics,
+    drain_timeout: Duration,
+    paused: AtomicBool,
+    topic: String,
+}
+
+impl SourceContext {
+    pub fn new(offsets: Arc<Offsets>, metrics: Metrics, drain_timeout: Duration, topic: String) -> SourceContext {
+        SourceContext {
+            offsets,
+            metrics,
+            drain_timeout,
+            paused: AtomicBool::new(false),
+            topic,
+        }
+    }
+}
+
+pub type TaskConsumer = BaseConsumer<SourceContext>;
+
+fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
+    tpl.elements()
+        .iter()
+        .map(|e| TopicPartition {
+            topic: e.topic().into(),
+            partition: e.partition(),
+        })
+        .collect()
+}
+
+fn list_of(commits: &[(TopicPartition, i64)]) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::new();
+    for (tp, offset) in commits {
+        let _ = tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(*offset));
+    }
+    tpl
+}
+
+impl ClientContext for SourceContext {
+    fn stats(&self, statistics: Statistics) {
+        let Some(topic) = statistics.topics.get(&self.topic) else { return };
+        let committed = self.offsets.committed_offsets();
+        for (tp, committed) in committed {
+            let Some(p) = topic.partitions.get(&tp.partition) else { continue };
+            if p.hi_offset < 0 {
+                continue;
+            }
+            let base = committed.unwrap_or(if p.committed_offset >= 0 {
+                p.committed_offset
+            } else {
+                p.lo_offset.max(0)
+            });
+            self.metrics
+                .consumer_lag
+                .with_label_values(&[&*tp.topic, &tp.partition.to_string()])
+                .set((p.hi_offset - base).max(0));
+        }
+    }
+}
+
+impl ConsumerContext for SourceContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let partitions = partitions_of(tpl);
+            self.metrics.rebalances.with_label_values(&["revoke"]).inc();
+            let started = Instant::now();
+            let abandoned = self.offsets.wait_drained(&partitions, self.drain_timeout);
+            let commits = self.offsets.revoke(&partitions);
+            let committed = if commits.is_empty() {
+                Ok(())
+            } else {
+                consumer.commit(&list_of(&commits), CommitMode::Sync)
+            };
+            match &committed {
+                Ok(()) => self.metrics.commits.inc_by(commits.len() as u64),
+                Err(_) => self.metrics.commit_failures.inc(),
+            }
+            self.metrics.assigned_partitions.set(self.offsets.assigned().len() as i64);
+            for tp in &partitions {
+                let _ = self
+                    .metrics
+                    .consumer_lag
+                    .remove_label_values(&[&*tp.topic, &tp.partition.to_string()]);
+            }
+            tracing::info!(
+                partitions = ?partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
+                drained_ms = started.elapsed().as_millis() as u64,
+                abandoned,
+                commits = ?commits.iter().map(|(tp, o)| (tp.partition, *o)).collect::<Vec<_>>(),
+                commit_error = committed.err().map(|e| e.to_string()),
+                "partitions revoked"
+            );
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let partitions = partitions_of(tpl);
+                self.offsets.assign(&partitions);
+                self.metrics.assigned_partitions.set(self.offsets.assigned().len() as i64);
+                self.metrics.rebalances.with_label_values(&["assign"]).inc();
+                if self.paused.load(Ordering::SeqCst) {
+                    let _ = consumer.pause(tpl);
+                }
+                tracing::info!(partitions = ?partitions.iter().map(|p| p.partition).collect::<Vec<_>>(), "partitions assigned");
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+            Rebalance::Revoke(_) => {}
+        }
+    }
+}
+
+/// Commits every committable offset now. Returns how many partitions were committed.
+pub fn commit_now(consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics) -> usize {
+    let commits = offsets.commit_candidates();
+    if commits.is_empty() {
+        return 0;
+    }
+    match consumer.commit(&list_of(&commits), CommitMode::Sync) {
+        Ok(()) => {
+            offsets.committed(&commits);
+            metrics.commits.inc_by(commits.len() as u64);
+            commits.len()
+        }
+        Err(e) => {
+            metrics.commit_failures.inc();
+            tracing::warn!(error = %e, "offset commit failed; retrying on the next tick");
+            0
+        }
+    }
+}
+
+/// Commits on a timer until `stop` fires.
+pub async fn commit_loop(
+    consumer: Arc<TaskConsumer>,
+    offsets: Arc<Offsets>,
+    interval: Duration,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        let (c, o, m) = (consumer.clone(), offsets.clone(), metrics.clone());
+        let _ = tokio::task::spawn_blocking(move || commit_now(&c, &o, &m)).await;
+    }
+}
+
+/// Signals to the poll thread.
+#[derive(Clone)]
+pub struct SourceControl {
+    /// Stop reading: pause everything and close the channel into the pipeline.
+    pub stop_reading: CancellationToken,
+    /// Leave: commit what is finished and leave the group.
+    pub close: CancellationToken,
+}
+
+/// The poll loop. Runs until `control.close`; then commits and leaves the group.
+pub fn poll_loop(
+    consumer: Arc<TaskConsumer>,
+    offsets: Arc<Offsets>,
+    tx: mpsc::Sender<Record>,
+    control: SourceControl,
+    max_in_flight: usize,
+    metrics: Metrics,
+) {
+    let mut tx = Some(tx);
+    let mut last_error_log: Option<Instant> = None;
+    let set_paused = |pause: bool| {
+        consumer.context().paused.store(pause, Ordering::SeqCst);
+        metrics.paused.set(pause as i64);
+        if let Ok(assignment) = consumer.assignment() {
+            let r = if pause {
+                consumer.pause(&assignment)
+            } else {
+                consumer.resume(&assignment)
+            };
+            if let Err(e) = r {
+                tracing::warn!(error = %e, pause, "pause/resume failed");
+            }
+        }
+    };
+    let mut paused = false;
+    while !control.close.is_cancelled() {
+        if tx.is_some() && control.stop_reading.is_cancelled() {
+            tx = None; // closes the pipeline's input: the stages drain and end
+            tracing::info!("stopped reading new tasks");
+        }
+        let in_flight = offsets.in_flight();
+        if !paused && (tx.is_none() || in_flight >= max_in_flight) {
+            set_paused(true);
+            paused = true;
+            tracing::debug!(in_flight, "paused partitions");
+        } else if paused && tx.is_some() && in_flight <= max_in_flight / 2 {
+            set_paused(false);
+            paused = false;
+            tracing::debug!(in_flight, "resumed partitions");
+        }
+        match consumer.poll(Duration::from_millis(100)) {
+            None => {}
+            Some(Err(e)) if last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) => {
+                tracing::warn!(error = %e, "consumer error");
+                last_error_log = Some(Instant::now());
+            }
+            Some(Err(_)) => {}
+            Some(Ok(message)) => {
+                let Some(sender) = &tx else { continue }; // stopping: not tracked, read again later
+                let tp = TopicPartition {
+                    topic: message.topic().into(),
+                    partition: message.partition(),
+                };
+                let Some(origin) = offsets.track(&tp, message.offset()) else {
+                    continue;
+                };
+                let headers = message
+                    .headers()
+                    .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
+                    .unwrap_or_default();
+                let record = Record {
+                    origin,
+                    key: message.key().map(<[u8]>::to_vec),
+                    value: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                    headers,
+                    timestamp_ms: message.timestamp().to_millis(),
+                    received_at: Instant::now(),
+                };
+                metrics.tasks_received.inc();
+                if sender.blocking_send(record).is_err() {
+                    tracing::warn!("pipeline input closed");
+                    tx = None;
+                }
+            }
+        }
+    }
+    // Leave cleanly: commit what is finished, then leave the group (the revoke callback runs
+    // during the following polls and commits again, harmlessly).
+    commit_now(&consumer, &offsets, &metrics);
+    consumer.unsubscribe();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && consumer.assignment().map(|a| a.count() > 0).unwrap_or(false) {
+        let _ = consumer.poll(Duration::from_millis(100));
+    }
+}
