@@ -1,0 +1,9 @@
+//! Sluice's producer: validates task requests, authenticates callers, publishes versioned task
+//! records to Kafka and answers at once with a task id. Also the operator's tool for batch
+//! submission, topic replay and DLQ redrive.
+
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod metrics;
+pub mod publish;

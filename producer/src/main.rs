@@ -1,0 +1,125 @@
+//! `sluice-producer`: see the crate documentation.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use futures::StreamExt;
+use rdkafka::producer::FutureProducer;
+use sluice_producer::api::{self, AppState};
+use sluice_producer::auth::ApiKeys;
+use sluice_producer::config::{Cli, Command, PublishArgs, ServeArgs, SubmitArgs};
+use sluice_producer::metrics::Metrics;
+use sluice_producer::publish::{Submitter, TaskPublisher};
+use sluice_service::{shutdown, telemetry};
+use tokio::io::AsyncBufReadExt;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init(cli.log_format);
+    let result = match cli.command {
+        Command::Serve(args) => serve(args).await,
+        Command::Submit(args) => submit(args).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "sluice-producer failed");
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn publisher(args: &PublishArgs, metrics: &Metrics) -> anyhow::Result<TaskPublisher> {
+    let producer: FutureProducer = args
+        .kafka
+        .producer_config("sluice-producer", args.publish_timeout_ms)
+        .create()
+        .context("creating the Kafka producer")?;
+    Ok(TaskPublisher::new(producer, args.tasks_topic.clone(), metrics.clone()))
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let metrics = Metrics::new();
+    let keys = ApiKeys::parse(&args.api_keys)?;
+    if !keys.enabled() {
+        tracing::warn!("no SLUICE_API_KEYS: the API is open and every task belongs to tenant `default`");
+    }
+    let state = Arc::new(AppState {
+        publisher: publisher(&args.publish, &metrics)?,
+        keys,
+        metrics,
+        publish_timeout: Duration::from_millis(args.publish.publish_timeout_ms),
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    tracing::info!(listen = %args.listen, topic = %args.publish.tasks_topic, "producer listening");
+    axum::serve(listener, api::router(state, args.max_body_bytes))
+        .with_graceful_shutdown(shutdown::terminated())
+        .await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Publishes each line of a JSON-lines file; prints `task_id` per accepted line, and a line
+/// number with the reason per rejected one. Exits non-zero if any line was rejected.
+async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
+    let metrics = Metrics::new();
+    let publisher = publisher(&args.publish, &metrics)?;
+    let timeout = Duration::from_millis(args.publish.publish_timeout_ms);
+    let reader: Box<dyn tokio::io::AsyncRead + Unpin> = if args.input == Path::new("-") {
+        Box::new(tokio::io::stdin())
+    } else {
+        Box::new(
+            tokio::fs::File::open(&args.input)
+                .await
+                .with_context(|| format!("opening {}", args.input.display()))?,
+        )
+    };
+    let mut lines = tokio::io::BufReader::new(reader).lines();
+    let mut numbered = Vec::new();
+    let mut n = 0usize;
+    while let Some(line) = lines.next_line().await? {
+        n += 1;
+        if !line.trim().is_empty() {
+            numbered.push((n, line));
+        }
+    }
+    let submitter = Submitter {
+        tenant: args.tenant.clone(),
+        user: None,
+    };
+    let results: Vec<(usize, Result<String, String>)> = futures::stream::iter(numbered)
+        .map(|(n, line)| {
+            let (publisher, submitter) = (publisher.clone(), submitter.clone());
+            async move {
+                let result = async {
+                    let value: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("not JSON: {e}"))?;
+                    let record = TaskPublisher::record(&value, &submitter).map_err(|e| e.to_string())?;
+                    publisher.publish(&record, timeout).await.map_err(|e| e.to_string())?;
+                    Ok(record.task_id.to_string())
+                }
+                .await;
+                (n, result)
+            }
+        })
+        .buffered(args.concurrency.max(1))
+        .collect()
+        .await;
+    let mut failed = 0;
+    for (n, result) in results {
+        match result {
+            Ok(id) => println!("{id}"),
+            Err(e) => {
+                failed += 1;
+                eprintln!("line {n}: {e}");
+            }
+        }
+    }
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
