@@ -1,0 +1,145 @@
+//! `make demo`: the main job end to end on the local stack. Starts the producer and two workers
+//! on the stack in `.stack` (which `make demo` brings up), submits terrain tasks across
+//! difficulties over HTTP, waits for each completion on the completion topic, prints a table and
+//! writes a contact sheet of the results.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde_json::json;
+use sluice_integration_tests::cluster::{API_KEY, Worker, metric_value};
+use sluice_integration_tests::contact::{Rgb, sheet};
+use sluice_integration_tests::process::{Service, bin};
+use sluice_integration_tests::stack::{Stack, repo_root};
+use sluice_integration_tests::{TopicReader, free_port};
+use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
+
+const DIFFICULTIES: [u32; 8] = [1, 15, 30, 45, 60, 75, 90, 100];
+const SIZE: u32 = 256;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let dir = std::env::var("SLUICE_STACK_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|_| repo_root().join(".stack"));
+    let stack = Stack::up(&dir).context("starting the local stack")?;
+    let logs = stack.dir.join("demo");
+    println!("stack: broker {}, S3 {}", stack.brokers(), stack.env["AWS_ENDPOINT_URL"]);
+
+    let port = free_port();
+    let mut env = stack.vars();
+    env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+    env.push(("SLUICE_API_KEYS".into(), format!("demo:{API_KEY}")));
+    let mut producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &env, &logs)?;
+    let url = format!("http://127.0.0.1:{port}");
+    producer.wait_ready(&format!("{url}/healthz"), Duration::from_secs(30)).await?;
+    let mut workers = Vec::new();
+    for i in 0..2 {
+        workers.push(Worker::start(&stack, &format!("demo-worker-{i}"), &[]).await?);
+    }
+    println!(
+        "producer {url}, workers {} and {} (logs in {})",
+        workers[0].url,
+        workers[1].url,
+        logs.display()
+    );
+    // Both workers hold partitions before the tasks go in, so both get some.
+    sluice_integration_tests::wait_for("both workers to be assigned partitions", Duration::from_secs(60), async || {
+        let mut counts = Vec::new();
+        for w in &workers {
+            counts.push(w.metric("sluice_worker_assigned_partitions").await.unwrap_or(0.0));
+        }
+        counts.iter().all(|c| *c > 0.0).then_some(())
+    })
+    .await?;
+
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let mut submitted = Vec::new();
+    for (i, difficulty) in DIFFICULTIES.iter().enumerate() {
+        let body = json!({"model": "terrain", "width": SIZE, "height": SIZE, "seed": 1000 + i, "params": {"difficulty": difficulty}});
+        let reply: serde_json::Value = client
+            .post(format!("{url}/v1/tasks"))
+            .bearer_auth(API_KEY)
+            .json(&body)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        submitted.push((reply["task_id"].as_str().context("task_id")?.to_owned(), *difficulty));
+    }
+    println!(
+        "submitted {} tasks ({SIZE}x{SIZE}, {} tiles each) over HTTP; waiting for completions…",
+        submitted.len(),
+        tiles(SIZE)
+    );
+
+    let ids: BTreeSet<String> = submitted.iter().map(|(id, _)| id.clone()).collect();
+    let mut reader = TopicReader::new(stack.brokers(), topics::COMPLETIONS)?;
+    let done = |records: &[sluice_integration_tests::Consumed]| -> HashMap<String, CompletionEvent> {
+        records
+            .iter()
+            .filter_map(|r| serde_json::from_slice::<CompletionEvent>(&r.value).ok())
+            .filter(|c| ids.contains(&c.task_id.to_string()))
+            .map(|c| (c.task_id.to_string(), c))
+            .collect()
+    };
+    tokio::task::block_in_place(|| reader.read_until(Duration::from_secs(600), |r| done(r).len() == ids.len()))?;
+    let completions = done(&reader.records);
+    let elapsed = started.elapsed();
+
+    println!();
+    println!(
+        "{:<38} {:>10} {:<64} {:>8} {:>14}",
+        "task", "difficulty", "object key", "ms", "worker"
+    );
+    let sink = stack.sink()?;
+    let mut images = Vec::new();
+    for (id, difficulty) in &submitted {
+        let c = &completions[id];
+        anyhow::ensure!(c.status == CompletionStatus::Succeeded, "task {id} failed: {:?}", c.error);
+        let output = &c.outputs[0];
+        println!(
+            "{:<38} {:>10} {:<64} {:>8} {:>14}",
+            id, difficulty, output.key, c.timings.total_ms, c.worker_id
+        );
+        images.push((format!("d={difficulty}"), Rgb::decode(&sink.read(&output.key).await?)?));
+    }
+    let sheet_path = stack.dir.join("demo").join("contact-sheet.png");
+    std::fs::write(&sheet_path, sheet(&images, 4).encode()?)?;
+    let batches: f64 = {
+        let mut n = 0.0;
+        for w in &workers {
+            n += w
+                .metrics()
+                .await
+                .ok()
+                .and_then(|m| metric_value(&m, &format!("sluice_worker_batches_total{{bucket=\"terrain:{}\"}}", tiles(SIZE))))
+                .unwrap_or(0.0);
+        }
+        n
+    };
+    println!();
+    println!(
+        "{} tasks done in {:.1} s in {batches} model calls across 2 workers",
+        submitted.len(),
+        elapsed.as_secs_f64()
+    );
+    println!("contact sheet: {}", sheet_path.display());
+
+    for mut w in workers {
+        w.service.terminate(Duration::from_secs(30))?;
+    }
+    producer.terminate(Duration::from_secs(10))?;
+    println!(
+        "the stack keeps running (settings in {}/env); `make stack-down` stops it",
+        stack.dir.display()
+    );
+    Ok(())
+}
+
+fn tiles(size: u32) -> usize {
+    sluice_worker::models::terrain::Layout::of(size as usize, size as usize, 1, 32).rows()
+}

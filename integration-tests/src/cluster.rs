@@ -1,0 +1,135 @@
+//! A whole Sluice deployment on the local stack: the producer and a group of workers.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::Value;
+
+use crate::free_port;
+use crate::process::{Service, bin};
+use crate::stack::Stack;
+
+/// The API key the test producer accepts, for tenant `acme`.
+pub const API_KEY: &str = "test-key";
+
+pub struct Cluster {
+    pub stack: Stack,
+    pub producer: Service,
+    pub producer_url: String,
+    pub workers: Vec<Worker>,
+}
+
+pub struct Worker {
+    pub service: Service,
+    pub url: String,
+    pub id: String,
+    env: Vec<(String, String)>,
+}
+
+impl Worker {
+    /// Starts a worker on `stack` with extra settings.
+    pub async fn start(stack: &Stack, id: &str, extra: &[(&str, &str)]) -> anyhow::Result<Worker> {
+        let port = free_port();
+        let mut env = stack.vars();
+        env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+        env.push(("SLUICE_WORKER_ID".into(), id.into()));
+        env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        let mut service = Service::spawn(id, &bin("sluice-worker"), &[], &env, &stack.dir.join("logs"))?;
+        let url = format!("http://127.0.0.1:{port}");
+        service.wait_ready(&format!("{url}/readyz"), Duration::from_secs(60)).await?;
+        Ok(Worker {
+            service,
+            url,
+            id: id.into(),
+            env,
+        })
+    }
+
+    /// Starts this worker again after it stopped (same id, same settings, new port).
+    pub async fn restart(&mut self, stack: &Stack) -> anyhow::Result<()> {
+        let port = free_port();
+        for (k, v) in self.env.iter_mut() {
+            if k == "SLUICE_LISTEN" {
+                *v = format!("127.0.0.1:{port}");
+            }
+        }
+        self.service = Service::spawn(&self.id, &bin("sluice-worker"), &[], &self.env, &stack.dir.join("logs"))?;
+        self.url = format!("http://127.0.0.1:{port}");
+        self.service
+            .wait_ready(&format!("{}/readyz", self.url), Duration::from_secs(60))
+            .await
+    }
+
+    /// The worker's `/metrics` text.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        Ok(reqwest::get(format!("{}/metrics", self.url)).await?.text().await?)
+    }
+
+    /// The value of a metric line (`name{labels}` exactly as exposed), if present.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        metric_value(&self.metrics().await.ok()?, series)
+    }
+}
+
+/// The value of `series` in a Prometheus text exposition.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+impl Cluster {
+    /// A stack, a producer with API keys, and `workers` workers in one group.
+    pub async fn start(name: &str, workers: usize, worker_env: &[(&str, &str)]) -> anyhow::Result<Cluster> {
+        let stack = Stack::start(name)?;
+        let port = free_port();
+        let mut env = stack.vars();
+        env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+        env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
+        let mut producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &env, &stack.dir.join("logs"))?;
+        let producer_url = format!("http://127.0.0.1:{port}");
+        producer
+            .wait_ready(&format!("{producer_url}/healthz"), Duration::from_secs(30))
+            .await?;
+        let mut started = Vec::new();
+        for i in 0..workers {
+            started.push(
+                Worker::start(&stack, &format!("worker-{i}"), worker_env)
+                    .await
+                    .with_context(|| format!("starting worker-{i}"))?,
+            );
+        }
+        Ok(Cluster {
+            stack,
+            producer,
+            producer_url,
+            workers: started,
+        })
+    }
+
+    /// `POST /v1/tasks` with the test key; returns the status and the JSON body.
+    pub async fn submit(&self, body: &Value) -> anyhow::Result<(u16, Value)> {
+        self.post(body, Some(API_KEY)).await
+    }
+
+    /// `POST /v1/tasks` with any key (or none).
+    pub async fn post(&self, body: &Value, key: Option<&str>) -> anyhow::Result<(u16, Value)> {
+        // A client per call: tests share one cluster across their own runtimes.
+        let mut request = reqwest::Client::new().post(format!("{}/v1/tasks", self.producer_url)).json(body);
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        let response = request.send().await?;
+        let status = response.status().as_u16();
+        Ok((status, response.json().await.unwrap_or(Value::Null)))
+    }
+
+    /// Submits and returns the task id, failing unless the producer answered 202.
+    pub async fn submit_ok(&self, body: &Value) -> anyhow::Result<String> {
+        let (status, reply) = self.submit(body).await?;
+        anyhow::ensure!(status == 202, "expected 202, got {status}: {reply}");
+        Ok(reply["task_id"].as_str().context("task_id")?.to_owned())
+    }
+}

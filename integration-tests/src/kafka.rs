@@ -1,0 +1,122 @@
+//! Reading and writing topics directly, as outside clients do.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+/// One record as read.
+#[derive(Debug, Clone)]
+pub struct Consumed {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub value: Vec<u8>,
+    pub headers: HashMap<String, Vec<u8>>,
+}
+
+impl Consumed {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.value).unwrap_or(serde_json::Value::Null)
+    }
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers.get(name).map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+}
+
+/// Reads every partition of a topic from the beginning, without a consumer group (nothing is
+/// committed, so readers never disturb each other or the workers).
+pub struct TopicReader {
+    consumer: BaseConsumer,
+    pub records: Vec<Consumed>,
+}
+
+impl TopicReader {
+    pub fn new(brokers: &str, topic: &str) -> anyhow::Result<TopicReader> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", format!("reader-{}", uuid::Uuid::new_v4()))
+            .set("enable.auto.commit", "false")
+            .set("fetch.wait.max.ms", "10")
+            .create()?;
+        let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+        let partitions = metadata.topics().first().map(|t| t.partitions().len()).unwrap_or(0);
+        anyhow::ensure!(partitions > 0, "topic {topic} has no partitions");
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions as i32 {
+            tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+        }
+        consumer.assign(&tpl)?;
+        Ok(TopicReader {
+            consumer,
+            records: Vec::new(),
+        })
+    }
+
+    /// Reads what arrives within `duration`.
+    pub fn poll_for(&mut self, duration: Duration) -> &[Consumed] {
+        let start = self.records.len();
+        let deadline = Instant::now() + duration;
+        while Instant::now() < deadline {
+            if let Some(Ok(m)) = self.consumer.poll(Duration::from_millis(50)) {
+                self.records.push(Consumed {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: m.key().map(<[u8]>::to_vec),
+                    value: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                    headers: m
+                        .headers()
+                        .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec())).collect())
+                        .unwrap_or_default(),
+                });
+            }
+        }
+        &self.records[start..]
+    }
+
+    /// Reads until `done(all records so far)` holds, or fails after `timeout`.
+    pub fn read_until(&mut self, timeout: Duration, mut done: impl FnMut(&[Consumed]) -> bool) -> anyhow::Result<&[Consumed]> {
+        let deadline = Instant::now() + timeout;
+        while !done(&self.records) {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} ({} records read)",
+                self.records.len()
+            );
+            self.poll_for(Duration::from_millis(200));
+        }
+        Ok(&self.records)
+    }
+}
+
+/// Produces one record as is (acks=all), returning its partition and offset.
+pub async fn produce_raw(
+    producer: &FutureProducer,
+    topic: &str,
+    key: Option<&[u8]>,
+    value: &[u8],
+    headers: &[(&str, &[u8])],
+) -> anyhow::Result<(i32, i64)> {
+    let headers = headers
+        .iter()
+        .fold(OwnedHeaders::new(), |h, (k, v)| h.insert(Header { key: k, value: Some(*v) }));
+    let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(value).headers(headers);
+    if let Some(key) = key {
+        record = record.key(key);
+    }
+    let delivery = producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
+    Ok((delivery.partition, delivery.offset))
+}
+
+/// A producer for tests.
+pub fn producer(brokers: &str) -> anyhow::Result<FutureProducer> {
+    Ok(ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("acks", "all")
+        .set("message.max.bytes", "33554432")
+        .set("linger.ms", "2")
+        .create()?)
+}

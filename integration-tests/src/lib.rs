@@ -1,0 +1,50 @@
+//! The harness of Sluice's end-to-end tests, demo and benchmarks: the local stack started through
+//! the same scripts users run, Sluice's own binaries as real processes, and clients for the
+//! topics, the HTTP API and the object store. Nothing here is a fake.
+
+pub mod cluster;
+pub mod contact;
+pub mod kafka;
+pub mod process;
+pub mod stack;
+
+pub use kafka::{Consumed, TopicReader, produce_raw};
+pub use process::{Service, bin};
+pub use stack::Stack;
+
+use std::time::{Duration, Instant};
+
+/// Polls `check` until it returns `Some`, or fails after `timeout`.
+pub async fn wait_for<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> anyhow::Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return Ok(v);
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A free TCP port on the loopback interface.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Decodes a PNG: (width, height, colour type, bit depth).
+pub fn png_info(bytes: &[u8]) -> anyhow::Result<(u32, u32, png::ColorType, png::BitDepth)> {
+    let mut reader = png::Decoder::new(std::io::Cursor::new(bytes)).read_info()?;
+    let mut buf = vec![0; reader.output_buffer_size().ok_or_else(|| anyhow::anyhow!("image too large"))?];
+    let info = reader.next_frame(&mut buf)?;
+    Ok((info.width, info.height, info.color_type, info.bit_depth))
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}

@@ -1,0 +1,310 @@
+//! Sluice end to end on real parts: tasks submitted over HTTP go through the broker to a group
+//! of two workers running the pretrained terrain model in ONNX Runtime; images land in the S3
+//! server and each result is announced on the completion topic. Malformed records go to the DLQ
+//! with their reason while the tasks around them complete; bad requests get 4xx naming the field.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use base64::Engine as _;
+use serde_json::{Value, json};
+use sluice_integration_tests::cluster::{API_KEY, Cluster};
+use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::{Consumed, Service, Stack, TopicReader, bin, png_info, produce_raw, sha256_hex};
+use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord, topics};
+use tokio::sync::OnceCell;
+
+static CLUSTER: OnceCell<Cluster> = OnceCell::const_new();
+
+async fn cluster() -> &'static Cluster {
+    CLUSTER
+        .get_or_init(|| async { Cluster::start("e2e", 2, &[]).await.expect("cluster starts") })
+        .await
+}
+
+/// Reads completions until every id in `ids` has one; returns them by task id.
+fn completions_for(brokers: &str, ids: &BTreeSet<String>, timeout: Duration) -> HashMap<String, CompletionEvent> {
+    let mut reader = TopicReader::new(brokers, topics::COMPLETIONS).unwrap();
+    let seen = |records: &[Consumed]| {
+        records
+            .iter()
+            .filter_map(|r| r.json()["task_id"].as_str().map(str::to_owned))
+            .filter(|id| ids.contains(id))
+            .collect::<BTreeSet<_>>()
+    };
+    tokio::task::block_in_place(|| reader.read_until(timeout, |r| seen(r).len() == ids.len()).map(|_| ()))
+        .unwrap_or_else(|e| panic!("{e}; missing {:?}", ids.difference(&seen(&reader.records)).collect::<Vec<_>>()));
+    reader
+        .records
+        .iter()
+        .filter_map(|r| serde_json::from_slice::<CompletionEvent>(&r.value).ok())
+        .filter(|c| ids.contains(&c.task_id.to_string()))
+        .map(|c| (c.task_id.to_string(), c))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tasks_over_http_complete_with_their_images_in_s3() {
+    let c = cluster().await;
+    let sizes = [(128u32, 128u32, 1u32), (96, 64, 2), (200, 150, 1), (256, 128, 1)];
+    let mut requested = HashMap::new();
+    for i in 0..24u32 {
+        let (w, h, n) = sizes[i as usize % sizes.len()];
+        let body = json!({"model": "terrain", "width": w, "height": h, "num_images": n, "seed": i, "params": {"difficulty": 1 + i * 4, "colormap": if i % 3 == 0 { "grey" } else { "terrain" }}});
+        let id = c.submit_ok(&body).await.unwrap();
+        requested.insert(id, (w, h, n, i % 3 == 0));
+    }
+    let ids: BTreeSet<String> = requested.keys().cloned().collect();
+    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
+
+    let sink = c.stack.sink().unwrap();
+    let mut workers = BTreeSet::new();
+    for (id, (w, h, n, grey)) in &requested {
+        let event = &completions[id];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{event:?}");
+        assert_eq!(event.tenant, "acme");
+        assert_eq!(event.outputs.len(), *n as usize);
+        assert!(
+            event.timings.inference_ms > 0 && event.timings.total_ms >= event.timings.inference_ms,
+            "{:?}",
+            event.timings
+        );
+        workers.insert(event.worker_id.clone());
+        for (index, output) in event.outputs.iter().enumerate() {
+            assert_eq!(output.index as usize, index);
+            assert!(output.key.ends_with(&format!("{id}/{index}.png")), "{}", output.key);
+            assert_eq!(output.url, format!("s3://sluice/{}", output.key));
+            let bytes = sink.read(&output.key).await.unwrap();
+            assert_eq!(bytes.len() as u64, output.bytes);
+            assert_eq!(sha256_hex(&bytes), output.sha256);
+            let (pw, ph, color, depth) = png_info(&bytes).unwrap();
+            assert_eq!((pw, ph), (*w, *h), "PNG size of {id}");
+            assert_eq!((output.width, output.height), (*w, *h));
+            if *grey {
+                assert_eq!((color, depth), (png::ColorType::Grayscale, png::BitDepth::Sixteen));
+            } else {
+                assert_eq!((color, depth), (png::ColorType::Rgb, png::BitDepth::Eight));
+            }
+        }
+    }
+    assert_eq!(
+        workers,
+        BTreeSet::from(["worker-0".to_owned(), "worker-1".to_owned()]),
+        "both workers of the group took tasks"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_seed_gives_the_same_image() {
+    let c = cluster().await;
+    let body = |seed: u64| json!({"model": "terrain", "seed": seed, "width": 160, "height": 160, "params": {"difficulty": 60}});
+    let a = c.submit_ok(&body(7)).await.unwrap();
+    let b = c.submit_ok(&body(7)).await.unwrap();
+    let other = c.submit_ok(&body(8)).await.unwrap();
+    let ids = BTreeSet::from([a.clone(), b.clone(), other.clone()]);
+    let done = completions_for(c.stack.brokers(), &ids, Duration::from_secs(120));
+    assert_eq!(done[&a].outputs[0].sha256, done[&b].outputs[0].sha256, "same seed, same image");
+    assert_ne!(
+        done[&a].outputs[0].sha256, done[&other].outputs[0].sha256,
+        "another seed, another image"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_records_go_to_the_dlq_and_the_tasks_around_them_complete() {
+    let c = cluster().await;
+    let kafka = producer(c.stack.brokers()).unwrap();
+    let task = |difficulty: u32| {
+        let id = uuid::Uuid::now_v7().to_string();
+        let record = json!({
+            "version": 1, "task_id": id, "submitted_at": chrono::Utc::now().to_rfc3339(), "tenant": "acme", "user": null, "model": "terrain",
+            "request": {"prompt": "", "negative_prompt": "", "steps": 1, "guidance_scale": 1.0, "seed": 5, "sampler": "onestep",
+                        "width": 128, "height": 128, "num_images": 1, "params": {"difficulty": difficulty, "colormap": "terrain", "tile_overlap": 32}}
+        });
+        (id, record)
+    };
+    let (good_before, before) = task(20);
+    let (good_after, after) = task(80);
+    let (bad_id, mut out_of_bounds) = task(30);
+    out_of_bounds["request"]["width"] = json!(1_000_000);
+    let (unknown_model_id, mut unknown_model) = task(30);
+    unknown_model["model"] = json!("stable-diffusion-9");
+    let (_, mut v7) = task(30);
+    v7["version"] = json!(7);
+    let (_, mut missing) = task(30);
+    missing.as_object_mut().unwrap().remove("request");
+    let (_, mut wrong_types) = task(30);
+    wrong_types["request"]["seed"] = json!("seven");
+    let bytes = |v: &Value| serde_json::to_vec(v).unwrap();
+
+    // (value, header version, expected reason, key)
+    let cases: Vec<(Vec<u8>, Option<&[u8]>, &str)> = vec![
+        (vec![0xff, 0xfe, 0xfd, b'{'], None, "malformed"),
+        (b"this is not json".to_vec(), None, "malformed"),
+        (b"[1, 2, 3]".to_vec(), None, "malformed"),
+        (bytes(&before), Some(b"2"), "unsupported_version"),
+        (bytes(&v7), None, "unsupported_version"),
+        (bytes(&missing), None, "schema_violation"),
+        (bytes(&wrong_types), None, "schema_violation"),
+        (bytes(&out_of_bounds), None, "schema_violation"),
+        (bytes(&unknown_model), None, "schema_violation"),
+    ];
+    produce_raw(
+        &kafka,
+        topics::TASKS,
+        Some(good_before.as_bytes()),
+        &bytes(&before),
+        &[("sluice-schema-version", b"1")],
+    )
+    .await
+    .unwrap();
+    let mut expected = HashMap::new();
+    for (i, (value, version, reason)) in cases.iter().enumerate() {
+        let key = format!("bad-{i}-{}", uuid::Uuid::new_v4());
+        let headers: Vec<(&str, &[u8])> = version.map(|v| vec![("sluice-schema-version", v)]).unwrap_or_default();
+        produce_raw(&kafka, topics::TASKS, Some(key.as_bytes()), value, &headers)
+            .await
+            .unwrap();
+        expected.insert(key, (value.clone(), *reason));
+    }
+    produce_raw(&kafka, topics::TASKS, Some(good_after.as_bytes()), &bytes(&after), &[])
+        .await
+        .unwrap();
+
+    // Every malformed record is on the DLQ, byte for byte, with its reason as field and header.
+    let mut dlq = TopicReader::new(c.stack.brokers(), topics::DLQ).unwrap();
+    let ours = |r: &Consumed| {
+        r.key
+            .as_ref()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .filter(|k| expected.contains_key(k))
+    };
+    tokio::task::block_in_place(|| dlq.read_until(Duration::from_secs(60), |rs| rs.iter().filter_map(ours).count() >= expected.len()))
+        .unwrap();
+    for record in dlq.records.iter().filter(|r| ours(r).is_some()) {
+        let key = ours(record).unwrap();
+        let (value, reason) = &expected[&key];
+        let parsed: DlqRecord = serde_json::from_slice(&record.value).expect("DLQ record matches its type");
+        sluice_schemas::validate(sluice_schemas::RecordKind::Dlq, &record.json()).expect("DLQ record matches its schema");
+        assert_eq!(parsed.reason.as_str(), *reason, "{key}: {}", parsed.message);
+        assert_eq!(&parsed.original.value().unwrap(), value, "original bytes kept");
+        assert_eq!(
+            base64::engine::general_purpose::STANDARD
+                .decode(parsed.original.key_base64.unwrap())
+                .unwrap(),
+            key.as_bytes()
+        );
+        assert_eq!(record.header("sluice-dlq-reason").as_deref(), Some(*reason));
+        for header in [
+            "sluice-dlq-message",
+            "sluice-dlq-attempts",
+            "sluice-dlq-source-topic",
+            "sluice-dlq-source-partition",
+            "sluice-dlq-source-offset",
+            "sluice-dlq-first-failed-at",
+            "sluice-dlq-last-failed-at",
+        ] {
+            assert!(record.header(header).is_some(), "{key}: header {header}");
+        }
+        assert_eq!(record.header("sluice-dlq-source-offset").unwrap(), parsed.source.offset.to_string());
+        assert!(!parsed.message.is_empty());
+    }
+    // The out-of-bounds record names its field.
+    let oob = dlq
+        .records
+        .iter()
+        .filter_map(|r| serde_json::from_slice::<DlqRecord>(&r.value).ok())
+        .find(|d| d.task_id.map(|t| t.to_string()) == Some(bad_id.clone()))
+        .unwrap();
+    assert!(oob.message.contains("request.width"), "{}", oob.message);
+
+    // The valid tasks around them complete, and the failures with a task id are announced.
+    let done = completions_for(
+        c.stack.brokers(),
+        &BTreeSet::from([good_before.clone(), good_after.clone(), bad_id.clone(), unknown_model_id.clone()]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(done[&good_before].status, CompletionStatus::Succeeded);
+    assert_eq!(done[&good_after].status, CompletionStatus::Succeeded);
+    assert_eq!(done[&bad_id].status, CompletionStatus::Failed);
+    assert_eq!(done[&bad_id].error.as_ref().unwrap().reason.as_str(), "schema_violation");
+    assert_eq!(done[&unknown_model_id].status, CompletionStatus::Failed);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_requests_get_4xx_naming_the_field() {
+    let c = cluster().await;
+    let cases = [
+        (json!({"model": "stable-diffusion-9"}), vec!["model"]),
+        (json!({"model": "terrain", "params": {"difficulty": 0}}), vec!["params.difficulty"]),
+        (
+            json!({"model": "terrain", "params": {"difficulty": 101}}),
+            vec!["params.difficulty"],
+        ),
+        (json!({"model": "terrain", "width": 99999, "height": 8}), vec!["height", "width"]),
+        (json!({"model": "terrain", "steps": 30}), vec!["steps"]),
+        (json!({"model": "terrain", "num_images": "two"}), vec!["num_images"]),
+        (json!({"model": "terrain", "colour": "red"}), vec!["colour"]),
+        (json!({"width": 128}), vec!["model"]),
+    ];
+    for (body, fields) in cases {
+        let (status, reply) = c.submit(&body).await.unwrap();
+        assert_eq!(status, 400, "{body} -> {reply}");
+        assert_eq!(reply["error"], "invalid_request");
+        let mut named: Vec<&str> = reply["fields"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["field"].as_str().unwrap())
+            .collect();
+        named.dedup();
+        assert_eq!(named, fields, "{body} -> {reply}");
+        for field in fields {
+            assert!(reply["message"].as_str().unwrap().contains(field));
+        }
+    }
+    // Not JSON at all.
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/tasks", c.producer_url))
+        .bearer_auth(API_KEY)
+        .body("{nope")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    assert_eq!(response.json::<Value>().await.unwrap()["error"], "invalid_json");
+    // Unauthenticated.
+    assert_eq!(c.post(&json!({"model": "terrain"}), None).await.unwrap().0, 401);
+    assert_eq!(c.post(&json!({"model": "terrain"}), Some("wrong")).await.unwrap().0, 401);
+    // Too large.
+    let huge = json!({"model": "terrain", "prompt": "x".repeat(100_000)});
+    assert_eq!(c.submit(&huge).await.unwrap().0, 413);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn setup_mistakes_are_clear_startup_errors() {
+    let c = cluster().await;
+    let stack: &Stack = &c.stack;
+    let run = |name: &str, overrides: &[(&str, &str)]| {
+        let mut env = stack.vars();
+        env.retain(|(k, _)| !overrides.iter().any(|(o, _)| o == k));
+        env.extend(overrides.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        env.push((
+            "SLUICE_LISTEN".into(),
+            format!("127.0.0.1:{}", sluice_integration_tests::free_port()),
+        ));
+        let mut worker = Service::spawn(name, &bin("sluice-worker"), &[], &env, &stack.dir.join("logs")).unwrap();
+        let status = worker.wait(Duration::from_secs(30)).unwrap();
+        (status, worker.log_text())
+    };
+    let (status, log) = run("no-ort", &[("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")]);
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(
+        log.contains("ONNX Runtime library /nonexistent/libonnxruntime.so does not exist"),
+        "{log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+    let (status, log) = run("no-model", &[("SLUICE_MODEL_DIR", "/nonexistent/models")]);
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(log.contains("/nonexistent/models/terrain/model.onnx does not exist"), "{log}");
+}
