@@ -1,0 +1,78 @@
+# Sluice. Two commands matter on a fresh machine:
+#   make demo   sets everything up and runs the main job end to end on the local stack
+#   make test   passes the test suite (what CI runs)
+# Slow builds (the broker, the S3 server, Cargo's target directory) live in ~/.cache/sluice, so a
+# fresh clone on the same machine reuses them.
+
+SHELL := /bin/bash
+CACHE ?= $(HOME)/.cache/sluice
+export CARGO_TARGET_DIR ?= $(CACHE)/target
+CARGO ?= cargo
+BIN := $(CARGO_TARGET_DIR)/release
+STACK ?= .stack
+
+.PHONY: help setup tools assets build demo test unit-test integration-test chaos bench stack-up stack-down stack-status lint fmt helm-lint clean
+
+help:
+	@echo "make demo        set up and run the pipeline end to end on the local stack"
+	@echo "make test        unit and end-to-end tests (CI runs this)"
+	@echo "make bench       benchmarks, printed as tables"
+	@echo "make chaos       the full chaos suite (longer than the variant in make test)"
+	@echo "make stack-up    start the broker and the S3 server; settings in $(STACK)/env"
+	@echo "make stack-down  stop them"
+	@echo "make lint        rustfmt and clippy"
+
+setup: tools assets build
+
+tools:
+	scripts/install-tools.sh all
+
+assets:
+	@scripts/fetch-assets.sh >/dev/null
+
+build:
+	$(CARGO) build --release --locked --bins
+
+stack-up: tools assets
+	scripts/stack.sh up $(STACK)
+
+stack-down:
+	scripts/stack.sh down $(STACK)
+
+stack-status:
+	scripts/stack.sh status $(STACK)
+
+demo: setup stack-up
+	$(BIN)/sluice-demo
+
+unit-test: assets build
+	$(CARGO) test --release --locked --workspace --exclude sluice-integration-tests
+
+integration-test: setup
+	rm -rf .stack-test
+	$(CARGO) test --release --locked -p sluice-integration-tests
+
+test: setup
+	rm -rf .stack-test
+	$(CARGO) test --release --locked --workspace
+
+chaos: setup
+	rm -rf .stack-test
+	SLUICE_CHAOS=full $(CARGO) test --release --locked -p sluice-integration-tests --test chaos -- --nocapture --test-threads 1
+
+bench: setup
+	$(BIN)/sluice-bench
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --locked --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+helm-lint:
+	scripts/helm-lint.sh
+
+clean:
+	-scripts/stack.sh down $(STACK)
+	rm -rf $(STACK) .stack-test
