@@ -132,7 +132,9 @@ impl<T: Send + 'static> Batcher<T> {
             if self.closed && self.queues.is_empty() {
                 return;
             }
-            let deadline = self.next_deadline();
+            // A deadline only matters to a waiting request: with none waiting, a passed deadline
+            // would wake this loop forever.
+            let deadline = if self.waiting.is_empty() { None } else { self.next_deadline() };
             tokio::select! {
                 item = self.input.recv(), if !self.closed => match item {
                     Some((bucket, item)) => self.queues.entry(bucket).or_default().push_back(Queued { item, since: Instant::now() }),
@@ -187,5 +189,34 @@ mod tests {
         assert_eq!(third.items, vec![100]);
         drop(tx);
         assert!(requests.next().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn idles_without_spinning_when_nobody_asks() {
+        let (tx, rx) = mpsc::channel(8);
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(4)), Duration::from_millis(1));
+        let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = polls.clone();
+        // Count how often the batcher's future is polled while a partial bucket is past its deadline
+        // and no request waits: it should sleep, not spin.
+        let run = tokio::spawn(async move {
+            let mut fut = std::pin::pin!(batcher.run());
+            std::future::poll_fn(|cx| {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                fut.as_mut().poll(cx)
+            })
+            .await
+        });
+        tx.send((bucket(1), 1)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            polls.load(std::sync::atomic::Ordering::Relaxed) < 20,
+            "polled {} times while idle",
+            polls.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        assert_eq!(requests.next().await.unwrap().items, vec![1]);
+        drop(tx);
+        drop(requests);
+        run.await.unwrap();
     }
 }
