@@ -51,6 +51,10 @@ pub struct SessionOptions {
     pub device: Device,
     /// Threads inside one operator; 0 lets ONNX Runtime choose (one per core).
     pub intra_threads: usize,
+    /// Let ONNX Runtime's operator threads spin while waiting for work. Spinning shaves
+    /// microseconds off each operator but burns a core per thread between runs, which the rest
+    /// of the pipeline (encoding, uploads, the broker client) needs on a CPU node.
+    pub spin: bool,
 }
 
 impl Default for SessionOptions {
@@ -58,6 +62,7 @@ impl Default for SessionOptions {
         SessionOptions {
             device: Device::Cpu,
             intra_threads: 0,
+            spin: false,
         }
     }
 }
@@ -155,6 +160,13 @@ impl OrtBackend {
         let load = |e: &dyn std::fmt::Display| EngineError::Load(format!("{}: {e}", path.display()));
         let mut builder = Session::builder(runtime.environment()).map_err(|e| load(&e))?;
         builder = builder.with_intra_threads(options.intra_threads).map_err(|e| load(&e))?;
+        let spin = if options.spin { "1" } else { "0" };
+        builder = builder
+            .with_config_entry("session.intra_op.allow_spinning", spin)
+            .map_err(|e| load(&e))?;
+        builder = builder
+            .with_config_entry("session.inter_op.allow_spinning", spin)
+            .map_err(|e| load(&e))?;
         if runtime.has_shared_cpu_arena() {
             // Allocate from the process-wide capped arena instead of a private one per session.
             builder = builder.with_env_allocators().map_err(|e| load(&e))?;
