@@ -38,7 +38,7 @@ async fn main() -> ExitCode {
 fn publisher(args: &PublishArgs, metrics: &Metrics) -> anyhow::Result<TaskPublisher> {
     let producer: FutureProducer = args
         .kafka
-        .producer_config("sluice-producer", args.publish_timeout_ms)
+        .producer_config("sluice-producer", args.publish_timeout_ms, 5)
         .create()
         .context("creating the Kafka producer")?;
     Ok(TaskPublisher::new(producer, args.tasks_topic.clone(), metrics.clone()))

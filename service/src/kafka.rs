@@ -35,14 +35,18 @@ impl KafkaClientArgs {
 
     /// A producer that never loses or duplicates an acknowledged record: every in-sync replica
     /// acknowledges (`acks=all`), and retries are deduplicated by the broker (idempotence).
-    pub fn producer_config(&self, client_id: &str, delivery_timeout_ms: u64) -> ClientConfig {
+    ///
+    /// `linger_ms` trades latency for fewer, larger produce requests (a broker's cost is mostly
+    /// per request).
+    pub fn producer_config(&self, client_id: &str, delivery_timeout_ms: u64, linger_ms: u32) -> ClientConfig {
         let timeout = delivery_timeout_ms.to_string();
         let max_bytes = MAX_MESSAGE_BYTES.to_string();
+        let linger = linger_ms.to_string();
         self.config(&[
             ("client.id", client_id),
             ("acks", "all"),
             ("enable.idempotence", "true"),
-            ("linger.ms", "5"),
+            ("linger.ms", &linger),
             ("message.timeout.ms", &timeout),
             ("message.max.bytes", &max_bytes),
         ])
@@ -68,7 +72,7 @@ mod tests {
             brokers: "b:1".into(),
             options: vec![("linger.ms".into(), "0".into()), ("security.protocol".into(), "SASL_SSL".into())],
         };
-        let config = args.producer_config("c", 1000);
+        let config = args.producer_config("c", 1000, 5);
         assert_eq!(config.get("linger.ms"), Some("0"));
         assert_eq!(config.get("acks"), Some("all"));
         assert_eq!(config.get("security.protocol"), Some("SASL_SSL"));

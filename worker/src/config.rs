@@ -70,9 +70,10 @@ pub struct StorageArgs {
     /// Where images go: `s3://bucket/prefix` or `file:///path`.
     #[arg(long, env = "SLUICE_OUTPUT_URL")]
     pub output_url: String,
-    /// Uploads in flight at once.
-    #[arg(long, env = "SLUICE_UPLOAD_CONCURRENCY", default_value_t = 64)]
-    pub upload_concurrency: usize,
+    /// Storage requests in flight at once (checks, images, manifests), over a pool of kept-alive
+    /// connections. Twice as many tasks may be rendered and waiting to store.
+    #[arg(long, env = "SLUICE_STORAGE_CONCURRENCY", default_value_t = crate::sink::DEFAULT_CONCURRENCY)]
+    pub storage_concurrency: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -117,6 +118,10 @@ pub struct EngineArgs {
     /// Threads inside one operator (0: one per core).
     #[arg(long, env = "SLUICE_INTRA_THREADS", default_value_t = 0)]
     pub intra_threads: usize,
+    /// Let ONNX Runtime's threads spin between operators (faster operators, a busy core per
+    /// thread while idle; worth it on a dedicated GPU node, not on a shared CPU).
+    #[arg(long, env = "SLUICE_ORT_SPIN")]
+    pub ort_spin: bool,
     /// Batches that may run on the device at once, each on its own engine thread and session.
     #[arg(long, env = "SLUICE_ENGINE_SLOTS", default_value_t = 1)]
     pub engine_slots: usize,

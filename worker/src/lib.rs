@@ -9,6 +9,7 @@ pub mod engine;
 pub mod events;
 pub mod gpu;
 pub mod http;
+pub mod lease;
 pub mod metrics;
 pub mod models;
 pub mod offsets;

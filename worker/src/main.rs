@@ -14,6 +14,7 @@ use sluice_worker::batcher::Batcher;
 use sluice_worker::config::{Config, DeviceKind};
 use sluice_worker::engine::{Device, Engine, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::http::{self, AppState};
+use sluice_worker::lease::Leases;
 use sluice_worker::metrics::Metrics;
 use sluice_worker::offsets::Offsets;
 use sluice_worker::pipeline::{self, Shared};
@@ -36,6 +37,13 @@ async fn main() -> ExitCode {
             tracing::error!(error = %format!("{e:#}"), "worker stopped");
             ExitCode::from(2)
         }
+    }
+}
+
+/// Waits for a shutdown step at most `limit`.
+async fn bounded<F: std::future::Future>(step: &str, limit: Duration, f: F) {
+    if tokio::time::timeout(limit, f).await.is_err() {
+        tracing::warn!(step, "shutdown step timed out (broker unreachable?); exiting anyway");
     }
 }
 
@@ -70,6 +78,7 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
             SessionOptions {
                 device,
                 intra_threads: e.intra_threads,
+                spin: e.ort_spin,
             },
             metrics.clone(),
             health_tx.clone(),
@@ -78,17 +87,18 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
         .await
         .context("loading models")?,
     );
-    let sink = Sink::from_url(&config.storage.output_url)?;
+    let sink = Sink::from_url(&config.storage.output_url)?.with_concurrency(config.storage.storage_concurrency);
 
     let k = &config.kafka;
     let producer: FutureProducer = k
         .client
-        .producer_config(&worker_id, 30_000)
+        .producer_config(&worker_id, 30_000, 20)
         .create()
         .context("creating the Kafka producer")?;
     let offsets = Arc::new(Offsets::new());
     let d = &config.delivery;
-    let context = SourceContext::new(offsets.clone(), metrics.clone(), d.drain_timeout(), k.tasks_topic.clone());
+    let leases = Leases::new(sink.clone(), k.group_id.clone(), tokio::runtime::Handle::current());
+    let context = SourceContext::new(offsets.clone(), leases, metrics.clone(), d.drain_timeout(), k.tasks_topic.clone());
     let mut consumer_settings = vec![
         ("group.id", k.group_id.as_str()),
         ("client.id", worker_id.as_str()),
@@ -99,7 +109,9 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
         ("session.timeout.ms", "10000"),
         ("heartbeat.interval.ms", "1000"),
         ("max.poll.interval.ms", "300000"),
-        ("fetch.wait.max.ms", "10"),
+        // Long-poll fetches: with a 10 ms wait an idle worker and tansu burn most of a core each
+        // in fetch round trips; 100 ms costs ~50 ms of pickup latency and nothing at idle.
+        ("fetch.wait.max.ms", "100"),
         ("statistics.interval.ms", "5000"),
     ];
     if let Some(instance) = &k.group_instance_id {
@@ -167,7 +179,7 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
         },
         publish_retry: RetryPolicy::forever(Duration::from_millis(d.retry_base_delay_ms)),
         abandon: abandon.clone(),
-        finishing: Semaphore::new(config.storage.upload_concurrency.max(1)),
+        finishing: Semaphore::new(config.storage.storage_concurrency.max(1) * 2),
         tasks: TaskTracker::new(),
     });
 
@@ -244,13 +256,26 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
         shared.tasks.close();
         let _ = tokio::time::timeout(Duration::from_secs(2), shared.tasks.wait()).await;
     }
-    // Commit what finished and leave the group.
+    // Commit what finished and leave the group. Every step is bounded: with the broker gone a
+    // commit can block indefinitely, and the worker must still exit.
     control.close.cancel();
-    let _ = committer.await;
-    let _ = tokio::task::spawn_blocking(move || poll_thread.join()).await;
+    let final_commit = {
+        let (c, o, m) = (consumer.clone(), offsets.clone(), metrics.clone());
+        tokio::task::spawn_blocking(move || source::commit_now(&c, &o, &m))
+    };
+    bounded("final commit", Duration::from_secs(10), final_commit).await;
+    bounded("committer", Duration::from_secs(2), committer).await;
+    bounded(
+        "leaving the group",
+        Duration::from_secs(10),
+        tokio::task::spawn_blocking(move || poll_thread.join()),
+    )
+    .await;
     gauges_stop.cancel();
     server_stop.cancel();
-    let _ = server.await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     tracing::info!(drained, in_flight_left = offsets.in_flight(), exit_code = code, "worker stopped");
-    Ok(ExitCode::from(code))
+    // Exit here rather than unwinding: dropping the Kafka clients runs librdkafka's destructors,
+    // which wait on the broker. Everything that had to be acknowledged already was.
+    std::process::exit(code)
 }

@@ -138,6 +138,11 @@ pub async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<
         let job = Job { record, task, span };
         // The idempotency check is a storage round trip: run it concurrently, not in line.
         let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
+        if !job.record.check {
+            // New since the last read lease: no earlier delivery can have results.
+            let _ = to_batcher.send((bucket, job)).await;
+            continue;
+        }
         shared.tasks.spawn(async move {
             if let Some(job) = announce_if_done(&shared2, job).await {
                 let _ = to_batcher.send((bucket, job)).await;

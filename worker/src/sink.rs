@@ -31,10 +31,16 @@ pub enum SinkError {
     BadManifest { key: String, reason: String },
 }
 
+/// Storage requests in flight at once, by default. Unbounded, a backlog of tasks opens a
+/// connection per request and overflows the server's accept queue (connects then stall for
+/// seconds in SYN retransmission); bounded, a small pool of kept-alive connections is reused.
+pub const DEFAULT_CONCURRENCY: usize = 32;
+
 /// The output location.
 #[derive(Clone)]
 pub struct Sink {
     store: Arc<dyn ObjectStore>,
+    requests: Arc<tokio::sync::Semaphore>,
     prefix: Path,
     /// `s3://bucket` or `file:///root`, to which keys are appended for output URLs.
     url_base: String,
@@ -90,22 +96,37 @@ impl Sink {
                 .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout), "5s")
                 .build()
                 .map_err(|e| config(&e.to_string()))?;
-            Ok(Sink {
-                store: Arc::new(store),
-                prefix: Path::from(prefix),
-                url_base: format!("s3://{bucket}"),
-            })
+            Ok(Sink::new(Arc::new(store), Path::from(prefix), format!("s3://{bucket}")))
         } else if let Some(path) = url.strip_prefix("file://") {
             std::fs::create_dir_all(path).map_err(|e| config(&e.to_string()))?;
             let store = LocalFileSystem::new_with_prefix(path).map_err(|e| config(&e.to_string()))?;
-            Ok(Sink {
-                store: Arc::new(store),
-                prefix: Path::default(),
-                url_base: format!("file://{}", path.trim_end_matches('/')),
-            })
+            Ok(Sink::new(
+                Arc::new(store),
+                Path::default(),
+                format!("file://{}", path.trim_end_matches('/')),
+            ))
         } else {
             Err(config("expected s3://bucket/prefix or file:///path"))
         }
+    }
+
+    fn new(store: Arc<dyn ObjectStore>, prefix: Path, url_base: String) -> Sink {
+        Sink {
+            store,
+            requests: Arc::new(tokio::sync::Semaphore::new(DEFAULT_CONCURRENCY)),
+            prefix,
+            url_base,
+        }
+    }
+
+    /// Sets how many storage requests may be in flight at once.
+    pub fn with_concurrency(mut self, requests: usize) -> Sink {
+        self.requests = Arc::new(tokio::sync::Semaphore::new(requests.max(1)));
+        self
+    }
+
+    async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
+        self.requests.acquire().await.expect("never closed")
     }
 
     fn key(&self, task_id: Uuid, name: &str) -> Path {
@@ -119,6 +140,7 @@ impl Sink {
     /// The task's manifest, if its results are complete.
     pub async fn manifest(&self, task_id: Uuid) -> Result<Option<ResultManifest>, SinkError> {
         let key = self.key(task_id, "manifest.json");
+        let _permit = self.permit().await;
         let bytes = match self.store.get(&key).await {
             Ok(result) => result.bytes().await?,
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
@@ -142,6 +164,7 @@ impl Sink {
             ..Default::default()
         };
         let bytes = Bytes::from(image.bytes.clone());
+        let _permit = self.permit().await;
         let (stored_len, sha) = match self.store.put_opts(&key, PutPayload::from_bytes(bytes), options).await {
             Ok(_) => (image.bytes.len() as u64, hex::encode(Sha256::digest(&image.bytes))),
             Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => {
@@ -179,12 +202,50 @@ impl Sink {
             worker_id: worker_id.to_owned(),
         };
         let body = serde_json::to_vec(&manifest).expect("manifest serializes");
+        let _permit = self.permit().await;
         self.store.put(&self.key(task_id, "manifest.json"), PutPayload::from(body)).await?;
         Ok(manifest)
     }
 
+    fn lease_key(&self, group: &str, topic: &str, partition: i32) -> Path {
+        self.prefix
+            .clone()
+            .join("_leases")
+            .join(group)
+            .join(topic)
+            .join(partition.to_string())
+    }
+
+    /// The read lease of a partition: no consumer of `group` ever started a record at or beyond
+    /// this offset (see [`crate::lease`]). `None` when there is none yet.
+    pub async fn lease(&self, group: &str, topic: &str, partition: i32) -> Result<Option<i64>, SinkError> {
+        let key = self.lease_key(group, topic, partition);
+        let _permit = self.permit().await;
+        match self.store.get(&key).await {
+            Ok(result) => {
+                let bytes = result.bytes().await?;
+                let text = String::from_utf8_lossy(&bytes);
+                text.trim().parse().map(Some).map_err(|e| SinkError::BadManifest {
+                    key: key.to_string(),
+                    reason: format!("lease is not an offset: {e}"),
+                })
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Records a partition's read lease.
+    pub async fn put_lease(&self, group: &str, topic: &str, partition: i32, end: i64) -> Result<(), SinkError> {
+        let key = self.lease_key(group, topic, partition);
+        let _permit = self.permit().await;
+        self.store.put(&key, PutPayload::from(end.to_string().into_bytes())).await?;
+        Ok(())
+    }
+
     /// Reads an object by its key (for tools and tests).
     pub async fn read(&self, key: &str) -> Result<Bytes, SinkError> {
+        let _permit = self.permit().await;
         Ok(self.store.get(&Path::from(key)).await?.bytes().await?)
     }
 }

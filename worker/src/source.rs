@@ -15,6 +15,7 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::lease::{HEADER_ORIGIN, Leases};
 use crate::metrics::Metrics;
 use crate::offsets::{Offsets, TopicPartition};
 use crate::task::Record;
@@ -22,6 +23,7 @@ use crate::task::Record;
 /// Consumer callbacks: rebalances, statistics (for lag).
 pub struct SourceContext {
     offsets: Arc<Offsets>,
+    leases: std::sync::Mutex<Leases>,
     metrics: Metrics,
     drain_timeout: Duration,
     paused: AtomicBool,
@@ -29,14 +31,19 @@ pub struct SourceContext {
 }
 
 impl SourceContext {
-    pub fn new(offsets: Arc<Offsets>, metrics: Metrics, drain_timeout: Duration, topic: String) -> SourceContext {
+    pub fn new(offsets: Arc<Offsets>, leases: Leases, metrics: Metrics, drain_timeout: Duration, topic: String) -> SourceContext {
         SourceContext {
             offsets,
+            leases: std::sync::Mutex::new(leases),
             metrics,
             drain_timeout,
             paused: AtomicBool::new(false),
             topic,
         }
+    }
+
+    fn leases(&self) -> std::sync::MutexGuard<'_, Leases> {
+        self.leases.lock().expect("leases")
     }
 }
 
@@ -90,6 +97,9 @@ impl ConsumerContext for SourceContext {
             let started = Instant::now();
             let abandoned = self.offsets.wait_drained(&partitions, self.drain_timeout);
             let commits = self.offsets.revoke(&partitions);
+            for tp in &partitions {
+                self.leases().revoke(tp);
+            }
             let committed = if commits.is_empty() {
                 Ok(())
             } else {
@@ -121,6 +131,9 @@ impl ConsumerContext for SourceContext {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 let partitions = partitions_of(tpl);
+                for tp in &partitions {
+                    self.leases().assign(tp);
+                }
                 self.offsets.assign(&partitions);
                 self.metrics.assigned_partitions.set(self.offsets.assigned().len() as i64);
                 self.metrics.rebalances.with_label_values(&["assign"]).inc();
@@ -155,7 +168,9 @@ pub fn commit_now(consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics)
     }
 }
 
-/// Commits on a timer until `stop` fires.
+/// Commits on a timer until `stop` fires. A synchronous commit can block for as long as the
+/// broker is unreachable, so one runs at a time on the blocking pool, and a tick that finds the
+/// previous one still running skips rather than piling up.
 pub async fn commit_loop(
     consumer: Arc<TaskConsumer>,
     offsets: Arc<Offsets>,
@@ -165,14 +180,23 @@ pub async fn commit_loop(
 ) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut running: Option<tokio::task::JoinHandle<usize>> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.cancelled() => return,
         }
+        if running.as_ref().is_some_and(|r| !r.is_finished()) {
+            tracing::warn!("the previous offset commit has not returned; skipping this one");
+            continue;
+        }
         let (c, o, m) = (consumer.clone(), offsets.clone(), metrics.clone());
-        let _ = tokio::task::spawn_blocking(move || commit_now(&c, &o, &m)).await;
+        running = Some(tokio::task::spawn_blocking(move || commit_now(&c, &o, &m)));
     }
+}
+
+fn headers_has(headers: &sluice_schemas::RawHeaders, name: &str) -> bool {
+    headers.iter().any(|(k, _)| k == name)
 }
 
 /// Signals to the poll thread.
@@ -245,7 +269,10 @@ pub fn poll_loop(
                     .headers()
                     .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
                     .unwrap_or_default();
+                let replayed = headers_has(&headers, HEADER_ORIGIN);
+                let check = consumer.context().leases().admit(&tp, message.offset(), replayed);
                 let record = Record {
+                    check,
                     origin,
                     key: message.key().map(<[u8]>::to_vec),
                     value: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
@@ -261,9 +288,8 @@ pub fn poll_loop(
             }
         }
     }
-    // Leave cleanly: commit what is finished, then leave the group (the revoke callback runs
-    // during the following polls and commits again, harmlessly).
-    commit_now(&consumer, &offsets, &metrics);
+    // Leave the group; the revoke callback runs during the following polls and commits what is
+    // finished (the caller bounds how long it waits for this thread).
     consumer.unsubscribe();
     let deadline = Instant::now() + Duration::from_secs(3);
     while Instant::now() < deadline && consumer.assignment().map(|a| a.count() > 0).unwrap_or(false) {
