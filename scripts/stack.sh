@@ -25,6 +25,9 @@ BUCKET=sluice
 ACCESS_KEY=sluice
 SECRET_KEY=sluice-secret-key
 TASK_PARTITIONS="${SLUICE_TASK_PARTITIONS:-8}"
+# sqlite keeps data across broker restarts and reports correct watermarks; memory is faster but
+# loses everything on restart and miscounts high watermarks (see shared notes).
+BROKER_STORAGE="${SLUICE_BROKER_STORAGE:-sqlite}"
 
 log() { echo "==> $*" >&2; }
 
@@ -48,6 +51,16 @@ wait_port() { # port seconds pidname
 
 port_of() { cat "$dir/$1.port" 2>/dev/null || true; }
 
+storage_url() {
+  local engine; engine="$(cat "$dir/broker.storage" 2>/dev/null || echo "$BROKER_STORAGE")"
+  echo "$engine" >"$dir/broker.storage"
+  case "$engine" in
+    sqlite) echo "sqlite://tansu.db" ;;
+    memory) echo "memory://tansu/" ;;
+    *) echo "unknown SLUICE_BROKER_STORAGE $engine (sqlite or memory)" >&2; exit 2 ;;
+  esac
+}
+
 start_broker() {
   alive broker && return 0
   local port; port="$(port_of broker)"
@@ -59,7 +72,7 @@ start_broker() {
       setsid "$TANSU" broker \
         --listener-url "tcp://127.0.0.1:$port" \
         --advertised-listener-url "tcp://127.0.0.1:$port" \
-        --storage-engine "sqlite://tansu.db" \
+        --storage-engine "$(storage_url)" \
         >>"$dir/logs/broker.log" 2>&1 </dev/null) &
     echo $! >"$dir/broker.pid"
     echo "$port" >"$dir/broker.port"

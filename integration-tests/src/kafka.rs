@@ -40,7 +40,7 @@ impl TopicReader {
             .set("bootstrap.servers", brokers)
             .set("group.id", format!("reader-{}", uuid::Uuid::new_v4()))
             .set("enable.auto.commit", "false")
-            .set("fetch.wait.max.ms", "10")
+            .set("fetch.wait.max.ms", "100")
             .create()?;
         let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
         let partitions = metadata.topics().first().map(|t| t.partitions().len()).unwrap_or(0);
@@ -77,7 +77,8 @@ impl TopicReader {
         &self.records[start..]
     }
 
-    /// Reads until `done(all records so far)` holds, or fails after `timeout`.
+    /// Reads until `done(all records so far)` holds, or fails after `timeout`. `done` sees the
+    /// whole list: for large reads use [`TopicReader::read_each`].
     pub fn read_until(&mut self, timeout: Duration, mut done: impl FnMut(&[Consumed]) -> bool) -> anyhow::Result<&[Consumed]> {
         let deadline = Instant::now() + timeout;
         while !done(&self.records) {
@@ -89,6 +90,27 @@ impl TopicReader {
             self.poll_for(Duration::from_millis(200));
         }
         Ok(&self.records)
+    }
+
+    /// Hands each record to `on_record` once, as it arrives, until it returns true, or fails
+    /// after `timeout`.
+    pub fn read_each(&mut self, timeout: Duration, mut on_record: impl FnMut(&Consumed) -> bool) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut next = 0;
+        loop {
+            while next < self.records.len() {
+                next += 1;
+                if on_record(&self.records[next - 1]) {
+                    return Ok(());
+                }
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} ({} records read)",
+                self.records.len()
+            );
+            self.poll_for(Duration::from_millis(200));
+        }
     }
 }
 

@@ -25,21 +25,26 @@ impl Stack {
     /// Starts a fresh stack under `<repo>/.stack-test/<name>-<pid>`, taken down when this
     /// process exits.
     pub fn start(name: &str) -> anyhow::Result<Stack> {
+        Stack::start_with(name, "sqlite")
+    }
+
+    /// Like [`Stack::start`], with the broker on `storage` (`sqlite` or `memory`).
+    pub fn start_with(name: &str, storage: &str) -> anyhow::Result<Stack> {
         let dir = repo_root().join(".stack-test").join(format!("{name}-{}", std::process::id()));
         if dir.exists() {
             std::fs::remove_dir_all(&dir).ok();
         }
-        Stack::bring_up(&dir, true)
+        Stack::bring_up(&dir, true, storage)
     }
 
     /// Starts (or reuses) the stack in `dir`, and leaves it running after this process.
     pub fn up(dir: &Path) -> anyhow::Result<Stack> {
-        Stack::bring_up(dir, false)
+        Stack::bring_up(dir, false, "sqlite")
     }
 
-    fn bring_up(dir: &Path, owned: bool) -> anyhow::Result<Stack> {
+    fn bring_up(dir: &Path, owned: bool, storage: &str) -> anyhow::Result<Stack> {
         let mut command = Command::new(repo_root().join("scripts/stack.sh"));
-        command.arg("up").arg(dir);
+        command.arg("up").arg(dir).env("SLUICE_BROKER_STORAGE", storage);
         if owned {
             command.env("SLUICE_STACK_OWNER_PID", std::process::id().to_string());
         }

@@ -1,0 +1,272 @@
+//! `make bench`: Sluice's benchmarks, printed as tables. Each compares things measured side by side
+//! in this one run (the machine is shared and noisy: absolute numbers vary, ratios less so).
+//!
+//! pipeline: for the same model and batch size, raw in-process ONNX Runtime images/s against
+//! end-to-end images/s through one worker, Kafka and S3 (tasks pre-loaded on the topic; rate
+//! measured at steady state, from the worker's completion timestamps), for the pretrained
+//! terrain model and for a tiny generated model with the same inputs (~1 ms per call: how fast
+//! the pipeline itself goes when the model is as fast as on a GPU).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use serde_json::json;
+use sluice_integration_tests::cluster::Worker;
+use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::stack::{Stack, repo_root};
+use sluice_integration_tests::{TopicReader, produce_raw};
+use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
+use sluice_worker::engine::{Backend, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
+use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
+
+struct Row {
+    scenario: String,
+    /// CPU seconds per 1000 tasks: worker, broker, S3 server.
+    cpu: [f64; 3],
+    batch: usize,
+    tasks: usize,
+    raw: f64,
+    e2e: f64,
+    p50_ms: u64,
+    p99_ms: u64,
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> anyhow::Result<()> {
+    let which = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    let stack = Stack::start("bench")?;
+    let mut rows = Vec::new();
+    if which == "all" || which == "pipeline" {
+        let terrain = stack.dir.join("models");
+        rows.push(pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 64, 40).await?);
+        let tiny = tiny_model_dir(&stack)?;
+        rows.push(pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 1024, 2_000).await?);
+    }
+    println!();
+    println!("## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (tansu, sqlite) and S3 (s3s-fs), one worker, CPU");
+    println!();
+    println!(
+        "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker / broker / S3 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.2} | {} / {} | {:.2} / {:.2} / {:.2} |",
+            r.scenario,
+            r.batch,
+            r.tasks,
+            r.raw,
+            r.e2e,
+            r.e2e / r.raw,
+            r.p50_ms,
+            r.p99_ms,
+            r.cpu[0],
+            r.cpu[1],
+            r.cpu[2]
+        );
+    }
+    Ok(())
+}
+
+fn pid_of(dir: &Path, name: &str) -> u32 {
+    std::fs::read_to_string(dir.join(format!("{name}.pid")))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// User + system CPU seconds a process has used so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which may contain spaces): utime is the 12th, stime the 13th.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
+/// Writes the tiny model into a model repository under the stack (served as `terrain`).
+fn tiny_model_dir(stack: &Stack) -> anyhow::Result<PathBuf> {
+    let out = stack.dir.join("gen-models");
+    let python = &stack.env["SLUICE_ONNX_PYTHON"];
+    let status = std::process::Command::new(python)
+        .arg(repo_root().join("scripts/gen-models.py"))
+        .arg(&out)
+        .status()?;
+    anyhow::ensure!(status.success(), "generating the tiny model failed");
+    let dir = stack.dir.join("models-tiny");
+    std::fs::create_dir_all(dir.join("terrain"))?;
+    std::fs::copy(out.join("terrain-tiny/model.onnx"), dir.join("terrain/model.onnx"))?;
+    Ok(dir)
+}
+
+fn task_record(i: usize) -> serde_json::Value {
+    json!({
+        "version": 1, "task_id": uuid::Uuid::now_v7().to_string(), "submitted_at": Utc::now().to_rfc3339(),
+        "tenant": "bench", "user": null, "model": "terrain",
+        "request": {"prompt": "", "negative_prompt": "", "steps": 1, "guidance_scale": 1.0, "seed": i, "sampler": "onestep",
+                    "width": 128, "height": 128, "num_images": 1, "params": {"difficulty": 1 + i % 100, "colormap": "terrain", "tile_overlap": 32}}
+    })
+}
+
+/// Raw: the model alone, in this process, on prepared inputs (no Kafka, no encoding, no storage).
+/// ONNX Runtime allows one environment per process: every scenario shares this one.
+fn runtime(stack: &Stack) -> anyhow::Result<Arc<Runtime>> {
+    static RUNTIME: std::sync::OnceLock<Arc<Runtime>> = std::sync::OnceLock::new();
+    if let Some(r) = RUNTIME.get() {
+        return Ok(r.clone());
+    }
+    let r = Arc::new(Runtime::init(&RuntimeOptions {
+        dylib_path: Some(stack.env["ORT_DYLIB_PATH"].clone().into()),
+        cpu_arena_max_bytes: None,
+    })?);
+    Ok(RUNTIME.get_or_init(|| r).clone())
+}
+
+async fn raw_images_per_second(stack: &Stack, model_dir: &Path, batch: usize, batches: usize) -> anyhow::Result<f64> {
+    let engine = Engine::start(runtime(stack)?, 1);
+    let path = model_dir.join("terrain/model.onnx");
+    let loader: Loader =
+        Arc::new(move |rt: &Runtime| Ok(Box::new(OrtBackend::load(rt, &path, &SessionOptions::default())?) as Box<dyn Backend>));
+    engine.load("terrain", loader).await?;
+    let adapter = Terrain;
+    let tasks: Vec<_> = (0..batch).map(|i| serde_json::from_value(task_record(i)).unwrap()).collect();
+    let prepared: Vec<_> = tasks
+        .iter()
+        .map(|t| adapter.prepare(t))
+        .collect::<Result<_, _>>()
+        .map_err(anyhow::Error::msg)?;
+    let inputs = concat_inputs(&prepared.iter().collect::<Vec<_>>());
+    for _ in 0..2 {
+        engine.run("terrain", inputs.clone(), false).await?;
+    }
+    let started = Instant::now();
+    for _ in 0..batches {
+        engine.run("terrain", inputs.clone(), false).await?;
+    }
+    Ok((batches * batch) as f64 / started.elapsed().as_secs_f64())
+}
+
+async fn pipeline(
+    stack: &Stack,
+    scenario: &str,
+    model_dir: &Path,
+    batch: usize,
+    tasks: usize,
+    backlog: usize,
+    raw_images: usize,
+) -> anyhow::Result<Row> {
+    eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
+    let raw = raw_images_per_second(stack, model_dir, batch, raw_images.div_ceil(batch)).await?;
+
+    eprintln!("== {scenario}: end to end ({tasks} tasks through one worker, at most {backlog} waiting)");
+    let model_dir = model_dir.display().to_string();
+    let group = format!("bench-{}", uuid::Uuid::new_v4());
+    let batch_s = batch.to_string();
+    let settings = [
+        ("SLUICE_MODEL_DIR", model_dir.as_str()),
+        ("SLUICE_MAX_BATCH", batch_s.as_str()),
+        ("SLUICE_MAX_BATCH_ROWS", batch_s.as_str()),
+        ("SLUICE_MAX_WAIT_MS", "20"),
+        ("SLUICE_GROUP_ID", group.as_str()),
+    ];
+    let worker = Worker::start(stack, &format!("bench-{tasks}"), &settings).await?;
+    let pids = [
+        worker.service.pid().unwrap_or(0),
+        pid_of(&stack.dir, "broker"),
+        pid_of(&stack.dir, "s3"),
+    ];
+    let cpu_before = pids.map(cpu_seconds);
+
+    // Closed loop: keep at most `backlog` tasks waiting on the topic, topping up as completions
+    // arrive — steady traffic, as clients submitting at the pipeline's pace would make. (A
+    // topic preloaded with the whole run measures the local broker instead: its fetches cost in
+    // proportion to the backlog behind the fetch offset.)
+    let kafka = producer(stack.brokers())?;
+    let (done_tx, mut done_rx) = tokio::sync::watch::channel(0usize);
+    let brokers = stack.brokers().to_owned();
+    let ids = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::<String>::new()));
+    let reader = {
+        let ids = ids.clone();
+        std::thread::spawn(move || -> anyhow::Result<Vec<CompletionEvent>> {
+            let mut reader = TopicReader::new(&brokers, topics::COMPLETIONS)?;
+            let mut done: Vec<CompletionEvent> = Vec::new();
+            reader.read_each(Duration::from_secs(1800), |r| {
+                if let Some(c) = serde_json::from_slice::<CompletionEvent>(&r.value)
+                    .ok()
+                    .filter(|c| ids.lock().unwrap().remove(&c.task_id.to_string()))
+                {
+                    done.push(c);
+                    let _ = done_tx.send(done.len());
+                }
+                done.len() >= tasks
+            })?;
+            Ok(done)
+        })
+    };
+    let mut produced = 0;
+    while produced < tasks {
+        let completed = *done_rx.borrow_and_update();
+        let room = (completed + backlog).saturating_sub(produced).min(tasks - produced);
+        // Top up in chunks: one produce request per task would cost the broker more than the
+        // pipeline being measured.
+        if room < (backlog / 4).max(1).min(tasks - produced) {
+            done_rx.changed().await.ok();
+            continue;
+        }
+        let sends = (produced..produced + room).map(|i| {
+            let record = task_record(i);
+            let key = record["task_id"].as_str().unwrap().to_owned();
+            ids.lock().unwrap().insert(key.clone());
+            let kafka = kafka.clone();
+            async move {
+                produce_raw(
+                    &kafka,
+                    topics::TASKS,
+                    Some(key.as_bytes()),
+                    &serde_json::to_vec(&record).unwrap(),
+                    &[("sluice-schema-version", b"1")],
+                )
+                .await
+            }
+        });
+        for r in futures::future::join_all(sends).await {
+            r?;
+        }
+        produced += room;
+        if produced < tasks {
+            done_rx.changed().await.ok();
+        }
+    }
+    let mut done = tokio::task::spawn_blocking(move || reader.join().expect("reader thread"))
+        .await?
+        .context("waiting for completions")?;
+    let cpu_after = pids.map(cpu_seconds);
+    drop(worker);
+    anyhow::ensure!(done.iter().all(|c| c.status == CompletionStatus::Succeeded), "some tasks failed");
+    done.sort_by_key(|c| c.completed_at);
+    // Steady state: skip the first 10% (group join, first batches), measure the rest.
+    let skip = done.len() / 10;
+    let (first, last): (DateTime<Utc>, DateTime<Utc>) = (done[skip].completed_at, done[done.len() - 1].completed_at);
+    let e2e = (done.len() - skip - 1) as f64 / ((last - first).num_microseconds().unwrap_or(1) as f64 / 1e6);
+    let mut latencies: Vec<u64> = done[skip..].iter().map(|c| c.timings.inference_ms + c.timings.upload_ms).collect();
+    latencies.sort();
+    let per_1000 = |i: usize| (cpu_after[i] - cpu_before[i]) / tasks as f64 * 1000.0;
+    Ok(Row {
+        cpu: [per_1000(0), per_1000(1), per_1000(2)],
+        scenario: scenario.into(),
+        batch,
+        tasks,
+        raw,
+        e2e,
+        p50_ms: latencies[latencies.len() / 2],
+        p99_ms: latencies[latencies.len() * 99 / 100],
+    })
+}
