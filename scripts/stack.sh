@@ -185,5 +185,11 @@ case "$cmd" in
   stop-broker) stop broker ;;
   start-broker) start_broker ;;
   restart-broker) stop broker; start_broker ;;
-  *) echo "usage: $0 up|down|status|stop-s3|start-s3|stop-broker|start-broker|restart-broker [DIR]" >&2; exit 2 ;;
+  topic)
+    # topic DIR NAME PARTITIONS: one more topic (tests give each scenario its own).
+    "$TANSU" topic create --broker "tcp://127.0.0.1:$(port_of broker)" --partitions "${4:?partitions}" "${3:?name}" >/dev/null 2>>"$dir/logs/topics.log" \
+      || grep -qw "$3" <<<"$("$TANSU" topic list --broker "tcp://127.0.0.1:$(port_of broker)" 2>/dev/null)" \
+      || { echo "creating topic $3 failed; see $dir/logs/topics.log" >&2; exit 1; }
+    ;;
+  *) echo "usage: $0 up|down|status|stop-s3|start-s3|stop-broker|start-broker|restart-broker [DIR] | topic DIR NAME PARTITIONS" >&2; exit 2 ;;
 esac

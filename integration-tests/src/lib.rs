@@ -6,11 +6,13 @@ pub mod cluster;
 pub mod contact;
 pub mod kafka;
 pub mod process;
+pub mod records;
 pub mod stack;
 
 pub use kafka::{Consumed, TopicReader, produce_raw};
 pub use process::{Service, bin};
-pub use stack::Stack;
+pub use records::{Outcomes, ids_of, publish_tasks, terrain_task};
+pub use stack::{Stack, Topics};
 
 use std::time::{Duration, Instant};
 

@@ -84,6 +84,30 @@ impl Stack {
         self.script("down")
     }
 
+    /// A fresh set of tasks, completions and DLQ topics named after `scenario`, so that tests
+    /// sharing one stack never see each other's records.
+    pub fn topics(&self, scenario: &str, task_partitions: u32) -> anyhow::Result<Topics> {
+        let topics = Topics {
+            tasks: format!("{}.{scenario}", sluice_schemas::topics::TASKS),
+            completions: format!("{}.{scenario}", sluice_schemas::topics::COMPLETIONS),
+            dlq: format!("{}.{scenario}", sluice_schemas::topics::DLQ),
+        };
+        for (name, partitions) in [(&topics.tasks, task_partitions), (&topics.completions, 2), (&topics.dlq, 2)] {
+            let status = Command::new(repo_root().join("scripts/stack.sh"))
+                .args([
+                    "topic".as_ref(),
+                    self.dir.as_os_str(),
+                    name.as_ref(),
+                    partitions.to_string().as_ref(),
+                ])
+                .status()?;
+            if !status.success() {
+                bail!("creating topic {name} failed");
+            }
+        }
+        Ok(topics)
+    }
+
     pub fn brokers(&self) -> &str {
         &self.env["SLUICE_KAFKA_BROKERS"]
     }
@@ -101,6 +125,25 @@ impl Stack {
     /// The stack's settings as `(name, value)` pairs, for child processes.
     pub fn vars(&self) -> Vec<(String, String)> {
         self.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+}
+
+/// The three topics one scenario uses.
+#[derive(Debug, Clone)]
+pub struct Topics {
+    pub tasks: String,
+    pub completions: String,
+    pub dlq: String,
+}
+
+impl Topics {
+    /// Worker settings that point at these topics.
+    pub fn worker_env(&self) -> [(&'static str, &str); 3] {
+        [
+            ("SLUICE_TASKS_TOPIC", self.tasks.as_str()),
+            ("SLUICE_COMPLETIONS_TOPIC", self.completions.as_str()),
+            ("SLUICE_DLQ_TOPIC", self.dlq.as_str()),
+        ]
     }
 }
 

@@ -10,7 +10,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use sluice_integration_tests::cluster::{API_KEY, Cluster};
 use sluice_integration_tests::kafka::producer;
-use sluice_integration_tests::{Consumed, Service, Stack, TopicReader, bin, png_info, produce_raw, sha256_hex};
+use sluice_integration_tests::{Consumed, Service, Stack, TopicReader, bin, png_info, produce_raw, sha256_hex, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord, topics};
 use tokio::sync::OnceCell;
 
@@ -114,15 +114,7 @@ async fn the_same_seed_gives_the_same_image() {
 async fn malformed_records_go_to_the_dlq_and_the_tasks_around_them_complete() {
     let c = cluster().await;
     let kafka = producer(c.stack.brokers()).unwrap();
-    let task = |difficulty: u32| {
-        let id = uuid::Uuid::now_v7().to_string();
-        let record = json!({
-            "version": 1, "task_id": id, "submitted_at": chrono::Utc::now().to_rfc3339(), "tenant": "acme", "user": null, "model": "terrain",
-            "request": {"prompt": "", "negative_prompt": "", "steps": 1, "guidance_scale": 1.0, "seed": 5, "sampler": "onestep",
-                        "width": 128, "height": 128, "num_images": 1, "params": {"difficulty": difficulty, "colormap": "terrain", "tile_overlap": 32}}
-        });
-        (id, record)
-    };
+    let task = |difficulty: u32| terrain_task(5, 128, 128, difficulty);
     let (good_before, before) = task(20);
     let (good_after, after) = task(80);
     let (bad_id, mut out_of_bounds) = task(30);

@@ -284,7 +284,15 @@ impl Serving {
                     .await
             }
             Err(e) => Err(EngineError::Load(format!("{}: {e}", served.path.display()))),
-        };
+        }
+        // ORT names the file by the descriptor it was read through; name the model's path.
+        .map_err(|e| match e {
+            EngineError::Load(message) if new_file.is_ok() => EngineError::Load(message.replace(
+                &fd_path(new_file.as_ref().expect("checked")).display().to_string(),
+                &served.path.display().to_string(),
+            )),
+            e => e,
+        });
         let (result, error) = match attempt {
             Ok(placement) => {
                 *state = Loaded {

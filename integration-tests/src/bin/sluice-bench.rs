@@ -13,11 +13,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
-use serde_json::json;
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::{Stack, repo_root};
-use sluice_integration_tests::{TopicReader, produce_raw};
+use sluice_integration_tests::{TopicReader, produce_raw, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
 use sluice_worker::engine::{Backend, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
@@ -108,12 +107,7 @@ fn tiny_model_dir(stack: &Stack) -> anyhow::Result<PathBuf> {
 }
 
 fn task_record(i: usize) -> serde_json::Value {
-    json!({
-        "version": 1, "task_id": uuid::Uuid::now_v7().to_string(), "submitted_at": Utc::now().to_rfc3339(),
-        "tenant": "bench", "user": null, "model": "terrain",
-        "request": {"prompt": "", "negative_prompt": "", "steps": 1, "guidance_scale": 1.0, "seed": i, "sampler": "onestep",
-                    "width": 128, "height": 128, "num_images": 1, "params": {"difficulty": 1 + i % 100, "colormap": "terrain", "tile_overlap": 32}}
-    })
+    terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32).1
 }
 
 /// Raw: the model alone, in this process, on prepared inputs (no Kafka, no encoding, no storage).

@@ -1,0 +1,124 @@
+//! Task records as the producer publishes them, and what became of them: the completion and DLQ
+//! records read back from the topics.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use rdkafka::producer::FutureProducer;
+use serde_json::{Value, json};
+use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord};
+
+use crate::kafka::{TopicReader, produce_raw};
+
+/// A valid version-1 terrain task record of tenant `acme`: its task id and its JSON.
+pub fn terrain_task(seed: u64, width: u32, height: u32, difficulty: u32) -> (String, Value) {
+    let id = uuid::Uuid::now_v7().to_string();
+    let record = json!({
+        "version": 1, "task_id": id, "submitted_at": chrono::Utc::now().to_rfc3339(), "tenant": "acme", "user": null, "model": "terrain",
+        "request": {"prompt": "", "negative_prompt": "", "steps": 1, "guidance_scale": 1.0, "seed": seed, "sampler": "onestep",
+                    "width": width, "height": height, "num_images": 1,
+                    "params": {"difficulty": difficulty, "colormap": "terrain", "tile_overlap": 32}}
+    });
+    (id, record)
+}
+
+/// Publishes task records (key = task id, schema-version header), all awaiting their
+/// acknowledgement at once.
+pub async fn publish_tasks(producer: &FutureProducer, topic: &str, tasks: &[(String, Value)]) -> anyhow::Result<()> {
+    let sends = tasks.iter().map(|(id, record)| async move {
+        let value = serde_json::to_vec(record)?;
+        produce_raw(producer, topic, Some(id.as_bytes()), &value, &[("sluice-schema-version", b"1")]).await
+    });
+    for sent in futures::future::join_all(sends).await {
+        sent?;
+    }
+    Ok(())
+}
+
+/// What became of a set of tasks, by task id: every completion and every DLQ record of each
+/// (more than one means it was announced twice).
+#[derive(Debug, Default)]
+pub struct Outcomes {
+    pub completions: HashMap<String, Vec<CompletionEvent>>,
+    pub dlq: HashMap<String, Vec<DlqRecord>>,
+}
+
+impl Outcomes {
+    /// Reads `completions_topic` until every id in `ids` has a completion, then `dlq_topic` until
+    /// every failed one has its DLQ record. Fails after `timeout`, naming what is missing.
+    pub fn wait(
+        brokers: &str,
+        completions_topic: &str,
+        dlq_topic: &str,
+        ids: &BTreeSet<String>,
+        timeout: Duration,
+    ) -> anyhow::Result<Outcomes> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut outcomes = Outcomes::default();
+        let mut reader = TopicReader::new(brokers, completions_topic)?;
+        let mut missing = ids.clone();
+        let read = reader.read_each(timeout, |r| {
+            if let Ok(c) = serde_json::from_slice::<CompletionEvent>(&r.value) {
+                let id = c.task_id.to_string();
+                if ids.contains(&id) {
+                    missing.remove(&id);
+                    outcomes.completions.entry(id).or_default().push(c);
+                }
+            }
+            missing.is_empty()
+        });
+        if let Err(e) = read {
+            anyhow::bail!(
+                "{e}: no completion for {} of {} tasks, e.g. {:?}",
+                missing.len(),
+                ids.len(),
+                missing.iter().take(5).collect::<Vec<_>>()
+            );
+        }
+        let mut failed: BTreeSet<String> = outcomes
+            .completions
+            .iter()
+            .filter(|(_, cs)| cs.iter().any(|c| c.status == CompletionStatus::Failed))
+            .map(|(id, _)| id.clone())
+            .collect();
+        if !failed.is_empty() {
+            let mut reader = TopicReader::new(brokers, dlq_topic)?;
+            let left = deadline
+                .saturating_duration_since(std::time::Instant::now())
+                .max(Duration::from_secs(10));
+            let read = reader.read_each(left, |r| {
+                if let Some(d) = serde_json::from_slice::<DlqRecord>(&r.value).ok().filter(|d| d.task_id.is_some()) {
+                    let id = d.task_id.expect("checked").to_string();
+                    if ids.contains(&id) {
+                        failed.remove(&id);
+                        outcomes.dlq.entry(id).or_default().push(d);
+                    }
+                }
+                failed.is_empty()
+            });
+            if let Err(e) = read {
+                anyhow::bail!("{e}: no DLQ record for failed tasks {failed:?}");
+            }
+        }
+        Ok(outcomes)
+    }
+
+    /// Ids whose (first) completion says `status`.
+    pub fn with_status(&self, status: CompletionStatus) -> BTreeSet<String> {
+        self.completions
+            .iter()
+            .filter(|(_, cs)| cs[0].status == status)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// DLQ reason of a failed task.
+    pub fn dlq_reason(&self, id: &str) -> Option<&str> {
+        self.dlq.get(id).map(|d| d[0].reason.as_str())
+    }
+}
+
+/// `(task id, JSON)` pairs into the set of their ids.
+pub fn ids_of(tasks: &[(String, Value)]) -> BTreeSet<String> {
+    tasks.iter().map(|(id, _)| id.clone()).collect()
+}

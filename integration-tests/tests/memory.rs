@@ -1,0 +1,279 @@
+//! Memory discipline on real out-of-memory errors: ONNX Runtime's CPU arena is capped
+//! (`SLUICE_ORT_CPU_ARENA_MAX_BYTES`), so a batch that needs more than the cap fails inside ORT
+//! exactly as a CUDA allocation does on a GPU. Batches halve, tasks that cannot fit even alone
+//! go to the DLQ, the worker stays up; concurrent singles don't fail each other; reloads neither
+//! lose tasks nor leak memory, fall back on a broken model and exit when they cannot.
+//!
+//! Measured here (terrain UNet, 128×128 tiles): a 1 GB cap runs 8 tiles in one call but not 18;
+//! 700 MB runs one 320×320 map (9 tiles) at a time, not two side by side.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::Value;
+use sluice_integration_tests::cluster::{Worker, metric_value};
+use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, terrain_task, wait_for};
+use sluice_schemas::CompletionStatus;
+use tokio::sync::OnceCell;
+
+static STACK: OnceCell<Stack> = OnceCell::const_new();
+
+async fn stack() -> &'static Stack {
+    STACK.get_or_init(|| async { Stack::start("memory").expect("stack starts") }).await
+}
+
+/// A worker of its own group on its own topics.
+async fn worker(stack: &Stack, scenario: &str, topics: &Topics, extra: &[(&str, &str)]) -> Worker {
+    let group = format!("memory-{scenario}");
+    let mut env: Vec<(&str, &str)> = topics.worker_env().to_vec();
+    env.push(("SLUICE_GROUP_ID", &group));
+    env.extend_from_slice(extra);
+    Worker::start(stack, scenario, &env).await.expect("worker starts")
+}
+
+fn outcomes(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>, timeout: Duration) -> Outcomes {
+    tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics.completions, &topics.dlq, ids, timeout)).unwrap()
+}
+
+/// The worker's log as JSON lines.
+fn log_events(worker: &Worker) -> Vec<Value> {
+    worker
+        .service
+        .log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn large_maps_halve_their_batch_and_what_cannot_fit_alone_goes_to_the_dlq() {
+    let stack = stack().await;
+    let topics = stack.topics("oom", 4).unwrap();
+    let mut worker = worker(
+        stack,
+        "oom",
+        &topics,
+        &[
+            ("SLUICE_ORT_CPU_ARENA_MAX_BYTES", "1000000000"),
+            ("SLUICE_MAX_BATCH", "8"),
+            ("SLUICE_MAX_WAIT_MS", "2000"),
+            // Production's log format, so the test reads the fields.
+            ("SLUICE_LOG_FORMAT", "json"),
+        ],
+    )
+    .await;
+    // Small maps (one tile each), a group of 320×320 maps (9 tiles: 6 of them, 54 rows, overflow
+    // the cap together; one fits alone) and 1024×1024 maps (121 tiles: never fit).
+    let small: Vec<_> = (0..8).map(|i| terrain_task(i, 128, 128, 10 + i as u32)).collect();
+    let large: Vec<_> = (0..6).map(|i| terrain_task(100 + i, 320, 320, 50)).collect();
+    let huge: Vec<_> = (0..2).map(|i| terrain_task(200 + i, 1024, 1024, 90)).collect();
+    let kafka = producer(stack.brokers()).unwrap();
+    // The large group first, all at once, so that it batches at the configured maximum.
+    publish_tasks(&kafka, &topics.tasks, &large).await.unwrap();
+    publish_tasks(&kafka, &topics.tasks, &huge).await.unwrap();
+    publish_tasks(&kafka, &topics.tasks, &small).await.unwrap();
+
+    let all: Vec<_> = [small.clone(), large.clone(), huge.clone()].concat();
+    let done = outcomes(stack, &topics, &ids_of(&all), Duration::from_secs(240));
+    let succeeded = done.with_status(CompletionStatus::Succeeded);
+    for (id, _) in small.iter().chain(&large) {
+        assert!(succeeded.contains(id), "{id} should have completed: {:?}", done.completions[id]);
+    }
+    for (id, _) in &huge {
+        assert_eq!(done.dlq_reason(id), Some("resource_exhausted"), "{id}");
+        let record = &done.dlq[id][0];
+        assert!(
+            record.message.contains("1024x1024"),
+            "the DLQ names the dimensions: {}",
+            record.message
+        );
+        let failed = &done.completions[id][0];
+        assert_eq!(failed.status, CompletionStatus::Failed);
+    }
+
+    // The worker never exited, and says so.
+    assert!(worker.service.running(), "the worker is still up");
+    assert!(reqwest::get(format!("{}/readyz", worker.url)).await.unwrap().status().is_success());
+
+    // One WARN per handled OOM, naming bucket, sizes, dimensions and task ids; never an ERROR.
+    let events = log_events(&worker);
+    let halvings: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["message"] == "out of memory; retrying with a smaller batch" && e["bucket"] == "terrain:9")
+        .collect();
+    assert!(!halvings.is_empty(), "the large group halved");
+    let first = halvings[0];
+    assert_eq!(first["level"], "WARN");
+    // All six arrive within the batch wait, so the first run is the configured size (capped by
+    // rows: 64 / 9 = 7 ≥ 6) — unless the fetch split them; either way it halves.
+    let before = first["batch_before"].as_u64().unwrap();
+    assert!(before >= 4, "{first}");
+    assert_eq!(first["batch_after"].as_u64().unwrap(), before / 2, "{first}");
+    assert!(first["dimensions"].as_str().unwrap().contains("320x320x1"));
+    for (id, _) in &large {
+        assert!(
+            halvings.iter().any(|e| e["task_ids"].as_str().unwrap().contains(id.as_str())),
+            "{id} named in a halving"
+        );
+    }
+    let memory_error = events.iter().find(|e| e["level"] == "ERROR" && e.to_string().contains("memory"));
+    assert!(memory_error.is_none(), "no ERROR for handled OOMs: {memory_error:?}");
+
+    // The learned ceiling and the counters on /metrics.
+    let metrics = worker.metrics().await.unwrap();
+    let ceiling = metric_value(&metrics, "sluice_worker_batch_ceiling{bucket=\"terrain:9\"}").unwrap();
+    assert!((1.0..=2.0).contains(&ceiling), "learned ceiling of the 9-tile bucket: {ceiling}");
+    assert!(metric_value(&metrics, "sluice_worker_oom_total{bucket=\"terrain:9\"}").unwrap() >= 2.0);
+    assert!(metric_value(&metrics, "sluice_worker_oom_total{bucket=\"terrain:121\"}").unwrap() >= 2.0);
+    assert_eq!(
+        metric_value(&metrics, "sluice_worker_dlq_records_total{reason=\"resource_exhausted\"}"),
+        Some(2.0)
+    );
+    assert!(metrics.contains("sluice_worker_batch_size_bucket{bucket=\"terrain:9\""));
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// Eight 320×320 maps at batch 1 on two engine slots, under a cap that holds one at a time.
+async fn singles(scenario: &str, serialize: bool) -> (usize, usize) {
+    let stack = stack().await;
+    let topics = stack.topics(scenario, 4).unwrap();
+    let no_serialize = (!serialize).to_string();
+    let mut worker = worker(
+        stack,
+        scenario,
+        &topics,
+        &[
+            ("SLUICE_ORT_CPU_ARENA_MAX_BYTES", "700000000"),
+            ("SLUICE_MAX_BATCH", "1"),
+            ("SLUICE_ENGINE_SLOTS", "2"),
+            ("SLUICE_NO_SERIALIZE_SINGLES", &no_serialize),
+        ],
+    )
+    .await;
+    let tasks: Vec<_> = (0..8).map(|i| terrain_task(300 + i, 320, 320, 40)).collect();
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, &tasks)
+        .await
+        .unwrap();
+    let done = outcomes(stack, &topics, &ids_of(&tasks), Duration::from_secs(240));
+    assert!(worker.service.running());
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+    let ok = done.with_status(CompletionStatus::Succeeded).len();
+    (ok, tasks.len() - ok)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_singles_do_not_make_each_other_fail() {
+    let (ok, failed) = singles("singles", true).await;
+    assert_eq!((ok, failed), (8, 0), "serialized singles all complete");
+    // The same load with the device permit switched off: side-by-side runs overflow the cap
+    // and fail each other. (That this happens is what makes the assertion above mean something.)
+    let (_, failed) = singles("singles-unserialized", false).await;
+    assert!(failed > 0, "without serialization concurrent singles ran out of memory");
+}
+
+async fn reload(worker: &Worker) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .post(format!("{}/admin/reload", worker.url))
+        .json(&serde_json::json!({"model": "terrain"}))
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.json().await.unwrap_or(Value::Null))
+}
+
+/// RSS bound after the warm-up reloads, above the warm baseline.
+const RSS_BOUND_BYTES: u64 = 150 << 20;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exit() {
+    let stack = stack().await;
+    let topics = stack.topics("reload", 4).unwrap();
+    // A model directory of its own, with a real copy of the model (the file is replaced and
+    // corrupted below; the stack's model is a link to the shared cache).
+    let models = stack.dir.join("reload-models/terrain");
+    std::fs::create_dir_all(&models).unwrap();
+    let model = models.join("model.onnx");
+    std::fs::copy(stack.dir.join("models/terrain/model.onnx"), &model).unwrap();
+    let model_dir = stack.dir.join("reload-models").display().to_string();
+    let mut worker = worker(
+        stack,
+        "reload",
+        &topics,
+        &[("SLUICE_MODEL_DIR", &model_dir), ("SLUICE_MAX_WAIT_MS", "20")],
+    )
+    .await;
+    let kafka = producer(stack.brokers()).unwrap();
+
+    // Tasks flow while the model is reloaded 50 times.
+    let mut tasks = Vec::new();
+    let mut rss = Vec::new();
+    for i in 0..50u64 {
+        let wave: Vec<_> = (0..2).map(|j| terrain_task(i * 2 + j, 128, 128, 1 + (i as u32 % 100))).collect();
+        publish_tasks(&kafka, &topics.tasks, &wave).await.unwrap();
+        tasks.extend(wave);
+        let (status, report) = reload(&worker).await;
+        assert_eq!(status, 200, "{report}");
+        let report = &report["reloads"][0];
+        assert_eq!(report["result"], "reloaded", "{report}");
+        rss.push((
+            report["before"]["rss_bytes"].as_u64().unwrap(),
+            report["after_unload"]["rss_bytes"].as_u64().unwrap(),
+            report["after"]["rss_bytes"].as_u64().unwrap(),
+        ));
+    }
+    let done = outcomes(stack, &topics, &ids_of(&tasks), Duration::from_secs(300));
+    assert_eq!(
+        done.with_status(CompletionStatus::Succeeded).len(),
+        tasks.len(),
+        "every task completed across the reloads"
+    );
+    let baseline = rss[4].2;
+    let worst = rss[5..].iter().map(|r| r.2).max().unwrap();
+    eprintln!(
+        "reload RSS: first {} MB, warm baseline (after reload 5) {} MB, worst after reload 6..50 {} MB, last {} MB, lowest after an unload {} MB; bound baseline + {} MB",
+        rss[0].2 >> 20,
+        baseline >> 20,
+        worst >> 20,
+        rss[49].2 >> 20,
+        rss.iter().map(|r| r.1).min().unwrap() >> 20,
+        RSS_BOUND_BYTES >> 20
+    );
+    assert!(
+        worst <= baseline + RSS_BOUND_BYTES,
+        "RSS after reloads grew from {baseline} to {worst} bytes"
+    );
+
+    // A broken new file (atomically replaced, as a deployment does): the reload falls back to
+    // the previous model, which keeps serving.
+    let previous = models.join("model.onnx.previous");
+    std::fs::hard_link(&model, &previous).unwrap();
+    let broken = models.join("model.onnx.new");
+    std::fs::write(&broken, b"not an onnx model").unwrap();
+    std::fs::rename(&broken, &model).unwrap();
+    let (status, report) = reload(&worker).await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["reloads"][0]["result"], "fell_back", "{report}");
+    assert!(report["reloads"][0]["error"].as_str().unwrap().contains("model.onnx"), "{report}");
+    let after: Vec<_> = (0..3).map(|i| terrain_task(900 + i, 128, 128, 70)).collect();
+    publish_tasks(&kafka, &topics.tasks, &after).await.unwrap();
+    let done = outcomes(stack, &topics, &ids_of(&after), Duration::from_secs(120));
+    assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), after.len());
+    wait_for("ready again", Duration::from_secs(10), async || {
+        reqwest::get(format!("{}/readyz", worker.url))
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+    })
+    .await
+    .unwrap();
+
+    // Now the previous model is corrupted too (in place, through its other name): the reload
+    // cannot load either, and the worker exits non-zero rather than stay up unable to serve.
+    std::fs::write(&previous, b"corrupted in place").unwrap();
+    let (status, report) = reload(&worker).await;
+    assert_eq!(status, 500, "{report}");
+    let exit = worker.service.wait(Duration::from_secs(40)).unwrap();
+    assert!(!exit.success(), "exit status {exit:?}");
+    assert_eq!(exit.code(), Some(1));
+}
