@@ -1,6 +1,9 @@
 //! `make bench`: Sluice's benchmarks, printed as tables. Each compares things measured side by side
 //! in this one run (the machine is shared and noisy: absolute numbers vary, ratios less so).
 //!
+//! adaptive: under a CPU arena cap, adaptive batching against every fixed batch size and batch 1
+//! (in process, on the worker's engine), with how long a cold start takes to settle.
+//!
 //! pipeline: for the same model and batch size, raw in-process ONNX Runtime images/s against
 //! end-to-end images/s through one worker, Kafka and S3 (tasks pre-loaded on the topic; rate
 //! measured at steady state, from the worker's completion timestamps), for the pretrained
@@ -36,9 +39,22 @@ struct Row {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
     let which = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    if which == "all" {
+        // One process per benchmark: ONNX Runtime has one environment per process, and the
+        // adaptive benchmark caps its CPU arena.
+        for which in ["pipeline", "adaptive"] {
+            let status = std::process::Command::new(std::env::current_exe()?).arg(which).status()?;
+            anyhow::ensure!(status.success(), "benchmark {which} failed");
+        }
+        return Ok(());
+    }
     let stack = Stack::start("bench")?;
+    if which == "adaptive" {
+        return adaptive::run(&stack).await;
+    }
+    anyhow::ensure!(which == "pipeline", "unknown benchmark {which:?}: all, pipeline or adaptive");
     let mut rows = Vec::new();
-    if which == "all" || which == "pipeline" {
+    {
         let terrain = stack.dir.join("models");
         rows.push(pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 64, 40).await?);
         let tiny = tiny_model_dir(&stack)?;
@@ -113,13 +129,18 @@ fn task_record(i: usize) -> serde_json::Value {
 /// Raw: the model alone, in this process, on prepared inputs (no Kafka, no encoding, no storage).
 /// ONNX Runtime allows one environment per process: every scenario shares this one.
 fn runtime(stack: &Stack) -> anyhow::Result<Arc<Runtime>> {
+    runtime_with(stack, None)
+}
+
+/// The process's runtime; `cpu_arena_max_bytes` applies when this call creates it.
+fn runtime_with(stack: &Stack, cpu_arena_max_bytes: Option<usize>) -> anyhow::Result<Arc<Runtime>> {
     static RUNTIME: std::sync::OnceLock<Arc<Runtime>> = std::sync::OnceLock::new();
     if let Some(r) = RUNTIME.get() {
         return Ok(r.clone());
     }
     let r = Arc::new(Runtime::init(&RuntimeOptions {
         dylib_path: Some(stack.env["ORT_DYLIB_PATH"].clone().into()),
-        cpu_arena_max_bytes: None,
+        cpu_arena_max_bytes,
     })?);
     Ok(RUNTIME.get_or_init(|| r).clone())
 }
@@ -263,4 +284,185 @@ async fn pipeline(
         p50_ms: latencies[latencies.len() / 2],
         p99_ms: latencies[latencies.len() * 99 / 100],
     })
+}
+
+/// adaptive: under a CPU arena cap, the same tasks through [`Adaptive`] with a large maximum
+/// (it learns what fits) against each fixed batch size, batch 1 included. In process, on the
+/// engine the worker uses, so that the table measures batching and not the broker.
+mod adaptive {
+    use super::*;
+    use sluice_worker::adaptive::{Adaptive, BatchItem, BatchSize, Done};
+    use sluice_worker::metrics::Metrics;
+    use sluice_worker::models::{Bucket, Prepared};
+
+    struct Item(Prepared, usize);
+
+    impl BatchItem for Item {
+        fn prepared(&self) -> &Prepared {
+            &self.0
+        }
+        fn id(&self) -> String {
+            self.1.to_string()
+        }
+        fn dimensions(&self) -> String {
+            "128x128x1".into()
+        }
+    }
+
+    struct Outcome {
+        images_per_s: f64,
+        ooms: u64,
+        failed: usize,
+        steady_batch: usize,
+        /// Seconds from the start until the learned size last changed, and batches run by then.
+        steady_after: (f64, usize),
+    }
+
+    /// Runs `tasks` tasks in calls of at most `max`, as the batcher hands them over: each batch
+    /// as large as the bucket's current limit.
+    async fn measure(engine: &Engine, model_dir: &Path, max: usize, tasks: usize) -> anyhow::Result<Outcome> {
+        let path = model_dir.join("terrain/model.onnx");
+        let loader: Loader =
+            Arc::new(move |rt: &Runtime| Ok(Box::new(OrtBackend::load(rt, &path, &SessionOptions::default())?) as Box<dyn Backend>));
+        engine.load("terrain", loader).await?;
+        let metrics = Metrics::new();
+        let adaptive = Adaptive::new(
+            engine.clone(),
+            BatchSize {
+                max_tasks: max,
+                max_rows: max,
+            },
+            16,
+            true,
+            metrics.clone(),
+        );
+        let bucket = Bucket {
+            model: "terrain".into(),
+            rows_per_task: 1,
+        };
+        // Inputs prepared beforehand: the table compares batching, not input preparation.
+        let adapter = Terrain;
+        // A pool of prepared inputs, recycled as runs finish.
+        let mut pending: std::collections::VecDeque<Item> = (0..tasks.min(1024))
+            .map(|i| {
+                let task = serde_json::from_value(task_record(i)).expect("task");
+                Item(adapter.prepare(&task).expect("prepared"), i)
+            })
+            .collect();
+        let (mut issued, mut done, mut failed, mut batches) = (0usize, 0usize, 0usize, 0usize);
+        // (seconds, batches run, limit after them) at every change of the learned limit.
+        let mut changes = vec![(0.0, 0, adaptive.limit(&bucket))];
+        let started = Instant::now();
+        while issued < tasks {
+            let n = adaptive.limit(&bucket).min(tasks - issued).min(pending.len());
+            issued += n;
+            let items: Vec<Item> = pending.drain(..n).collect();
+            let mut returned = Vec::new();
+            adaptive
+                .run(&bucket, items, |d| match d {
+                    Done::Ran { items, .. } => {
+                        done += items.len();
+                        returned.extend(items);
+                    }
+                    Done::Failed { item, .. } => {
+                        failed += 1;
+                        returned.push(item);
+                    }
+                })
+                .await;
+            pending.extend(returned);
+            batches += 1;
+            let limit = adaptive.limit(&bucket);
+            if limit != changes.last().expect("one").2 {
+                changes.push((started.elapsed().as_secs_f64(), batches, limit));
+            }
+        }
+        // Steady size: the one it ran at most of the time, i.e. where it ended after probes
+        // failed; reached when the limit first came down to it.
+        let steady_batch = changes.last().expect("one").2;
+        let steady_after = changes
+            .iter()
+            .find(|c| c.2 == steady_batch)
+            .map(|c| (c.0, c.1))
+            .expect("the last one matches");
+        let elapsed = started.elapsed().as_secs_f64();
+        engine.unload("terrain").await;
+        let ooms = metrics.ooms.with_label_values(&[&bucket.to_string()]).get();
+        Ok(Outcome {
+            images_per_s: done as f64 / elapsed,
+            ooms,
+            failed,
+            steady_batch,
+            steady_after,
+        })
+    }
+
+    pub async fn run(stack: &Stack) -> anyhow::Result<()> {
+        let cap: usize = std::env::var("SLUICE_BENCH_ARENA_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64 << 20);
+        let tasks: usize = std::env::var("SLUICE_BENCH_ADAPTIVE_TASKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32_768);
+        let engine = Engine::start(runtime_with(stack, Some(cap))?, 1);
+        let tiny = tiny_model_dir(stack)?;
+        let mut rows = Vec::new();
+        for (label, max) in [
+            ("adaptive (max 256)", 256),
+            ("fixed 1", 1),
+            ("fixed 4", 4),
+            ("fixed 16", 16),
+            ("fixed 32", 32),
+            ("fixed 64", 64),
+            ("fixed 128", 128),
+            ("fixed 256", 256),
+        ] {
+            eprintln!("== adaptive: {label}, {tasks} tasks, CPU arena capped at {} MiB", cap >> 20);
+            rows.push((label, max, measure(&engine, &tiny, max, tasks).await?));
+        }
+        let best_fixed = rows
+            .iter()
+            .filter(|(l, _, o)| l.starts_with("fixed") && o.ooms == 0)
+            .map(|(_, _, o)| o.images_per_s)
+            .fold(0.0, f64::max);
+        let single = rows
+            .iter()
+            .find(|(l, _, _)| *l == "fixed 1")
+            .map(|r| r.2.images_per_s)
+            .unwrap_or(f64::NAN);
+        println!();
+        println!(
+            "## adaptive batching under a memory cap (terrain-tiny, CPU arena capped at {} MiB, {tasks} tasks of 128x128, one engine thread)",
+            cap >> 20
+        );
+        println!();
+        println!(
+            "| strategy | images/s | vs best fixed that fits | vs batch 1 | OOMs handled | tasks failed | steady batch size | first reached after |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        for (label, _, o) in &rows {
+            let fits = if label.starts_with("fixed") && o.ooms > 0 {
+                format!(" (does not fit: halved to {})", o.steady_batch)
+            } else {
+                String::new()
+            };
+            let steady = if o.steady_after.1 == 0 {
+                "start".to_owned()
+            } else {
+                format!("{:.3} s ({} batches)", o.steady_after.0, o.steady_after.1)
+            };
+            println!(
+                "| {label}{fits} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {steady} |",
+                o.images_per_s,
+                o.images_per_s / best_fixed,
+                o.images_per_s / single,
+                o.ooms,
+                o.failed,
+                o.steady_batch
+            );
+        }
+        Ok(())
+    }
 }
