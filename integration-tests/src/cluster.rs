@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use crate::free_port;
 use crate::process::{Service, bin};
-use crate::stack::Stack;
+use crate::stack::{Stack, Topics};
 
 /// The API key the test producer accepts, for tenant `acme`.
 pub const API_KEY: &str = "test-key";
@@ -43,6 +43,14 @@ impl Worker {
             id: id.into(),
             env,
         })
+    }
+
+    /// Starts a worker `id` in group `group` on `topics`, with extra settings.
+    pub async fn on_topics(stack: &Stack, id: &str, group: &str, topics: &Topics, extra: &[(&str, &str)]) -> anyhow::Result<Worker> {
+        let mut env: Vec<(&str, &str)> = topics.worker_env().to_vec();
+        env.push(("SLUICE_GROUP_ID", group));
+        env.extend_from_slice(extra);
+        Worker::start(stack, id, &env).await
     }
 
     /// Starts this worker again after it stopped (same id, same settings, new port).
@@ -132,4 +140,21 @@ impl Cluster {
         anyhow::ensure!(status == 202, "expected 202, got {status}: {reply}");
         Ok(reply["task_id"].as_str().context("task_id")?.to_owned())
     }
+}
+
+/// Runs `sluice-producer` with `args` against `stack` to the end; returns its stdout, failing
+/// with its stderr when it exits non-zero.
+pub fn producer_cli(stack: &Stack, args: &[&str]) -> anyhow::Result<String> {
+    let output = std::process::Command::new(bin("sluice-producer"))
+        .args(args)
+        .envs(stack.vars())
+        .env("SLUICE_LOG_FORMAT", "text")
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "sluice-producer {args:?} failed ({}): {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
 }

@@ -53,6 +53,18 @@ impl Outcomes {
         ids: &BTreeSet<String>,
         timeout: Duration,
     ) -> anyhow::Result<Outcomes> {
+        Outcomes::wait_settled(brokers, completions_topic, dlq_topic, ids, timeout, |cs| !cs.is_empty())
+    }
+
+    /// Like [`Outcomes::wait`], reading until `settled` holds for the completions of every id.
+    pub fn wait_settled(
+        brokers: &str,
+        completions_topic: &str,
+        dlq_topic: &str,
+        ids: &BTreeSet<String>,
+        timeout: Duration,
+        settled: impl Fn(&[CompletionEvent]) -> bool,
+    ) -> anyhow::Result<Outcomes> {
         let deadline = std::time::Instant::now() + timeout;
         let mut outcomes = Outcomes::default();
         let mut reader = TopicReader::new(brokers, completions_topic)?;
@@ -61,8 +73,11 @@ impl Outcomes {
             if let Ok(c) = serde_json::from_slice::<CompletionEvent>(&r.value) {
                 let id = c.task_id.to_string();
                 if ids.contains(&id) {
-                    missing.remove(&id);
-                    outcomes.completions.entry(id).or_default().push(c);
+                    let all = outcomes.completions.entry(id.clone()).or_default();
+                    all.push(c);
+                    if settled(all) {
+                        missing.remove(&id);
+                    }
                 }
             }
             missing.is_empty()

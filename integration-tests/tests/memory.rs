@@ -25,11 +25,9 @@ async fn stack() -> &'static Stack {
 
 /// A worker of its own group on its own topics.
 async fn worker(stack: &Stack, scenario: &str, topics: &Topics, extra: &[(&str, &str)]) -> Worker {
-    let group = format!("memory-{scenario}");
-    let mut env: Vec<(&str, &str)> = topics.worker_env().to_vec();
-    env.push(("SLUICE_GROUP_ID", &group));
-    env.extend_from_slice(extra);
-    Worker::start(stack, scenario, &env).await.expect("worker starts")
+    Worker::on_topics(stack, scenario, &format!("memory-{scenario}"), topics, extra)
+        .await
+        .expect("worker starts")
 }
 
 fn outcomes(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>, timeout: Duration) -> Outcomes {

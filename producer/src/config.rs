@@ -26,6 +26,87 @@ pub enum Command {
     Serve(ServeArgs),
     /// Publish task requests from a JSON-lines file (or stdin), one per line.
     Submit(SubmitArgs),
+    /// Copy a range of a topic of task records (the tasks topic by default) onto the tasks
+    /// topic again, optionally only some models or tenants. Finished tasks are re-announced,
+    /// not run again.
+    Replay(ReplayArgs),
+    /// Copy the original records of DLQ records back onto the tasks topic, optionally only some
+    /// reasons. Each task at most once per run.
+    Redrive(RedriveArgs),
+}
+
+/// The range of a topic a replay or redrive reads. Without bounds: every partition, from the
+/// beginning to the end as it was when the run started.
+#[derive(Debug, Clone, Args)]
+pub struct RangeArgs {
+    /// Only these partitions (comma-separated).
+    #[arg(long, env = "SLUICE_RANGE_PARTITIONS", value_delimiter = ',')]
+    pub partition: Vec<i32>,
+    /// Start offsets, `partition=offset` (inclusive), comma-separated.
+    #[arg(long, env = "SLUICE_RANGE_FROM_OFFSETS", value_delimiter = ',', value_parser = parse_partition_offset)]
+    pub from_offset: Vec<(i32, i64)>,
+    /// End offsets, `partition=offset` (exclusive), comma-separated.
+    #[arg(long, env = "SLUICE_RANGE_TO_OFFSETS", value_delimiter = ',', value_parser = parse_partition_offset)]
+    pub to_offset: Vec<(i32, i64)>,
+    /// Records at or after this time (RFC 3339), found through the broker's timestamp lookup.
+    #[arg(long, env = "SLUICE_RANGE_SINCE")]
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Records before this time (RFC 3339).
+    #[arg(long, env = "SLUICE_RANGE_UNTIL")]
+    pub until: Option<chrono::DateTime<chrono::Utc>>,
+    /// Count what would be written, write nothing.
+    #[arg(long, env = "SLUICE_DRY_RUN")]
+    pub dry_run: bool,
+    /// No progress bar (it is drawn on stderr when that is a terminal).
+    #[arg(long, env = "SLUICE_NO_PROGRESS")]
+    pub no_progress: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    #[command(flatten)]
+    pub publish: PublishArgs,
+    #[command(flatten)]
+    pub range: RangeArgs,
+    /// Topic to read (default: the tasks topic itself).
+    #[arg(long, env = "SLUICE_REPLAY_SOURCE_TOPIC")]
+    pub source_topic: Option<String>,
+    /// Only tasks of these models (comma-separated).
+    #[arg(long, env = "SLUICE_REPLAY_MODELS", value_delimiter = ',')]
+    pub model: Vec<String>,
+    /// Only tasks of these tenants (comma-separated).
+    #[arg(long, env = "SLUICE_REPLAY_TENANTS", value_delimiter = ',')]
+    pub tenant: Vec<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RedriveArgs {
+    #[command(flatten)]
+    pub publish: PublishArgs,
+    #[command(flatten)]
+    pub range: RangeArgs,
+    #[arg(long, env = "SLUICE_DLQ_TOPIC", default_value = sluice_schemas::topics::DLQ)]
+    pub dlq_topic: String,
+    /// Only DLQ records with these reasons (comma-separated: malformed, schema_violation,
+    /// unsupported_version, unsupported_model, too_large, resource_exhausted, model_error,
+    /// retries_exhausted).
+    #[arg(long, env = "SLUICE_REDRIVE_REASONS", value_delimiter = ',', value_parser = parse_reason)]
+    pub reason: Vec<sluice_schemas::DlqReason>,
+}
+
+fn parse_partition_offset(s: &str) -> Result<(i32, i64), String> {
+    let (p, o) = s.split_once('=').ok_or_else(|| format!("expected partition=offset, got {s:?}"))?;
+    Ok((
+        p.trim().parse().map_err(|_| format!("bad partition in {s:?}"))?,
+        o.trim().parse().map_err(|_| format!("bad offset in {s:?}"))?,
+    ))
+}
+
+fn parse_reason(s: &str) -> Result<sluice_schemas::DlqReason, String> {
+    sluice_schemas::DlqReason::parse(s.trim()).ok_or_else(|| {
+        let known: Vec<&str> = sluice_schemas::DlqReason::ALL.iter().map(|r| r.as_str()).collect();
+        format!("unknown reason {s:?}; one of {}", known.join(", "))
+    })
 }
 
 #[derive(Debug, Clone, Args)]

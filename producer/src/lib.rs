@@ -7,3 +7,4 @@ pub mod auth;
 pub mod config;
 pub mod metrics;
 pub mod publish;
+pub mod replay;

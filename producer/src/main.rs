@@ -11,9 +11,10 @@ use futures::StreamExt;
 use rdkafka::producer::FutureProducer;
 use sluice_producer::api::{self, AppState};
 use sluice_producer::auth::ApiKeys;
-use sluice_producer::config::{Cli, Command, PublishArgs, ServeArgs, SubmitArgs};
+use sluice_producer::config::{Cli, Command, PublishArgs, RangeArgs, ServeArgs, SubmitArgs};
 use sluice_producer::metrics::Metrics;
 use sluice_producer::publish::{Submitter, TaskPublisher};
+use sluice_producer::replay::{self, Bounds, Filter, Mode};
 use sluice_service::{shutdown, telemetry};
 use tokio::io::AsyncBufReadExt;
 
@@ -24,6 +25,22 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args).await,
         Command::Submit(args) => submit(args).await,
+        Command::Replay(args) => {
+            let filter = Filter {
+                models: args.model,
+                tenants: args.tenant,
+                ..Filter::default()
+            };
+            let source = args.source_topic.unwrap_or_else(|| args.publish.tasks_topic.clone());
+            copy_range(Mode::Replay, &args.publish, &args.range, &source, &filter).await
+        }
+        Command::Redrive(args) => {
+            let filter = Filter {
+                reasons: args.reason,
+                ..Filter::default()
+            };
+            copy_range(Mode::Redrive, &args.publish, &args.range, &args.dlq_topic, &filter).await
+        }
     };
     match result {
         Ok(code) => code,
@@ -122,4 +139,63 @@ async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Replay or redrive: resolves the range, copies it with a progress bar, prints a JSON summary
+/// on stdout.
+async fn copy_range(mode: Mode, publish: &PublishArgs, range: &RangeArgs, source: &str, filter: &Filter) -> anyhow::Result<ExitCode> {
+    let consumer: rdkafka::consumer::BaseConsumer = publish
+        .kafka
+        .config(&[
+            ("group.id", &format!("sluice-replay-{}", uuid::Uuid::new_v4())),
+            ("enable.auto.commit", "false"),
+            ("enable.partition.eof", "false"),
+            ("fetch.wait.max.ms", "100"),
+        ])
+        .create()
+        .context("creating the Kafka consumer")?;
+    let bounds = Bounds {
+        partitions: range.partition.clone(),
+        from_offsets: range.from_offset.iter().copied().collect(),
+        to_offsets: range.to_offset.iter().copied().collect(),
+        since: range.since,
+        until: range.until,
+    };
+    let timeout = Duration::from_millis(publish.publish_timeout_ms.max(10_000));
+    let ranges = tokio::task::block_in_place(|| replay::resolve(&consumer, source, &bounds, timeout))?;
+    let total: i64 = ranges.values().map(|(start, end)| end - start).sum();
+    tracing::info!(?mode, source, target = %publish.tasks_topic, ?ranges, dry_run = range.dry_run, "copying a range");
+    let producer: FutureProducer = publish
+        .kafka
+        .producer_config("sluice-producer", publish.publish_timeout_ms.max(30_000), 20)
+        .create()
+        .context("creating the Kafka producer")?;
+    let bar = if range.no_progress {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::with_draw_target(Some(total as u64), indicatif::ProgressDrawTarget::stderr())
+    };
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} read, {per_sec}, {elapsed} {msg}").expect("template"));
+    let verb = if range.dry_run { "would write" } else { "written" };
+    let summary = replay::run(
+        mode,
+        consumer,
+        &producer,
+        source,
+        &publish.tasks_topic,
+        &ranges,
+        filter,
+        range.dry_run,
+        |s| {
+            bar.set_position(s.read);
+            bar.set_message(format!(
+                "· {verb} {} · filtered {} · duplicates {} · unreadable {}",
+                s.written, s.filtered, s.duplicates, s.unreadable
+            ));
+        },
+    )
+    .await?;
+    bar.finish();
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(ExitCode::SUCCESS)
 }

@@ -22,6 +22,10 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub const HEADER_SCHEMA_VERSION: &str = "sluice-schema-version";
 /// Kafka header carrying how many times a task has been attempted (set by redrive).
 pub const HEADER_ATTEMPT: &str = "sluice-attempt";
+/// Kafka header that replay and redrive put on the records they write: where the record came
+/// from (`replay:<topic>:<partition>:<offset>` or `redrive:<topic>:<partition>:<offset>`).
+/// Workers check such records for existing results before running them.
+pub const HEADER_ORIGIN: &str = "sluice-origin";
 
 /// Default topic names. Each binary lets them be overridden.
 pub mod topics {

@@ -18,8 +18,7 @@ use crate::sink::Sink;
 /// Records a lease covers beyond the record that extended it.
 pub const LEASE_SPAN: i64 = 4096;
 
-/// The header replay and redrive put on the records they write.
-pub const HEADER_ORIGIN: &str = "sluice-origin";
+pub use sluice_schemas::HEADER_ORIGIN;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Partition {

@@ -1,0 +1,374 @@
+//! Replay and redrive: copying records back onto the tasks topic.
+//!
+//! Both read a fixed range of a topic — per partition from a start (an offset, a time, or the
+//! beginning) to an end fixed when the run starts (an offset, a time, or the high watermark at
+//! that moment, so that replaying a topic into itself ends) — and write what passes the filters
+//! to the tasks topic, each record marked with the header `sluice-origin`. Workers check marked
+//! records for existing results first, so copying a task that already finished re-announces its
+//! completion instead of running it again: both are safe to repeat.
+//!
+//! Replay copies task records byte for byte (key, value, headers). Redrive copies the original
+//! record a DLQ record carries, and counts the attempt up in `sluice-attempt`. One run never
+//! writes the same task twice: a task that reached the DLQ more than once is redriven once.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+use sluice_schemas::{DlqReason, DlqRecord, HEADER_ATTEMPT, HEADER_ORIGIN};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ReplayError {
+    #[error("kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    #[error("topic {0} does not exist or has no partitions")]
+    NoTopic(String),
+    #[error("partition {partition} is not in topic {topic}")]
+    NoPartition { topic: String, partition: i32 },
+    #[error("writing to {topic} failed after {written} records: {source}")]
+    Write { topic: String, written: u64, source: KafkaError },
+}
+
+/// Where each partition's range starts or ends.
+#[derive(Debug, Clone, Default)]
+pub struct Bounds {
+    /// Only these partitions (all when empty).
+    pub partitions: Vec<i32>,
+    /// Start offsets by partition (inclusive); others start at `since` or the beginning.
+    pub from_offsets: BTreeMap<i32, i64>,
+    /// End offsets by partition (exclusive); others end at `until` or the high watermark.
+    pub to_offsets: BTreeMap<i32, i64>,
+    /// Records at or after this time (by record timestamp; needs broker timestamp lookup).
+    pub since: Option<DateTime<Utc>>,
+    /// Records before this time.
+    pub until: Option<DateTime<Utc>>,
+}
+
+/// Which records a run copies.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Replay: only tasks of these models (all when empty).
+    pub models: Vec<String>,
+    /// Replay: only tasks of these tenants (all when empty).
+    pub tenants: Vec<String>,
+    /// Redrive: only DLQ records with these reasons (all when empty).
+    pub reasons: Vec<DlqReason>,
+}
+
+/// What to do with the range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Copy task records as they are.
+    Replay,
+    /// Copy the original records DLQ records carry.
+    Redrive,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Replay => "replay",
+            Mode::Redrive => "redrive",
+        }
+    }
+}
+
+/// Counts of a run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Summary {
+    /// Records read from the range.
+    pub read: u64,
+    /// Records written to the tasks topic (in a dry run: that would be written).
+    pub written: u64,
+    /// Left out by the filters.
+    pub filtered: u64,
+    /// Left out because this run already wrote the same task.
+    pub duplicates: u64,
+    /// Left out because they could not be read as what the mode expects (a record that is not
+    /// a task cannot be filtered by model; a DLQ topic record that is not a DLQ record).
+    pub unreadable: u64,
+    pub dry_run: bool,
+    pub seconds: f64,
+}
+
+/// One record to write.
+struct Copy {
+    key: Option<Vec<u8>>,
+    value: Vec<u8>,
+    headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// Resolves each partition's `[start, end)` in `topic`.
+pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: Duration) -> Result<BTreeMap<i32, (i64, i64)>, ReplayError> {
+    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    let all: Vec<i32> = metadata
+        .topics()
+        .first()
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    if all.is_empty() {
+        return Err(ReplayError::NoTopic(topic.to_owned()));
+    }
+    let partitions = if bounds.partitions.is_empty() {
+        all.clone()
+    } else {
+        bounds.partitions.clone()
+    };
+    for p in partitions.iter().chain(bounds.from_offsets.keys()).chain(bounds.to_offsets.keys()) {
+        if !all.contains(p) {
+            return Err(ReplayError::NoPartition {
+                topic: topic.to_owned(),
+                partition: *p,
+            });
+        }
+    }
+    let by_time = |time: Option<DateTime<Utc>>| -> Result<BTreeMap<i32, i64>, ReplayError> {
+        let Some(time) = time else { return Ok(BTreeMap::new()) };
+        let mut tpl = TopicPartitionList::new();
+        for p in &partitions {
+            tpl.add_partition_offset(topic, *p, Offset::Offset(time.timestamp_millis()))?;
+        }
+        let found = consumer.offsets_for_times(tpl, timeout)?;
+        Ok(found
+            .elements()
+            .iter()
+            .filter_map(|e| match e.offset() {
+                Offset::Offset(o) => Some((e.partition(), o)),
+                // No record at or after the time: the range of that partition is empty.
+                Offset::End => Some((e.partition(), i64::MAX)),
+                _ => None,
+            })
+            .collect())
+    };
+    let since = by_time(bounds.since)?;
+    let until = by_time(bounds.until)?;
+    let mut ranges = BTreeMap::new();
+    for p in partitions {
+        let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
+        let start = bounds
+            .from_offsets
+            .get(&p)
+            .or(since.get(&p))
+            .copied()
+            .unwrap_or(low)
+            .clamp(low, high);
+        let end = bounds
+            .to_offsets
+            .get(&p)
+            .or(until.get(&p))
+            .copied()
+            .unwrap_or(high)
+            .clamp(start, high);
+        ranges.insert(p, (start, end));
+    }
+    Ok(ranges)
+}
+
+/// Copies the range of `source` to `tasks_topic`; `progress` is told of every record read.
+#[allow(clippy::too_many_arguments)]
+pub async fn run(
+    mode: Mode,
+    consumer: BaseConsumer,
+    producer: &FutureProducer,
+    source: &str,
+    tasks_topic: &str,
+    ranges: &BTreeMap<i32, (i64, i64)>,
+    filter: &Filter,
+    dry_run: bool,
+    progress: impl Fn(&Summary),
+) -> Result<Summary, ReplayError> {
+    let started = std::time::Instant::now();
+    let mut summary = Summary {
+        dry_run,
+        ..Summary::default()
+    };
+    let mut tpl = TopicPartitionList::new();
+    let mut open: BTreeMap<i32, i64> = BTreeMap::new();
+    for (p, (start, end)) in ranges {
+        if start < end {
+            tpl.add_partition_offset(source, *p, Offset::Offset(*start))?;
+            open.insert(*p, *end);
+        }
+    }
+    if open.is_empty() {
+        return Ok(summary);
+    }
+    consumer.assign(&tpl)?;
+    let consumer = std::sync::Arc::new(consumer);
+    let mut seen: HashSet<String> = HashSet::new();
+    // Records are read on a blocking thread and written from here, at most 256 awaiting their
+    // acknowledgement.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<(i32, i64, Option<Copy>, Outcome), KafkaError>>(1024);
+    let reader = {
+        let consumer = consumer.clone();
+        let source = source.to_owned();
+        let filter = filter.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut open = open;
+            while !open.is_empty() {
+                let Some(message) = consumer.poll(Duration::from_millis(200)) else {
+                    continue;
+                };
+                let m = match message {
+                    Ok(m) => m,
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(e));
+                        return;
+                    }
+                };
+                let (p, o) = (m.partition(), m.offset());
+                let Some(end) = open.get(&p).copied() else { continue };
+                if o >= end {
+                    open.remove(&p);
+                    continue;
+                }
+                if o + 1 >= end {
+                    open.remove(&p);
+                }
+                let (copy, outcome) = select(mode, &source, &m, &filter);
+                if tx.blocking_send(Ok((p, o, copy, outcome))).is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let mut rx = rx;
+    let mut reading = true;
+    let mut pending = futures::stream::FuturesOrdered::new();
+    loop {
+        tokio::select! {
+            biased;
+            Some(done) = pending.next(), if !pending.is_empty() => {
+                let done: Result<(), KafkaError> = done;
+                done.map_err(|source| ReplayError::Write { topic: tasks_topic.to_owned(), written: summary.written, source })?;
+                summary.written += 1;
+                progress(&summary);
+            }
+            item = rx.recv(), if reading && pending.len() < 256 => {
+                let Some(item) = item else {
+                    reading = false;
+                    continue;
+                };
+                let (p, o, copy, outcome) = item?;
+                summary.read += 1;
+                match outcome {
+                    Outcome::Copy(identity) => {
+                        if !seen.insert(identity) {
+                            summary.duplicates += 1;
+                        } else if dry_run {
+                            summary.written += 1;
+                        } else if let Some(copy) = copy {
+                            let origin = format!("{}:{source}:{p}:{o}", mode.name());
+                            pending.push_back(write(producer, tasks_topic, copy, origin));
+                        }
+                    }
+                    Outcome::Filtered => summary.filtered += 1,
+                    Outcome::Unreadable => summary.unreadable += 1,
+                }
+                progress(&summary);
+            }
+            else => break,
+        }
+    }
+    while let Some(done) = pending.next().await {
+        done.map_err(|source| ReplayError::Write {
+            topic: tasks_topic.to_owned(),
+            written: summary.written,
+            source,
+        })?;
+        summary.written += 1;
+    }
+    reader.await.ok();
+    summary.seconds = started.elapsed().as_secs_f64();
+    progress(&summary);
+    Ok(summary)
+}
+
+enum Outcome {
+    /// Copy it; the string identifies the task, so a run writes each task once.
+    Copy(String),
+    Filtered,
+    Unreadable,
+}
+
+/// What to do with one record of the range.
+fn select(mode: Mode, source: &str, m: &BorrowedMessage<'_>, filter: &Filter) -> (Option<Copy>, Outcome) {
+    let value = m.payload().unwrap_or_default();
+    let headers: Vec<(String, Option<Vec<u8>>)> = m
+        .headers()
+        .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
+        .unwrap_or_default();
+    match mode {
+        Mode::Replay => {
+            let task: Option<serde_json::Value> = serde_json::from_slice(value).ok();
+            let field = |name: &str| task.as_ref().and_then(|t| t.get(name)).and_then(|v| v.as_str()).map(str::to_owned);
+            let filtering = !filter.models.is_empty() || !filter.tenants.is_empty();
+            if task.is_none() && filtering {
+                return (None, Outcome::Unreadable);
+            }
+            let keep = |wanted: &[String], got: Option<String>| wanted.is_empty() || got.is_some_and(|g| wanted.contains(&g));
+            if !keep(&filter.models, field("model")) || !keep(&filter.tenants, field("tenant")) {
+                return (None, Outcome::Filtered);
+            }
+            let identity = field("task_id").unwrap_or_else(|| format!("{source}:{}:{}", m.partition(), m.offset()));
+            let copy = Copy {
+                key: m.key().map(<[u8]>::to_vec),
+                value: value.to_vec(),
+                headers,
+            };
+            (Some(copy), Outcome::Copy(identity))
+        }
+        Mode::Redrive => {
+            let Ok(dlq) = serde_json::from_slice::<DlqRecord>(value) else {
+                return (None, Outcome::Unreadable);
+            };
+            if !filter.reasons.is_empty() && !filter.reasons.contains(&dlq.reason) {
+                return (None, Outcome::Filtered);
+            }
+            let (Ok(key), Ok(value), Ok(headers)) = (dlq.original.key(), dlq.original.value(), dlq.original.headers()) else {
+                return (None, Outcome::Unreadable);
+            };
+            let mut headers: Vec<(String, Option<Vec<u8>>)> = headers.into_iter().filter(|(k, _)| k != HEADER_ATTEMPT).collect();
+            headers.push((HEADER_ATTEMPT.to_owned(), Some((dlq.attempts + 1).to_string().into_bytes())));
+            let identity = dlq
+                .task_id
+                .map(|t| t.to_string())
+                .unwrap_or_else(|| format!("{}:{}:{}", dlq.source.topic, dlq.source.partition, dlq.source.offset));
+            (Some(Copy { key, value, headers }), Outcome::Copy(identity))
+        }
+    }
+}
+
+async fn write(producer: &FutureProducer, topic: &str, copy: Copy, origin: String) -> Result<(), KafkaError> {
+    let headers = copy
+        .headers
+        .iter()
+        .filter(|(k, _)| k != HEADER_ORIGIN)
+        .fold(OwnedHeaders::new(), |h, (k, v)| {
+            h.insert(Header {
+                key: k,
+                value: v.as_deref(),
+            })
+        })
+        .insert(Header {
+            key: HEADER_ORIGIN,
+            value: Some(origin.as_bytes()),
+        });
+    let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(&copy.value).headers(headers);
+    if let Some(key) = &copy.key {
+        record = record.key(key);
+    }
+    producer
+        .send(record, rdkafka::util::Timeout::Never)
+        .await
+        .map(|_| ())
+        .map_err(|(e, _)| e)
+}
