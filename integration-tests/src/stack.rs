@@ -84,6 +84,29 @@ impl Stack {
         self.script("down")
     }
 
+    /// A model directory serving the tiny generated model (`scripts/gen-models.py`: the terrain
+    /// model's inputs and outputs, ~1 ms per call) as `terrain`: for tests and benchmarks of the
+    /// pipeline rather than the model.
+    pub fn tiny_models(&self) -> anyhow::Result<PathBuf> {
+        let dir = self.dir.join("models-tiny");
+        let model = dir.join("terrain/model.onnx");
+        if model.exists() {
+            return Ok(dir);
+        }
+        let out = self.dir.join("gen-models");
+        let status = Command::new(&self.env["SLUICE_ONNX_PYTHON"])
+            .arg(repo_root().join("scripts/gen-models.py"))
+            .arg(&out)
+            .stdout(std::process::Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("generating the tiny model failed");
+        }
+        std::fs::create_dir_all(dir.join("terrain"))?;
+        std::fs::copy(out.join("terrain-tiny/model.onnx"), &model)?;
+        Ok(dir)
+    }
+
     /// A fresh set of tasks, completions and DLQ topics named after `scenario`, so that tests
     /// sharing one stack never see each other's records.
     pub fn topics(&self, scenario: &str, task_partitions: u32) -> anyhow::Result<Topics> {

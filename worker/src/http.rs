@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::offsets::Offsets;
 use crate::serving::{Health, ReloadOverrides, Serving, ServingError};
 
 pub struct AppState {
@@ -23,13 +24,19 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// Fired when a reload leaves the worker unable to serve.
     pub fatal: CancellationToken,
+    /// Read at every scrape, so the in-flight gauges are exact when scraped.
+    pub offsets: Arc<Offsets>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route(
             "/metrics",
-            get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
+            get(|State(s): State<Arc<AppState>>| async move {
+                s.metrics.in_flight.set(s.offsets.in_flight() as i64);
+                s.metrics.uncommitted.set(s.offsets.uncommitted() as i64);
+                sluice_service::metrics::render(&s.metrics.registry)
+            }),
         )
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))

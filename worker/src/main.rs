@@ -134,6 +134,7 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
         serving: serving.clone(),
         admin_token: config.admin_token.clone().filter(|t| !t.is_empty()),
         fatal: fatal.clone(),
+        offsets: offsets.clone(),
     });
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

@@ -21,6 +21,7 @@ pub struct Metrics {
     pub upload_seconds: Histogram,
     pub task_seconds: Histogram,
     pub in_flight: IntGauge,
+    pub uncommitted: IntGauge,
     pub oldest_in_flight_seconds: prometheus::Gauge,
     pub consumer_lag: IntGaugeVec,
     pub commits: IntCounter,
@@ -116,6 +117,14 @@ impl Metrics {
             in_flight: register(
                 &r,
                 IntGauge::new("sluice_worker_in_flight_tasks", "Tasks read and not yet finished").unwrap(),
+            ),
+            uncommitted: register(
+                &r,
+                IntGauge::new(
+                    "sluice_worker_uncommitted_records",
+                    "Records read whose offsets are not committed yet (read again if this worker dies now)",
+                )
+                .unwrap(),
             ),
             oldest_in_flight_seconds: register(
                 &r,

@@ -25,6 +25,8 @@ struct Partition {
     pending: BTreeMap<i64, Instant>,
     /// One past the highest offset read.
     next: Option<i64>,
+    /// The first offset read under this assignment.
+    first: Option<i64>,
     /// The last offset committed (the next record to read after a restart).
     committed: Option<i64>,
 }
@@ -74,6 +76,7 @@ impl Offsets {
                     generation,
                     pending: BTreeMap::new(),
                     next: None,
+                    first: None,
                     committed: None,
                 },
             );
@@ -89,6 +92,7 @@ impl Offsets {
             return None; // read twice under one assignment (a seek); the first one is in flight
         }
         partition.next = Some(partition.next.map_or(offset + 1, |n| n.max(offset + 1)));
+        partition.first = Some(partition.first.map_or(offset, |f| f.min(offset)));
         let generation = partition.generation;
         state.in_flight += 1;
         Some(Origin {
@@ -132,6 +136,18 @@ impl Offsets {
     /// Records read and not yet finished.
     pub fn in_flight(&self) -> usize {
         self.lock().in_flight
+    }
+
+    /// Records read whose offsets are not committed yet, finished or not: what a new owner
+    /// would read again if this consumer died now.
+    pub fn uncommitted(&self) -> usize {
+        let state = self.lock();
+        state
+            .partitions
+            .values()
+            .filter_map(|p| Some(p.next? - p.committed.or(p.first)?))
+            .map(|n| n.max(0) as usize)
+            .sum()
     }
 
     /// How long the oldest unfinished record has been in flight.
@@ -251,6 +267,19 @@ mod tests {
         assert!(offsets.ack(&o[3]));
         assert_eq!(offsets.commit_candidates(), vec![(tp(0), 15)]);
         assert_eq!(offsets.in_flight(), 0);
+    }
+
+    #[test]
+    fn uncommitted_counts_finished_records_until_their_commit() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0)]);
+        let o: Vec<_> = (20..24).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
+        assert_eq!(offsets.uncommitted(), 4);
+        assert!(offsets.ack(&o[0]) && offsets.ack(&o[1]));
+        assert_eq!(offsets.in_flight(), 2);
+        assert_eq!(offsets.uncommitted(), 4, "finished but not committed: read again after a crash");
+        offsets.committed(&[(tp(0), 22)]);
+        assert_eq!(offsets.uncommitted(), 2);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! terrain model and for a tiny generated model with the same inputs (~1 ms per call: how fast
 //! the pipeline itself goes when the model is as fast as on a GPU).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,7 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
-use sluice_integration_tests::stack::{Stack, repo_root};
+use sluice_integration_tests::stack::Stack;
 use sluice_integration_tests::{TopicReader, produce_raw, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
 use sluice_worker::engine::{Backend, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
@@ -57,7 +57,7 @@ async fn main() -> anyhow::Result<()> {
     {
         let terrain = stack.dir.join("models");
         rows.push(pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 64, 40).await?);
-        let tiny = tiny_model_dir(&stack)?;
+        let tiny = stack.tiny_models()?;
         rows.push(pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 1024, 2_000).await?);
     }
     println!();
@@ -105,21 +105,6 @@ fn cpu_seconds(pid: u32) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     (ticks(11) + ticks(12)) / hz
-}
-
-/// Writes the tiny model into a model repository under the stack (served as `terrain`).
-fn tiny_model_dir(stack: &Stack) -> anyhow::Result<PathBuf> {
-    let out = stack.dir.join("gen-models");
-    let python = &stack.env["SLUICE_ONNX_PYTHON"];
-    let status = std::process::Command::new(python)
-        .arg(repo_root().join("scripts/gen-models.py"))
-        .arg(&out)
-        .status()?;
-    anyhow::ensure!(status.success(), "generating the tiny model failed");
-    let dir = stack.dir.join("models-tiny");
-    std::fs::create_dir_all(dir.join("terrain"))?;
-    std::fs::copy(out.join("terrain-tiny/model.onnx"), dir.join("terrain/model.onnx"))?;
-    Ok(dir)
 }
 
 fn task_record(i: usize) -> serde_json::Value {
@@ -407,7 +392,7 @@ mod adaptive {
             .and_then(|v| v.parse().ok())
             .unwrap_or(32_768);
         let engine = Engine::start(runtime_with(stack, Some(cap))?, 1);
-        let tiny = tiny_model_dir(stack)?;
+        let tiny = stack.tiny_models()?;
         let mut rows = Vec::new();
         for (label, max) in [
             ("adaptive (max 256)", 256),

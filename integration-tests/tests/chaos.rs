@@ -1,0 +1,437 @@
+//! The chaos suite: real processes and real faults — workers killed with SIGKILL and restarted,
+//! the S3 server stopped for 30 s, the broker restarted, floods of hostile records. Every task
+//! must end with a completion or a DLQ record; nothing acknowledged is lost; a task image never
+//! becomes two different objects.
+//!
+//! `make test` runs a fast variant; `make chaos` (`SLUICE_CHAOS=full`) the full one. Each
+//! scenario prints a summary table (`--nocapture` shows it). The workers serve the tiny
+//! generated model, so the faults land on the pipeline rather than on CPU-bound inference.
+//! Scenarios run one at a time: the S3 and broker faults hit the whole stack.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sluice_integration_tests::cluster::{Worker, metric_value};
+use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::{Outcomes, Stack, TopicReader, Topics, ids_of, produce_raw, publish_tasks, terrain_task};
+use sluice_schemas::{CompletionStatus, DlqRecord};
+use tokio::sync::{Mutex, OnceCell};
+
+static STACK: OnceCell<Stack> = OnceCell::const_new();
+/// One scenario at a time.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+fn full() -> bool {
+    std::env::var("SLUICE_CHAOS").is_ok_and(|v| v == "full")
+}
+
+async fn stack() -> &'static Stack {
+    STACK.get_or_init(|| async { Stack::start("chaos").expect("stack starts") }).await
+}
+
+/// A worker serving the tiny model, in `group` on `topics`, with static membership (its id is
+/// its `group.instance.id`, as a pod name would be), so a restarted worker takes its
+/// partitions back at once.
+async fn worker(stack: &Stack, id: &str, group: &str, topics: &Topics) -> Worker {
+    let models = stack.tiny_models().unwrap().display().to_string();
+    Worker::on_topics(
+        stack,
+        id,
+        group,
+        topics,
+        &[
+            ("SLUICE_MODEL_DIR", &models),
+            ("SLUICE_GROUP_INSTANCE_ID", id),
+            ("SLUICE_MAX_BATCH", "16"),
+            ("SLUICE_MAX_WAIT_MS", "20"),
+        ],
+    )
+    .await
+    .unwrap()
+}
+
+fn tasks(n: usize, seed: u64) -> Vec<(String, Value)> {
+    (0..n as u64)
+        .map(|i| terrain_task(seed + i, 128, 128, 1 + (i % 100) as u32))
+        .collect()
+}
+
+/// Publishes `tasks` in waves spread over `spread`, in the background. Returns the ids the
+/// broker acknowledged (a wave sent while the broker is down may fail: those were never
+/// accepted, so they are not owed a result).
+fn publish_paced(stack: &Stack, topic: &str, tasks: Vec<(String, Value)>, spread: Duration) -> tokio::task::JoinHandle<BTreeSet<String>> {
+    let kafka = producer(stack.brokers()).unwrap();
+    let topic = topic.to_owned();
+    tokio::spawn(async move {
+        let waves = (spread.as_millis() / 250).max(1) as usize;
+        let per_wave = tasks.len().div_ceil(waves);
+        let mut acked = BTreeSet::new();
+        for wave in tasks.chunks(per_wave) {
+            let sends = wave.iter().map(|(id, record)| {
+                let kafka = &kafka;
+                let topic = &topic;
+                async move {
+                    let value = serde_json::to_vec(record).unwrap();
+                    produce_raw(kafka, topic, Some(id.as_bytes()), &value, &[("sluice-schema-version", b"1")])
+                        .await
+                        .map(|_| id.clone())
+                }
+            });
+            acked.extend(futures::future::join_all(sends).await.into_iter().flatten());
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        acked
+    })
+}
+
+fn outcomes(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>, timeout: Duration) -> Outcomes {
+    tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics.completions, &topics.dlq, ids, timeout)).unwrap()
+}
+
+/// Every record on `topic` now.
+fn read_all(stack: &Stack, topic: &str, settle: Duration) -> Vec<sluice_integration_tests::Consumed> {
+    tokio::task::block_in_place(|| {
+        let mut reader = TopicReader::new(stack.brokers(), topic).unwrap();
+        reader.poll_for(settle);
+        reader.records
+    })
+}
+
+/// PNG objects per task id, from the S3 server's own storage.
+fn stored_images(stack: &Stack) -> HashMap<String, usize> {
+    fn walk(dir: &Path, out: &mut HashMap<String, usize>) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "png") {
+                if let Some(task) = path.parent().and_then(|p| p.file_name()) {
+                    *out.entry(task.to_string_lossy().into_owned()).or_default() += 1;
+                }
+            }
+        }
+    }
+    let mut out = HashMap::new();
+    walk(&stack.dir.join("s3"), &mut out);
+    out
+}
+
+fn table(title: &str, rows: &[(&str, String)]) {
+    println!("\n## chaos: {title}{}\n", if full() { " (full)" } else { " (fast)" });
+    println!("| measure | value |\n|---|---|");
+    for (k, v) in rows {
+        println!("| {k} | {v} |");
+    }
+}
+
+/// Duplicate completions, and tasks whose completions disagree on their images.
+fn duplicates(done: &Outcomes) -> (usize, usize) {
+    let extra = done.completions.values().map(|cs| cs.len() - 1).sum();
+    let differing = done
+        .completions
+        .values()
+        .filter(|cs| cs.iter().any(|c| c.outputs != cs[0].outputs))
+        .count();
+    (extra, differing)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() {
+    let _serial = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("kill", 8).unwrap();
+    let (n, spread) = if full() { (2400, 60) } else { (600, 20) };
+    let mut workers = vec![
+        worker(stack, "kill-0", "chaos-kill", &topics).await,
+        worker(stack, "kill-1", "chaos-kill", &topics).await,
+    ];
+    let started = Instant::now();
+    let all = tasks(n, 0);
+    let publisher = publish_paced(stack, &topics.tasks, all.clone(), Duration::from_secs(spread));
+
+    // Kill a random worker every 2–4 s while tasks arrive, and start it again.
+    let (mut kills, mut at_risk) = (0usize, 0usize);
+    while !publisher.is_finished() {
+        let pause = 2000 + u64::from(uuid::Uuid::new_v4().as_bytes()[0]) * 8;
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let victim = &mut workers[usize::from(uuid::Uuid::new_v4().as_bytes()[0] & 1)];
+        // What it has read but not committed is what a new owner reads again.
+        at_risk += victim.metric("sluice_worker_uncommitted_records").await.unwrap_or(0.0) as usize;
+        victim.service.kill9();
+        kills += 1;
+        victim.restart(stack).await.unwrap();
+    }
+    let acked = publisher.await.unwrap();
+    assert_eq!(acked.len(), n, "the broker took every task");
+    let done = outcomes(stack, &topics, &ids_of(&all), Duration::from_secs(600));
+    let succeeded = done.with_status(CompletionStatus::Succeeded).len();
+    let (extra, differing) = duplicates(&done);
+    let images = stored_images(stack);
+    let doubled = all.iter().filter(|(id, _)| images.get(id).copied().unwrap_or(0) > 1).count();
+    let missing_images = all.iter().filter(|(id, _)| !images.contains_key(id)).count();
+    table(
+        "kill -9 a random worker every 2-4 s, restart it (2 workers, static membership)",
+        &[
+            ("tasks", n.to_string()),
+            ("kills", kills.to_string()),
+            ("records uncommitted at the kills (may be read again)", at_risk.to_string()),
+            ("completed", succeeded.to_string()),
+            ("lost", (n - done.completions.len()).to_string()),
+            ("duplicate completions", extra.to_string()),
+            ("tasks whose completions disagree", differing.to_string()),
+            ("tasks with two image objects", doubled.to_string()),
+            ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
+        ],
+    );
+    assert!(kills >= 3, "the run saw {kills} kills");
+    assert_eq!(succeeded, n, "every task completed");
+    assert!(extra <= at_risk, "{extra} duplicate completions, {at_risk} records at risk");
+    assert_eq!(differing, 0);
+    assert_eq!(doubled, 0);
+    assert_eq!(missing_images, 0);
+    for w in &mut workers {
+        w.service.terminate(Duration::from_secs(30)).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_s3_outage_of_30_s_dead_letters_nothing_and_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("s3", 4).unwrap();
+    let n = if full() { 1000 } else { 300 };
+    let outage = Duration::from_secs(30);
+    let mut w = worker(stack, "s3-0", "chaos-s3", &topics).await;
+    let started = Instant::now();
+    let all = tasks(n, 10_000);
+    let publisher = publish_paced(stack, &topics.tasks, all.clone(), outage + Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stack.stop_s3().unwrap();
+    let stopped = Instant::now();
+    tokio::time::sleep(outage).await;
+    stack.start_s3().unwrap();
+    let down = stopped.elapsed();
+    publisher.await.unwrap();
+    let done = outcomes(stack, &topics, &ids_of(&all), Duration::from_secs(600));
+    let dlq = read_all(stack, &topics.dlq, Duration::from_secs(2));
+    // Retries of every kind (the counter is labelled).
+    let retries: f64 = w
+        .metrics()
+        .await
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("sluice_worker_retries_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    table(
+        "S3 server stopped for 30 s mid-run (1 worker)",
+        &[
+            ("tasks", n.to_string()),
+            ("S3 down for", format!("{:.1} s", down.as_secs_f64())),
+            ("storage retries", format!("{retries:.0}")),
+            ("completed", done.with_status(CompletionStatus::Succeeded).len().to_string()),
+            ("DLQ records", dlq.len().to_string()),
+            ("lost", (n - done.completions.len()).to_string()),
+            ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
+        ],
+    );
+    assert!(retries > 0.0, "the outage was felt");
+    assert_eq!(dlq.len(), 0, "nothing dead-lettered");
+    assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), n);
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_restart_loses_no_acknowledged_task() {
+    let _serial = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("broker", 4).unwrap();
+    let n = if full() { 1000 } else { 300 };
+    let mut w = worker(stack, "broker-0", "chaos-broker", &topics).await;
+    let started = Instant::now();
+    let all = tasks(n, 20_000);
+    let publisher = publish_paced(stack, &topics.tasks, all.clone(), Duration::from_secs(12));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stack.stop_broker().unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stack.start_broker().unwrap();
+    let acked = publisher.await.unwrap();
+    let done = outcomes(stack, &topics, &acked, Duration::from_secs(600));
+    let (extra, differing) = duplicates(&done);
+    table(
+        "broker (tansu, sqlite) stopped for 3 s and restarted mid-run (1 worker)",
+        &[
+            ("tasks sent", n.to_string()),
+            ("acknowledged by the broker", acked.len().to_string()),
+            (
+                "acknowledged and completed",
+                done.with_status(CompletionStatus::Succeeded).len().to_string(),
+            ),
+            ("acknowledged and lost", (acked.len() - done.completions.len()).to_string()),
+            ("duplicate completions", extra.to_string()),
+            ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
+        ],
+    );
+    assert!(w.service.running(), "the worker rode out the restart");
+    assert_eq!(done.with_status(CompletionStatus::Succeeded), acked);
+    assert_eq!(differing, 0);
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// A hostile record of kind `i % KINDS`: its bytes and the DLQ reason it must get.
+fn hostile(i: usize) -> (Vec<u8>, &'static str) {
+    let (_, mut task) = terrain_task(i as u64, 128, 128, 50);
+    let bytes = |v: &Value| serde_json::to_vec(v).unwrap();
+    match i % 12 {
+        0 => (vec![0xc3, 0x28, 0xa0, 0xa1, b'{', 0xff], "malformed"),
+        1 => (b"definitely not json".to_vec(), "malformed"),
+        2 => (b"[1, 2, 3]".to_vec(), "malformed"),
+        3 => (Vec::new(), "malformed"),
+        4 => {
+            let text = String::from_utf8(bytes(&task))
+                .unwrap()
+                .replace("\"guidance_scale\":1.0", "\"guidance_scale\":NaN");
+            (text.into_bytes(), "malformed")
+        }
+        5 => {
+            task["request"]["seed"] = json!("seven");
+            (bytes(&task), "schema_violation")
+        }
+        6 => {
+            task["request"]["width"] = json!(1_000_000_000u64);
+            task["request"]["height"] = json!(1_000_000_000u64);
+            (bytes(&task), "schema_violation")
+        }
+        7 => {
+            task["version"] = json!(99);
+            (bytes(&task), "unsupported_version")
+        }
+        8 => {
+            task.as_object_mut().unwrap().remove("request");
+            (bytes(&task), "schema_violation")
+        }
+        9 => {
+            task["request"]["steps"] = json!(-3);
+            (bytes(&task), "schema_violation")
+        }
+        10 => {
+            task["task_id"] = json!("not-a-uuid");
+            (bytes(&task), "schema_violation")
+        }
+        // A megabyte prompt, a few times (every 500th record; the rest of this kind: a deep
+        // nesting bomb).
+        _ if i % 500 == 11 => {
+            task["request"]["prompt"] = json!("x".repeat(1 << 20));
+            (bytes(&task), "too_large")
+        }
+        _ => {
+            let depth = 10_000;
+            let bomb = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+            (bomb.into_bytes(), "malformed")
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hostile_records_each_reach_the_dlq_with_their_reason_and_valid_tasks_complete() {
+    let _serial = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("hostile", 4).unwrap();
+    let (n_hostile, n_valid) = if full() { (10_000, 500) } else { (1_000, 100) };
+    let w = worker(stack, "hostile-0", "chaos-hostile", &topics).await;
+    let baseline_rss = w.metric("sluice_worker_rss_bytes").await.unwrap_or(0.0);
+    let started = Instant::now();
+    let valid = tasks(n_valid, 30_000);
+    let kafka = producer(stack.brokers()).unwrap();
+    let mut expected: BTreeMap<String, &'static str> = BTreeMap::new();
+    // Interleaved: one valid task every n_hostile / n_valid hostile records.
+    let every = n_hostile / n_valid;
+    for chunk_start in (0..n_hostile).step_by(500) {
+        let mut sends = Vec::new();
+        for i in chunk_start..(chunk_start + 500).min(n_hostile) {
+            let (value, reason) = hostile(i);
+            let key = format!("hostile-{i}");
+            expected.insert(key.clone(), reason);
+            sends.push((key, value));
+        }
+        let kafka = &kafka;
+        let topic = &topics.tasks;
+        futures::future::join_all(sends.iter().map(|(k, v)| produce_raw(kafka, topic, Some(k.as_bytes()), v, &[])))
+            .await
+            .into_iter()
+            .collect::<anyhow::Result<Vec<_>>>()
+            .unwrap();
+        let from = chunk_start / every;
+        let to = ((chunk_start + 500) / every).min(n_valid);
+        publish_tasks(&kafka, &topics.tasks, &valid[from..to]).await.unwrap();
+    }
+
+    // Watch the worker's memory while it works through them.
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let sampler = {
+        let (peak, url) = (peak.clone(), w.url.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(response) = reqwest::get(format!("{url}/metrics")).await {
+                    let text = response.text().await.unwrap_or_default();
+                    if let Some(rss) = metric_value(&text, "sluice_worker_rss_bytes") {
+                        peak.fetch_max(rss as u64, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        })
+    };
+
+    let mut got: HashMap<String, DlqRecord> = HashMap::new();
+    tokio::task::block_in_place(|| {
+        let mut reader = TopicReader::new(stack.brokers(), &topics.dlq).unwrap();
+        reader
+            .read_each(Duration::from_secs(600), |r| {
+                if let Some(key) = r.key.as_ref().map(|k| String::from_utf8_lossy(k).into_owned()) {
+                    if expected.contains_key(&key) {
+                        got.insert(key, serde_json::from_slice(&r.value).expect("a DLQ record"));
+                    }
+                }
+                got.len() == expected.len()
+            })
+            .unwrap();
+    });
+    let done = outcomes(stack, &topics, &ids_of(&valid), Duration::from_secs(300));
+    sampler.abort();
+    let peak_rss = (peak.load(std::sync::atomic::Ordering::Relaxed) as f64).max(w.metric("sluice_worker_rss_bytes").await.unwrap_or(0.0));
+    let wrong: Vec<_> = got
+        .iter()
+        .filter(|(k, d)| d.reason.as_str() != expected[*k])
+        .map(|(k, d)| format!("{k}: {} ({})", d.reason.as_str(), d.message))
+        .take(5)
+        .collect();
+    let mut by_reason: BTreeMap<&str, usize> = BTreeMap::new();
+    for d in got.values() {
+        *by_reason.entry(d.reason.as_str()).or_default() += 1;
+    }
+    table(
+        "hostile records mixed into the stream (1 worker)",
+        &[
+            ("hostile records", n_hostile.to_string()),
+            ("in the DLQ", got.len().to_string()),
+            ("by reason", format!("{by_reason:?}")),
+            ("with the wrong reason", wrong.len().to_string()),
+            ("valid tasks", n_valid.to_string()),
+            (
+                "valid tasks completed",
+                done.with_status(CompletionStatus::Succeeded).len().to_string(),
+            ),
+            (
+                "worker RSS at start / peak",
+                format!("{:.0} / {:.0} MB", baseline_rss / 1e6, peak_rss / 1e6),
+            ),
+            ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
+        ],
+    );
+    assert!(wrong.is_empty(), "{wrong:?}");
+    assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), n_valid);
+    assert!(peak_rss < baseline_rss + 300e6, "worker RSS grew from {baseline_rss} to {peak_rss}");
+}
