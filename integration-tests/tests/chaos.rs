@@ -106,10 +106,10 @@ fn stored_images(stack: &Stack) -> HashMap<String, usize> {
             let path = entry.path();
             if path.is_dir() {
                 walk(&path, out);
-            } else if path.extension().is_some_and(|e| e == "png") {
-                if let Some(task) = path.parent().and_then(|p| p.file_name()) {
-                    *out.entry(task.to_string_lossy().into_owned()).or_default() += 1;
-                }
+            } else if path.extension().is_some_and(|e| e == "png")
+                && let Some(task) = path.parent().and_then(|p| p.file_name())
+            {
+                *out.entry(task.to_string_lossy().into_owned()).or_default() += 1;
             }
         }
     }
@@ -365,7 +365,7 @@ async fn hostile_records_each_reach_the_dlq_with_their_reason_and_valid_tasks_co
             .unwrap();
         let from = chunk_start / every;
         let to = ((chunk_start + 500) / every).min(n_valid);
-        publish_tasks(&kafka, &topics.tasks, &valid[from..to]).await.unwrap();
+        publish_tasks(kafka, &topics.tasks, &valid[from..to]).await.unwrap();
     }
 
     // Watch the worker's memory while it works through them.
@@ -390,10 +390,10 @@ async fn hostile_records_each_reach_the_dlq_with_their_reason_and_valid_tasks_co
         let mut reader = TopicReader::new(stack.brokers(), &topics.dlq).unwrap();
         reader
             .read_each(Duration::from_secs(600), |r| {
-                if let Some(key) = r.key.as_ref().map(|k| String::from_utf8_lossy(k).into_owned()) {
-                    if expected.contains_key(&key) {
-                        got.insert(key, serde_json::from_slice(&r.value).expect("a DLQ record"));
-                    }
+                if let Some(key) = r.key.as_ref().map(|k| String::from_utf8_lossy(k).into_owned())
+                    && expected.contains_key(&key)
+                {
+                    got.insert(key, serde_json::from_slice(&r.value).expect("a DLQ record"));
                 }
                 got.len() == expected.len()
             })
