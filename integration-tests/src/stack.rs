@@ -13,8 +13,22 @@ pub struct Stack {
     pub env: BTreeMap<String, String>,
 }
 
-/// The repository root (this crate's parent).
+/// The repository root: this crate's parent as Cargo names it at run time (`cargo test`), else
+/// the working directory when it is a Sluice checkout (`make demo`, `make bench`), else where
+/// this crate was compiled. (The Cargo target directory is shared between clones, so the
+/// compile-time path may be another clone's.)
 pub fn repo_root() -> PathBuf {
+    let is_root = |p: &Path| p.join("scripts/stack.sh").is_file();
+    if let Some(dir) = std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from)
+        && let Some(root) = dir.parent().filter(|p| is_root(p))
+    {
+        return root.to_path_buf();
+    }
+    if let Ok(cwd) = std::env::current_dir()
+        && is_root(&cwd)
+    {
+        return cwd;
+    }
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("workspace root")
