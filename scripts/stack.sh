@@ -61,6 +61,30 @@ storage_url() {
   esac
 }
 
+# tansu 0.6's sqlite schema has no index on record headers: every fetch looks up each record's
+# headers by scanning the whole header table, so fetches get slower with every record ever
+# written (perf: most broker CPU in sqlite row scans). An index makes the lookup direct; it
+# changes nothing else. Idempotent; python3's sqlite3 module, no sqlite3 binary needed.
+index_broker_db() {
+  [ "$(cat "$dir/broker.storage" 2>/dev/null || echo sqlite)" = sqlite ] || return 0
+  local db="$dir/broker/tansu.db"
+  for _ in $(seq 1 50); do [ -s "$db" ] && break; sleep 0.1; done
+  python3 - "$db" <<'PY' || log "could not index the broker's header table (slower fetches only)"
+import sqlite3, sys, time
+for attempt in range(50):
+    try:
+        c = sqlite3.connect(sys.argv[1], timeout=10)
+        if c.execute("select 1 from sqlite_master where type='table' and name='header'").fetchone():
+            c.execute("create index if not exists sluice_header_record on header (topition, offset_id)")
+            c.commit()
+            break
+        c.close()
+    except sqlite3.OperationalError:
+        pass
+    time.sleep(0.1)
+PY
+}
+
 start_broker() {
   alive broker && return 0
   local port; port="$(port_of broker)"
@@ -78,6 +102,7 @@ start_broker() {
     echo "$port" >"$dir/broker.port"
     # A taken port makes tansu panic and exit 0: check it is alive, not its exit status.
     if wait_port "$port" 15 broker; then
+      index_broker_db
       return 0
     fi
     log "broker did not start on port $port (see $dir/logs/broker.log); trying another port"
