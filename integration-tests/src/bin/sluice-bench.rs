@@ -19,8 +19,8 @@ use chrono::{DateTime, Utc};
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::Stack;
-use sluice_integration_tests::{TopicReader, produce_raw, terrain_task};
-use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
+use sluice_integration_tests::{TopicReader, publish_tasks, terrain_task};
+use sluice_schemas::{CompletionEvent, CompletionStatus};
 use sluice_worker::engine::{Backend, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
 
@@ -53,12 +53,16 @@ async fn main() -> anyhow::Result<()> {
         return adaptive::run(&stack).await;
     }
     anyhow::ensure!(which == "pipeline", "unknown benchmark {which:?}: all, pipeline or adaptive");
+    // `sluice-bench pipeline [terrain|tiny]`: one model only.
+    let only = std::env::args().nth(2);
     let mut rows = Vec::new();
-    {
+    if only.as_deref().is_none_or(|o| o == "terrain") {
         let terrain = stack.dir.join("models");
-        rows.push(pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 64, 40).await?);
+        rows.push(pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 40).await?);
+    }
+    if only.as_deref().is_none_or(|o| o == "tiny") {
         let tiny = stack.tiny_models()?;
-        rows.push(pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 1024, 2_000).await?);
+        rows.push(pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 2_000).await?);
     }
     println!();
     println!("## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (tansu, sqlite) and S3 (s3s-fs), one worker, CPU");
@@ -154,29 +158,44 @@ async fn raw_images_per_second(stack: &Stack, model_dir: &Path, batch: usize, ba
     Ok((batches * batch) as f64 / started.elapsed().as_secs_f64())
 }
 
-async fn pipeline(
-    stack: &Stack,
-    scenario: &str,
-    model_dir: &Path,
-    batch: usize,
-    tasks: usize,
-    backlog: usize,
-    raw_images: usize,
-) -> anyhow::Result<Row> {
+async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize, tasks: usize, raw_images: usize) -> anyhow::Result<Row> {
     eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
     let raw = raw_images_per_second(stack, model_dir, batch, raw_images.div_ceil(batch)).await?;
 
-    eprintln!("== {scenario}: end to end ({tasks} tasks through one worker, at most {backlog} waiting)");
+    // Every task is on the topic before the worker starts, so the worker runs as fast as it
+    // can and the rate measured is the pipeline's own, not the feeder's.
+    eprintln!("== {scenario}: end to end ({tasks} tasks through one worker)");
+    let topics = stack.topics(&format!("bench-{tasks}"), 8)?;
+    let kafka = producer(stack.brokers())?;
+    let all: Vec<_> = (0..tasks).map(|i| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32)).collect();
+    for chunk in all.chunks(2000) {
+        publish_tasks(&kafka, &topics.tasks, chunk).await?;
+    }
     let model_dir = model_dir.display().to_string();
-    let group = format!("bench-{}", uuid::Uuid::new_v4());
     let batch_s = batch.to_string();
-    let settings = [
+    let mut settings = vec![
         ("SLUICE_MODEL_DIR", model_dir.as_str()),
         ("SLUICE_MAX_BATCH", batch_s.as_str()),
         ("SLUICE_MAX_BATCH_ROWS", batch_s.as_str()),
         ("SLUICE_MAX_WAIT_MS", "20"),
-        ("SLUICE_GROUP_ID", group.as_str()),
     ];
+    settings.extend(topics.worker_env());
+    // Extra worker settings, `NAME=value;NAME=value`, to compare configurations.
+    let extra = std::env::var("SLUICE_BENCH_WORKER_ENV").unwrap_or_default();
+    settings.extend(extra.split(';').filter_map(|kv| kv.split_once('=')));
+    let brokers = stack.brokers().to_owned();
+    let completions = topics.completions.clone();
+    let reader = std::thread::spawn(move || -> anyhow::Result<Vec<CompletionEvent>> {
+        let mut reader = TopicReader::new(&brokers, &completions)?;
+        let mut done: Vec<CompletionEvent> = Vec::new();
+        reader.read_each(Duration::from_secs(1800), |r| {
+            if let Ok(c) = serde_json::from_slice::<CompletionEvent>(&r.value) {
+                done.push(c);
+            }
+            done.len() >= tasks
+        })?;
+        Ok(done)
+    });
     let worker = Worker::start(stack, &format!("bench-{tasks}"), &settings).await?;
     let pids = [
         worker.service.pid().unwrap_or(0),
@@ -184,67 +203,6 @@ async fn pipeline(
         pid_of(&stack.dir, "s3"),
     ];
     let cpu_before = pids.map(cpu_seconds);
-
-    // Closed loop: keep at most `backlog` tasks waiting on the topic, topping up as completions
-    // arrive — steady traffic, as clients submitting at the pipeline's pace would make. (A
-    // topic preloaded with the whole run measures the local broker instead: its fetches cost in
-    // proportion to the backlog behind the fetch offset.)
-    let kafka = producer(stack.brokers())?;
-    let (done_tx, mut done_rx) = tokio::sync::watch::channel(0usize);
-    let brokers = stack.brokers().to_owned();
-    let ids = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::<String>::new()));
-    let reader = {
-        let ids = ids.clone();
-        std::thread::spawn(move || -> anyhow::Result<Vec<CompletionEvent>> {
-            let mut reader = TopicReader::new(&brokers, topics::COMPLETIONS)?;
-            let mut done: Vec<CompletionEvent> = Vec::new();
-            reader.read_each(Duration::from_secs(1800), |r| {
-                if let Some(c) = serde_json::from_slice::<CompletionEvent>(&r.value)
-                    .ok()
-                    .filter(|c| ids.lock().unwrap().remove(&c.task_id.to_string()))
-                {
-                    done.push(c);
-                    let _ = done_tx.send(done.len());
-                }
-                done.len() >= tasks
-            })?;
-            Ok(done)
-        })
-    };
-    let mut produced = 0;
-    while produced < tasks {
-        let completed = *done_rx.borrow_and_update();
-        let room = (completed + backlog).saturating_sub(produced).min(tasks - produced);
-        // Top up in chunks: one produce request per task would cost the broker more than the
-        // pipeline being measured.
-        if room < (backlog / 4).max(1).min(tasks - produced) {
-            done_rx.changed().await.ok();
-            continue;
-        }
-        let sends = (produced..produced + room).map(|i| {
-            let record = task_record(i);
-            let key = record["task_id"].as_str().unwrap().to_owned();
-            ids.lock().unwrap().insert(key.clone());
-            let kafka = kafka.clone();
-            async move {
-                produce_raw(
-                    &kafka,
-                    topics::TASKS,
-                    Some(key.as_bytes()),
-                    &serde_json::to_vec(&record).unwrap(),
-                    &[("sluice-schema-version", b"1")],
-                )
-                .await
-            }
-        });
-        for r in futures::future::join_all(sends).await {
-            r?;
-        }
-        produced += room;
-        if produced < tasks {
-            done_rx.changed().await.ok();
-        }
-    }
     let mut done = tokio::task::spawn_blocking(move || reader.join().expect("reader thread"))
         .await?
         .context("waiting for completions")?;
