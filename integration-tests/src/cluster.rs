@@ -109,6 +109,16 @@ impl Cluster {
                     .with_context(|| format!("starting worker-{i}"))?,
             );
         }
+        // Tests expect the work to be shared: wait until the group has settled, every worker
+        // owning partitions (the first one to start holds them all until the others join).
+        for w in &started {
+            crate::wait_for(
+                &format!("{} to be assigned partitions", w.id),
+                Duration::from_secs(90),
+                async || w.metric("sluice_worker_assigned_partitions").await.filter(|n| *n > 0.0),
+            )
+            .await?;
+        }
         Ok(Cluster {
             stack,
             producer,

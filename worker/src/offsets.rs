@@ -29,11 +29,16 @@ struct Partition {
     first: Option<i64>,
     /// The last offset committed (the next record to read after a restart).
     committed: Option<i64>,
+    /// Being revoked: work not yet started on it is released rather than run.
+    draining: bool,
+    /// The lowest offset released unfinished while draining: commits stop below it.
+    released: Option<i64>,
 }
 
 impl Partition {
     fn committable(&self) -> Option<i64> {
-        self.pending.keys().next().copied().or(self.next)
+        let c = self.pending.keys().next().copied().or(self.next)?;
+        Some(self.released.map_or(c, |r| r.min(c)))
     }
 }
 
@@ -78,6 +83,8 @@ impl Offsets {
                     next: None,
                     first: None,
                     committed: None,
+                    draining: false,
+                    released: None,
                 },
             );
         }
@@ -121,6 +128,34 @@ impl Offsets {
         drop(state);
         self.finished.notify_all();
         true
+    }
+
+    /// Whether work on `origin` should start: it belongs to a current assignment that is not
+    /// being drained. A record of a draining partition is released instead (its offset is not
+    /// committed; the next owner reads it again), so a revoke waits only for work in progress,
+    /// not for everything buffered.
+    pub fn should_start(&self, origin: &Origin) -> bool {
+        let mut state = self.lock();
+        let tp = TopicPartition {
+            topic: origin.topic.clone(),
+            partition: origin.partition,
+        };
+        let Some(p) = state.partitions.get_mut(&tp) else {
+            return false;
+        };
+        if p.generation != origin.generation {
+            return false;
+        }
+        if !p.draining {
+            return true;
+        }
+        if p.pending.remove(&origin.offset).is_some() {
+            p.released = Some(p.released.map_or(origin.offset, |r| r.min(origin.offset)));
+            state.in_flight -= 1;
+            drop(state);
+            self.finished.notify_all();
+        }
+        false
     }
 
     /// Whether `origin` still belongs to a current assignment (work on it is not wasted).
@@ -203,6 +238,11 @@ impl Offsets {
                 .sum::<usize>()
         };
         let mut state = self.lock();
+        for tp in partitions {
+            if let Some(p) = state.partitions.get_mut(tp) {
+                p.draining = true;
+            }
+        }
         loop {
             let left = pending(&state);
             let now = Instant::now();
@@ -280,6 +320,28 @@ mod tests {
         assert_eq!(offsets.uncommitted(), 4, "finished but not committed: read again after a crash");
         offsets.committed(&[(tp(0), 22)]);
         assert_eq!(offsets.uncommitted(), 2);
+    }
+
+    #[test]
+    fn a_draining_partition_releases_unstarted_work_and_commits_below_it() {
+        let offsets = Arc::new(Offsets::new());
+        offsets.assign(&[tp(0)]);
+        let o: Vec<_> = (0..4).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
+        assert!(offsets.should_start(&o[0]), "not draining: work starts");
+        assert!(offsets.ack(&o[0]));
+        // Record 1 is running when the revoke starts; 2 and 3 are still queued.
+        let drainer = {
+            let offsets = offsets.clone();
+            std::thread::spawn(move || offsets.wait_drained(&[tp(0)], Duration::from_secs(10)))
+        };
+        while offsets.should_start(&o[3]) {
+            std::thread::yield_now(); // until the drain has begun
+        }
+        assert!(!offsets.should_start(&o[2]), "queued work of a draining partition is released");
+        assert!(offsets.ack(&o[1]), "work in progress finishes");
+        assert_eq!(drainer.join().unwrap(), 0, "the drain waited only for record 1");
+        // Records 2 and 3 were released unfinished: the commit stops at 2.
+        assert_eq!(offsets.revoke(&[tp(0)]), vec![(tp(0), 2)]);
     }
 
     #[test]

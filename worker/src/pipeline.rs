@@ -80,8 +80,8 @@ impl BatchItem for Item {
 /// results already exist are announced again, the rest go to the batcher.
 pub async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, shared: Arc<Shared>) {
     while let Some(record) = input.recv().await {
-        if !shared.offsets.is_current(&record.origin) {
-            continue; // revoked while queued; the new owner reads it again
+        if !shared.offsets.should_start(&record.origin) {
+            continue; // revoked or being revoked while queued; the new owner reads it again
         }
         if record.value.len() > shared.max_task_bytes {
             let failure = Failure::new(
@@ -218,7 +218,10 @@ pub async fn engine(requests: BatchRequests<Job>, shared: Arc<Shared>, concurren
 
 async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
     let Batch { bucket, items } = batch;
-    let jobs: Vec<Job> = items.into_iter().filter(|j| shared.offsets.is_current(&j.record.origin)).collect();
+    let jobs: Vec<Job> = items
+        .into_iter()
+        .filter(|j| shared.offsets.should_start(&j.record.origin))
+        .collect();
     if jobs.is_empty() {
         return;
     }
