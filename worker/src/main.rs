@@ -99,6 +99,7 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
     let d = &config.delivery;
     let leases = Leases::new(sink.clone(), k.group_id.clone(), tokio::runtime::Handle::current());
     let context = SourceContext::new(offsets.clone(), leases, metrics.clone(), d.drain_timeout(), k.tasks_topic.clone());
+    let max_poll_interval = (d.drain_timeout().as_millis() as u64 + 20_000).max(30_000).to_string();
     let mut consumer_settings = vec![
         ("group.id", k.group_id.as_str()),
         ("client.id", worker_id.as_str()),
@@ -108,7 +109,11 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
         ("partition.assignment.strategy", "cooperative-sticky"),
         ("session.timeout.ms", "10000"),
         ("heartbeat.interval.ms", "1000"),
-        ("max.poll.interval.ms", "300000"),
+        // The poll thread never waits on inference; the longest it blocks is a revoke's drain
+        // plus its commit. This is also how long a rebalance waits for members that are gone,
+        // so keep it short: with 300 s a group on the local broker stalled for minutes after a
+        // member was killed mid-rebalance.
+        ("max.poll.interval.ms", &max_poll_interval),
         // Long-poll fetches: with a 10 ms wait an idle worker and tansu burn most of a core each
         // in fetch round trips; 100 ms costs ~50 ms of pickup latency and nothing at idle.
         ("fetch.wait.max.ms", "100"),
