@@ -173,7 +173,10 @@ async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize,
     }
     let model_dir = model_dir.display().to_string();
     let batch_s = batch.to_string();
+    // A group of its own: a member of another scenario's group would still be expiring.
+    let group = format!("bench-{}", uuid::Uuid::new_v4());
     let mut settings = vec![
+        ("SLUICE_GROUP_ID", group.as_str()),
         ("SLUICE_MODEL_DIR", model_dir.as_str()),
         ("SLUICE_MAX_BATCH", batch_s.as_str()),
         ("SLUICE_MAX_BATCH_ROWS", batch_s.as_str()),
