@@ -118,6 +118,10 @@ async fn run(config: Config) -> anyhow::Result<ExitCode> {
         // in fetch round trips; 100 ms costs ~50 ms of pickup latency and nothing at idle.
         ("fetch.wait.max.ms", "100"),
         ("statistics.interval.ms", "5000"),
+        // librdkafka prefetches up to 64 MB per partition by default; the worker bounds its own
+        // queue (SLUICE_MAX_IN_FLIGHT), so a smaller prefetch bounds memory under floods of
+        // large records without slowing steady consumption.
+        ("queued.max.messages.kbytes", "16384"),
     ];
     if let Some(instance) = &k.group_instance_id {
         consumer_settings.push(("group.instance.id", instance.as_str()));
