@@ -153,20 +153,12 @@ pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: D
     let mut ranges = BTreeMap::new();
     for p in partitions {
         let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
-        let start = bounds
-            .from_offsets
-            .get(&p)
-            .or(since.get(&p))
-            .copied()
-            .unwrap_or(low)
-            .clamp(low, high);
-        let end = bounds
-            .to_offsets
-            .get(&p)
-            .or(until.get(&p))
-            .copied()
-            .unwrap_or(high)
-            .clamp(start, high);
+        // An explicit offset, else the offset found for the time, else `default`.
+        let bound = |offsets: &BTreeMap<i32, i64>, by_time: &BTreeMap<i32, i64>, default: i64| {
+            offsets.get(&p).or(by_time.get(&p)).copied().unwrap_or(default)
+        };
+        let start = bound(&bounds.from_offsets, &since, low).clamp(low, high);
+        let end = bound(&bounds.to_offsets, &until, high).clamp(start, high);
         ranges.insert(p, (start, end));
     }
     Ok(ranges)

@@ -33,8 +33,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(
             "/metrics",
             get(|State(s): State<Arc<AppState>>| async move {
-                s.metrics.in_flight.set(s.offsets.in_flight() as i64);
-                s.metrics.uncommitted.set(s.offsets.uncommitted() as i64);
+                s.metrics.observe_offsets(&s.offsets);
                 sluice_service::metrics::render(&s.metrics.registry)
             }),
         )

@@ -50,6 +50,12 @@ fn seconds(name: &str, help: &str) -> HistogramOpts {
 }
 
 impl Metrics {
+    /// Sets the gauges read from the offset tracker: tasks in flight, records not committed.
+    pub fn observe_offsets(&self, offsets: &crate::offsets::Offsets) {
+        self.in_flight.set(offsets.in_flight() as i64);
+        self.uncommitted.set(offsets.uncommitted() as i64);
+    }
+
     pub fn new() -> Metrics {
         let r = Registry::new();
         Metrics {

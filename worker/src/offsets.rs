@@ -18,6 +18,16 @@ pub struct TopicPartition {
     pub partition: i32,
 }
 
+impl TopicPartition {
+    /// The partition a record was read from.
+    pub fn of(origin: &Origin) -> TopicPartition {
+        TopicPartition {
+            topic: origin.topic.clone(),
+            partition: origin.partition,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Partition {
     generation: u64,
@@ -114,10 +124,7 @@ impl Offsets {
     /// was revoked (or revoked and assigned again) since the record was read.
     pub fn ack(&self, origin: &Origin) -> bool {
         let mut state = self.lock();
-        let tp = TopicPartition {
-            topic: origin.topic.clone(),
-            partition: origin.partition,
-        };
+        let tp = TopicPartition::of(origin);
         let Some(partition) = state.partitions.get_mut(&tp) else {
             return false;
         };
@@ -136,10 +143,7 @@ impl Offsets {
     /// not for everything buffered.
     pub fn should_start(&self, origin: &Origin) -> bool {
         let mut state = self.lock();
-        let tp = TopicPartition {
-            topic: origin.topic.clone(),
-            partition: origin.partition,
-        };
+        let tp = TopicPartition::of(origin);
         let Some(p) = state.partitions.get_mut(&tp) else {
             return false;
         };
@@ -161,10 +165,7 @@ impl Offsets {
     /// Whether `origin` still belongs to a current assignment (work on it is not wasted).
     pub fn is_current(&self, origin: &Origin) -> bool {
         let state = self.lock();
-        let tp = TopicPartition {
-            topic: origin.topic.clone(),
-            partition: origin.partition,
-        };
+        let tp = TopicPartition::of(origin);
         state.partitions.get(&tp).is_some_and(|p| p.generation == origin.generation)
     }
 

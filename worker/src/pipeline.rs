@@ -512,8 +512,7 @@ pub async fn gauges(shared: Arc<Shared>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
         }
         let m = &shared.metrics;
-        m.in_flight.set(shared.offsets.in_flight() as i64);
-        m.uncommitted.set(shared.offsets.uncommitted() as i64);
+        m.observe_offsets(&shared.offsets);
         m.oldest_in_flight_seconds
             .set(shared.offsets.oldest_age().map_or(0.0, |d| d.as_secs_f64()));
         m.rss_bytes.set(crate::metrics::rss_bytes() as i64);
