@@ -68,6 +68,15 @@ impl Worker {
             .await
     }
 
+    /// Waits until the worker owns partitions (its group has settled with it in).
+    pub async fn wait_assigned(&self, timeout: Duration) -> anyhow::Result<()> {
+        crate::wait_for(&format!("{} to be assigned partitions", self.id), timeout, async || {
+            self.metric("sluice_worker_assigned_partitions").await.filter(|n| *n > 0.0)
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// The worker's `/metrics` text.
     pub async fn metrics(&self) -> anyhow::Result<String> {
         Ok(reqwest::get(format!("{}/metrics", self.url)).await?.text().await?)
@@ -112,12 +121,7 @@ impl Cluster {
         // Tests expect the work to be shared: wait until the group has settled, every worker
         // owning partitions (the first one to start holds them all until the others join).
         for w in &started {
-            crate::wait_for(
-                &format!("{} to be assigned partitions", w.id),
-                Duration::from_secs(90),
-                async || w.metric("sluice_worker_assigned_partitions").await.filter(|n| *n > 0.0),
-            )
-            .await?;
+            w.wait_assigned(Duration::from_secs(90)).await?;
         }
         Ok(Cluster {
             stack,

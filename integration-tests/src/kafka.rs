@@ -56,6 +56,16 @@ impl TopicReader {
         })
     }
 
+    /// Every record on `topic` now: what arrives within `settle`. Blocks (in place, when called
+    /// from a multi-threaded runtime).
+    pub fn snapshot(brokers: &str, topic: &str, settle: Duration) -> anyhow::Result<Vec<Consumed>> {
+        tokio::task::block_in_place(|| {
+            let mut reader = TopicReader::new(brokers, topic)?;
+            reader.poll_for(settle);
+            Ok(reader.records)
+        })
+    }
+
     /// Reads what arrives within `duration`.
     pub fn poll_for(&mut self, duration: Duration) -> &[Consumed] {
         let start = self.records.len();

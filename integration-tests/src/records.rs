@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord};
 
 use crate::kafka::{TopicReader, produce_raw};
+use crate::stack::Topics;
 
 /// A valid version-1 terrain task record of tenant `acme`: its task id and its JSON.
 pub fn terrain_task(seed: u64, width: u32, height: u32, difficulty: u32) -> (String, Value) {
@@ -44,30 +45,34 @@ pub struct Outcomes {
 }
 
 impl Outcomes {
-    /// Reads `completions_topic` until every id in `ids` has a completion, then `dlq_topic` until
-    /// every failed one has its DLQ record. Fails after `timeout`, naming what is missing.
-    pub fn wait(
-        brokers: &str,
-        completions_topic: &str,
-        dlq_topic: &str,
-        ids: &BTreeSet<String>,
-        timeout: Duration,
-    ) -> anyhow::Result<Outcomes> {
-        Outcomes::wait_settled(brokers, completions_topic, dlq_topic, ids, timeout, |cs| !cs.is_empty())
+    /// Reads the completions topic of `topics` until every id in `ids` has a completion, then
+    /// the DLQ topic until every failed one has its DLQ record. Fails after `timeout`, naming
+    /// what is missing. Blocks (in place, when called from a multi-threaded runtime).
+    pub fn wait(brokers: &str, topics: &Topics, ids: &BTreeSet<String>, timeout: Duration) -> anyhow::Result<Outcomes> {
+        Outcomes::wait_settled(brokers, topics, ids, timeout, |cs| !cs.is_empty())
     }
 
     /// Like [`Outcomes::wait`], reading until `settled` holds for the completions of every id.
     pub fn wait_settled(
         brokers: &str,
-        completions_topic: &str,
-        dlq_topic: &str,
+        topics: &Topics,
+        ids: &BTreeSet<String>,
+        timeout: Duration,
+        settled: impl Fn(&[CompletionEvent]) -> bool,
+    ) -> anyhow::Result<Outcomes> {
+        tokio::task::block_in_place(|| Outcomes::read(brokers, topics, ids, timeout, settled))
+    }
+
+    fn read(
+        brokers: &str,
+        topics: &Topics,
         ids: &BTreeSet<String>,
         timeout: Duration,
         settled: impl Fn(&[CompletionEvent]) -> bool,
     ) -> anyhow::Result<Outcomes> {
         let deadline = std::time::Instant::now() + timeout;
         let mut outcomes = Outcomes::default();
-        let mut reader = TopicReader::new(brokers, completions_topic)?;
+        let mut reader = TopicReader::new(brokers, &topics.completions)?;
         let mut missing = ids.clone();
         let read = reader.read_each(timeout, |r| {
             if let Ok(c) = serde_json::from_slice::<CompletionEvent>(&r.value) {
@@ -97,7 +102,7 @@ impl Outcomes {
             .map(|(id, _)| id.clone())
             .collect();
         if !failed.is_empty() {
-            let mut reader = TopicReader::new(brokers, dlq_topic)?;
+            let mut reader = TopicReader::new(brokers, &topics.dlq)?;
             let left = deadline
                 .saturating_duration_since(std::time::Instant::now())
                 .max(Duration::from_secs(10));

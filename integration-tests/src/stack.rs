@@ -173,6 +173,17 @@ pub struct Topics {
     pub dlq: String,
 }
 
+impl Default for Topics {
+    /// The default topics, those `scripts/stack.sh up` creates.
+    fn default() -> Topics {
+        Topics {
+            tasks: sluice_schemas::topics::TASKS.into(),
+            completions: sluice_schemas::topics::COMPLETIONS.into(),
+            dlq: sluice_schemas::topics::DLQ.into(),
+        }
+    }
+}
+
 impl Topics {
     /// Worker settings that point at these topics.
     pub fn worker_env(&self) -> [(&'static str, &str); 3] {

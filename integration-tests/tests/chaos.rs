@@ -91,16 +91,7 @@ fn publish_paced(stack: &Stack, topic: &str, tasks: Vec<(String, Value)>, spread
 }
 
 fn outcomes(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>, timeout: Duration) -> Outcomes {
-    tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics.completions, &topics.dlq, ids, timeout)).unwrap()
-}
-
-/// Every record on `topic` now.
-fn read_all(stack: &Stack, topic: &str, settle: Duration) -> Vec<sluice_integration_tests::Consumed> {
-    tokio::task::block_in_place(|| {
-        let mut reader = TopicReader::new(stack.brokers(), topic).unwrap();
-        reader.poll_for(settle);
-        reader.records
-    })
+    Outcomes::wait(stack.brokers(), topics, ids, timeout).unwrap()
 }
 
 /// PNG objects per task id, from the S3 server's own storage.
@@ -152,11 +143,7 @@ async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() 
         worker(stack, "kill-1", "chaos-kill", &topics).await,
     ];
     for w in &workers {
-        sluice_integration_tests::wait_for("the group to form", Duration::from_secs(60), async || {
-            w.metric("sluice_worker_assigned_partitions").await.filter(|n| *n > 0.0)
-        })
-        .await
-        .unwrap();
+        w.wait_assigned(Duration::from_secs(60)).await.unwrap();
     }
     let started = Instant::now();
     let all = tasks(n, 0);
@@ -178,11 +165,7 @@ async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() 
         // can wedge for good (no member owning any partition) when members die in the middle
         // of a rebalance, which Kafka itself survives. Kills still land mid-work.
         for w in &workers {
-            sluice_integration_tests::wait_for("the group to settle", Duration::from_secs(60), async || {
-                w.metric("sluice_worker_assigned_partitions").await.filter(|n| *n > 0.0)
-            })
-            .await
-            .unwrap();
+            w.wait_assigned(Duration::from_secs(60)).await.unwrap();
         }
     }
     let acked = publisher.await.unwrap();
@@ -237,7 +220,7 @@ async fn an_s3_outage_of_30_s_dead_letters_nothing_and_loses_nothing() {
     let down = stopped.elapsed();
     publisher.await.unwrap();
     let done = outcomes(stack, &topics, &ids_of(&all), Duration::from_secs(600));
-    let dlq = read_all(stack, &topics.dlq, Duration::from_secs(2));
+    let dlq = TopicReader::snapshot(stack.brokers(), &topics.dlq, Duration::from_secs(2)).unwrap();
     // Retries of every kind (the counter is labelled).
     let retries: f64 = w
         .metrics()

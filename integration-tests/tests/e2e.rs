@@ -10,7 +10,9 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use sluice_integration_tests::cluster::{API_KEY, Cluster};
 use sluice_integration_tests::kafka::producer;
-use sluice_integration_tests::{Consumed, Service, Stack, TopicReader, bin, png_info, produce_raw, sha256_hex, terrain_task};
+use sluice_integration_tests::{
+    Consumed, Outcomes, Service, Stack, TopicReader, Topics, bin, png_info, produce_raw, sha256_hex, terrain_task,
+};
 use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord, topics};
 use tokio::sync::OnceCell;
 
@@ -24,22 +26,11 @@ async fn cluster() -> &'static Cluster {
 
 /// Reads completions until every id in `ids` has one; returns them by task id.
 fn completions_for(brokers: &str, ids: &BTreeSet<String>, timeout: Duration) -> HashMap<String, CompletionEvent> {
-    let mut reader = TopicReader::new(brokers, topics::COMPLETIONS).unwrap();
-    let seen = |records: &[Consumed]| {
-        records
-            .iter()
-            .filter_map(|r| r.json()["task_id"].as_str().map(str::to_owned))
-            .filter(|id| ids.contains(id))
-            .collect::<BTreeSet<_>>()
-    };
-    tokio::task::block_in_place(|| reader.read_until(timeout, |r| seen(r).len() == ids.len()).map(|_| ()))
-        .unwrap_or_else(|e| panic!("{e}; missing {:?}", ids.difference(&seen(&reader.records)).collect::<Vec<_>>()));
-    reader
-        .records
-        .iter()
-        .filter_map(|r| serde_json::from_slice::<CompletionEvent>(&r.value).ok())
-        .filter(|c| ids.contains(&c.task_id.to_string()))
-        .map(|c| (c.task_id.to_string(), c))
+    Outcomes::wait(brokers, &Topics::default(), ids, timeout)
+        .unwrap()
+        .completions
+        .into_iter()
+        .map(|(id, mut cs)| (id, cs.swap_remove(0)))
         .collect()
 }
 
@@ -210,14 +201,25 @@ async fn malformed_records_go_to_the_dlq_and_the_tasks_around_them_complete() {
         .unwrap();
     assert!(oob.message.contains("request.width"), "{}", oob.message);
 
-    // The valid tasks around them complete, and the failures with a task id are announced.
+    // The valid tasks around them complete (the `good_before` task id also has the failed
+    // completion of its copy with schema version header 2), and the failures with a task id
+    // are announced.
+    let succeeded = |cs: &[CompletionEvent]| cs.iter().any(|c| c.status == CompletionStatus::Succeeded);
+    let good = Outcomes::wait_settled(
+        c.stack.brokers(),
+        &Topics::default(),
+        &BTreeSet::from([good_before.clone(), good_after.clone()]),
+        Duration::from_secs(60),
+        succeeded,
+    )
+    .unwrap();
+    assert!(succeeded(&good.completions[&good_before]));
+    assert!(succeeded(&good.completions[&good_after]));
     let done = completions_for(
         c.stack.brokers(),
-        &BTreeSet::from([good_before.clone(), good_after.clone(), bad_id.clone(), unknown_model_id.clone()]),
+        &BTreeSet::from([bad_id.clone(), unknown_model_id.clone()]),
         Duration::from_secs(60),
     );
-    assert_eq!(done[&good_before].status, CompletionStatus::Succeeded);
-    assert_eq!(done[&good_after].status, CompletionStatus::Succeeded);
     assert_eq!(done[&bad_id].status, CompletionStatus::Failed);
     assert_eq!(done[&bad_id].error.as_ref().unwrap().reason.as_str(), "schema_violation");
     assert_eq!(done[&unknown_model_id].status, CompletionStatus::Failed);

@@ -31,7 +31,7 @@ async fn worker(stack: &Stack, scenario: &str, topics: &Topics, extra: &[(&str, 
 }
 
 fn outcomes(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>, timeout: Duration) -> Outcomes {
-    tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics.completions, &topics.dlq, ids, timeout)).unwrap()
+    Outcomes::wait(stack.brokers(), topics, ids, timeout).unwrap()
 }
 
 /// The worker's log as JSON lines.

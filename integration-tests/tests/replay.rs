@@ -20,11 +20,7 @@ async fn stack() -> &'static Stack {
 
 /// Every record of `topic` there is now.
 fn all_records(stack: &Stack, topic: &str) -> Vec<sluice_integration_tests::Consumed> {
-    tokio::task::block_in_place(|| {
-        let mut reader = TopicReader::new(stack.brokers(), topic).unwrap();
-        reader.poll_for(Duration::from_secs(3));
-        reader.records
-    })
+    TopicReader::snapshot(stack.brokers(), topic, Duration::from_secs(3)).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -52,9 +48,7 @@ async fn redrive_sends_the_chosen_dlq_records_back_once_and_they_complete() {
             .unwrap();
     }
     let ids = ids_of(&[too_big.clone(), fine.clone()].concat());
-    let first =
-        tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics.completions, &topics.dlq, &ids, Duration::from_secs(180)))
-            .unwrap();
+    let first = Outcomes::wait(stack.brokers(), &topics, &ids, Duration::from_secs(180)).unwrap();
     for (id, _) in &too_big {
         assert_eq!(first.dlq_reason(id), Some("resource_exhausted"));
     }
@@ -123,15 +117,8 @@ async fn redrive_sends_the_chosen_dlq_records_back_once_and_they_complete() {
     }
 
     // And they complete this time.
-    let again = tokio::task::block_in_place(|| {
-        Outcomes::wait_settled(
-            stack.brokers(),
-            &topics.completions,
-            &topics.dlq,
-            &ids_of(&too_big),
-            Duration::from_secs(180),
-            |cs| cs.iter().any(|c| c.status == CompletionStatus::Succeeded),
-        )
+    let again = Outcomes::wait_settled(stack.brokers(), &topics, &ids_of(&too_big), Duration::from_secs(180), |cs| {
+        cs.iter().any(|c| c.status == CompletionStatus::Succeeded)
     })
     .unwrap();
     for (id, _) in &too_big {
@@ -161,9 +148,7 @@ async fn replay_by_time_reannounces_finished_tasks_without_running_them_again() 
     }
     publish_tasks(&kafka, &topics.tasks, &late).await.unwrap();
     let all = ids_of(&[early.clone(), late.clone()].concat());
-    let first =
-        tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics.completions, &topics.dlq, &all, Duration::from_secs(180)))
-            .unwrap();
+    let first = Outcomes::wait(stack.brokers(), &topics, &all, Duration::from_secs(180)).unwrap();
     assert_eq!(first.with_status(CompletionStatus::Succeeded), all);
     let skipped_before = worker.metric("sluice_worker_duplicates_skipped_total").await.unwrap_or(0.0);
 
@@ -190,17 +175,7 @@ async fn replay_by_time_reannounces_finished_tasks_without_running_them_again() 
         "{summary}"
     );
     let replayed: BTreeSet<String> = late.iter().take(2).map(|(id, _)| id.clone()).collect();
-    let again = tokio::task::block_in_place(|| {
-        Outcomes::wait_settled(
-            stack.brokers(),
-            &topics.completions,
-            &topics.dlq,
-            &replayed,
-            Duration::from_secs(120),
-            |cs| cs.len() >= 2,
-        )
-    })
-    .unwrap();
+    let again = Outcomes::wait_settled(stack.brokers(), &topics, &replayed, Duration::from_secs(120), |cs| cs.len() >= 2).unwrap();
     // The same results announced again, not new ones: same objects, same bytes, not run again.
     for id in &replayed {
         let cs = &again.completions[id];
