@@ -6,6 +6,7 @@
 #   scripts/stack.sh down [DIR]           stop and keep the data
 #   scripts/stack.sh status [DIR]
 #   scripts/stack.sh stop-s3|start-s3 [DIR]              fault injection for the chaos tests
+#   scripts/stack.sh pause-s3|resume-s3 [DIR]            (pause: SIGSTOP, a server that hangs)
 #   scripts/stack.sh stop-broker|start-broker|restart-broker [DIR]
 #
 # DIR defaults to .stack. With SLUICE_STACK_OWNER_PID set, `up` also starts a watchdog that
@@ -140,6 +141,7 @@ stop() { # name
   if alive "$1"; then
     local pid; pid="$(cat "$dir/$1.pid")"
     kill -TERM "$pid" 2>/dev/null || true
+    kill -CONT "$pid" 2>/dev/null || true # a paused server handles TERM once it runs again
     for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
     kill -KILL "$pid" 2>/dev/null || true
   fi
@@ -164,6 +166,8 @@ write_env() {
   local model; model="$(sed -n 's/^export SLUICE_TERRAIN_MODEL=//p' <<<"$assets")"
   mkdir -p "$dir/models/terrain"
   ln -sfn "$model" "$dir/models/terrain/model.onnx"
+  local sd; sd="$(sed -n 's/^export SLUICE_SD_TINY=//p' <<<"$assets")"
+  ln -sfn "$sd/sd-tiny" "$dir/models/sd-tiny"
   cat >"$dir/env.tmp" <<ENV
 # Written by scripts/stack.sh; source it: . $dir/env
 export SLUICE_STACK_DIR=$dir
@@ -175,7 +179,7 @@ export AWS_REGION=us-east-1
 export AWS_ALLOW_HTTP=true
 export SLUICE_OUTPUT_URL=s3://$BUCKET/outputs
 export SLUICE_MODEL_DIR=$dir/models
-$(grep -E '^export (ORT_DYLIB_PATH|SLUICE_ONNX_PYTHON)=' <<<"$assets")
+$(grep -E '^export (ORT_DYLIB_PATH|SLUICE_ONNX_PYTHON|SLUICE_SD_TINY)=' <<<"$assets")
 ENV
   mv "$dir/env.tmp" "$dir/env"
 }
@@ -207,6 +211,8 @@ case "$cmd" in
     ;;
   stop-s3) stop s3 ;;
   start-s3) start_s3 ;;
+  pause-s3) alive s3 && kill -STOP "$(cat "$dir/s3.pid")" ;;
+  resume-s3) alive s3 && kill -CONT "$(cat "$dir/s3.pid")" ;;
   stop-broker) stop broker ;;
   start-broker) start_broker ;;
   restart-broker) stop broker; start_broker ;;
@@ -216,5 +222,5 @@ case "$cmd" in
       || grep -qw "$3" <<<"$("$TANSU" topic list --broker "tcp://127.0.0.1:$(port_of broker)" 2>/dev/null)" \
       || { echo "creating topic $3 failed; see $dir/logs/topics.log" >&2; exit 1; }
     ;;
-  *) echo "usage: $0 up|down|status|stop-s3|start-s3|stop-broker|start-broker|restart-broker [DIR] | topic DIR NAME PARTITIONS" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|stop-s3|start-s3|pause-s3|resume-s3|stop-broker|start-broker|restart-broker [DIR] | topic DIR NAME PARTITIONS" >&2; exit 2 ;;
 esac

@@ -143,6 +143,24 @@ pub async fn produce_raw(
     Ok((delivery.partition, delivery.offset))
 }
 
+/// The offset `group` committed for `partition` of `topic`, if any (an offset fetch; the reader
+/// does not join the group).
+pub fn committed(brokers: &str, group: &str, topic: &str, partition: i32) -> Option<i64> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .ok()?;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    let committed = consumer.committed_offsets(tpl, Duration::from_secs(10)).ok()?;
+    match committed.find_partition(topic, partition)?.offset() {
+        Offset::Offset(o) => Some(o),
+        _ => None,
+    }
+}
+
 /// A producer for tests.
 pub fn producer(brokers: &str) -> anyhow::Result<FutureProducer> {
     Ok(ClientConfig::new()

@@ -88,6 +88,13 @@ impl Stack {
     pub fn start_s3(&self) -> anyhow::Result<()> {
         self.script("start-s3")
     }
+    /// Freezes the S3 server (SIGSTOP): connections are accepted by the kernel and never answered.
+    pub fn pause_s3(&self) -> anyhow::Result<()> {
+        self.script("pause-s3")
+    }
+    pub fn resume_s3(&self) -> anyhow::Result<()> {
+        self.script("resume-s3")
+    }
     pub fn stop_broker(&self) -> anyhow::Result<()> {
         self.script("stop-broker")
     }

@@ -35,6 +35,11 @@ async fn stack() -> &'static Stack {
 /// its `group.instance.id`, as a pod name would be), so a restarted worker takes its
 /// partitions back at once.
 async fn worker(stack: &Stack, id: &str, group: &str, topics: &Topics) -> Worker {
+    worker_with(stack, id, group, topics, &[]).await
+}
+
+/// [`worker`] with extra settings.
+async fn worker_with(stack: &Stack, id: &str, group: &str, topics: &Topics, extra: &[(&str, &str)]) -> Worker {
     let models = stack.tiny_models().unwrap().display().to_string();
     let mut env = vec![
         ("SLUICE_MODEL_DIR", models.as_str()),
@@ -53,6 +58,7 @@ async fn worker(stack: &Stack, id: &str, group: &str, topics: &Topics) -> Worker
     if std::env::var("SLUICE_CHAOS_STATIC").map_or(true, |v| v != "0") {
         env.push(("SLUICE_GROUP_INSTANCE_ID", id));
     }
+    env.extend_from_slice(extra);
     Worker::on_topics(stack, id, group, topics, &env).await.unwrap()
 }
 
@@ -201,50 +207,66 @@ async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() 
     }
 }
 
+/// How long the poll loop may go without polling while S3 is out. It polls every 100 ms and
+/// never waits on storage; a stall of seconds would mean storage I/O crept back onto it (before
+/// the redelivery check moved off it: 27 s with S3 hung, against max.poll.interval.ms of 30 s).
+const POLL_GAP_BOUND_S: f64 = 2.0;
+
 #[tokio::test(flavor = "multi_thread")]
-async fn an_s3_outage_of_30_s_dead_letters_nothing_and_loses_nothing() {
+async fn an_s3_outage_of_30_s_dead_letters_nothing_loses_nothing_and_never_stalls_polling() {
     let _serial = SERIAL.lock().await;
     let stack = stack().await;
     let topics = stack.topics("s3", 4).unwrap();
     let n = if full() { 1000 } else { 300 };
-    let outage = Duration::from_secs(30);
-    let mut w = worker(stack, "s3-0", "chaos-s3", &topics).await;
+    let (hung, gone) = (Duration::from_secs(15), Duration::from_secs(15));
+    // A short lease span, so that read leases are extended (written to S3) during the outage.
+    let mut w = worker_with(stack, "s3-0", "chaos-s3", &topics, &[("SLUICE_LEASE_SPAN", "16")]).await;
+    w.wait_assigned(Duration::from_secs(60)).await.unwrap();
     let started = Instant::now();
     let all = tasks(n, 10_000);
-    let publisher = publish_paced(stack, &topics.tasks, all.clone(), outage + Duration::from_secs(10));
+    let publisher = publish_paced(stack, &topics.tasks, all.clone(), hung + gone + Duration::from_secs(10));
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stack.stop_s3().unwrap();
+    let revokes_before = w.metric("sluice_worker_rebalances_total{kind=\"revoke\"}").await.unwrap_or(0.0);
+    // First S3 hangs (requests are accepted and never answered: an upload backlog builds up),
+    // then it is gone (connections refused).
+    stack.pause_s3().unwrap();
     let stopped = Instant::now();
-    tokio::time::sleep(outage).await;
+    tokio::time::sleep(hung).await;
+    stack.stop_s3().unwrap();
+    tokio::time::sleep(gone).await;
     stack.start_s3().unwrap();
     let down = stopped.elapsed();
     publisher.await.unwrap();
     let done = outcomes(stack, &topics, &ids_of(&all), Duration::from_secs(600));
     let dlq = TopicReader::snapshot(stack.brokers(), &topics.dlq, Duration::from_secs(2)).unwrap();
+    let metrics = w.metrics().await.unwrap();
     // Retries of every kind (the counter is labelled).
-    let retries: f64 = w
-        .metrics()
-        .await
-        .unwrap()
+    let retries: f64 = metrics
         .lines()
         .filter(|l| l.starts_with("sluice_worker_retries_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
+    let poll_gap = metric_value(&metrics, "sluice_worker_poll_gap_max_seconds").unwrap_or(f64::NAN);
+    let revokes = metric_value(&metrics, "sluice_worker_rebalances_total{kind=\"revoke\"}").unwrap_or(0.0) - revokes_before;
     table(
-        "S3 server stopped for 30 s mid-run (1 worker)",
+        "S3 server hung for 15 s, then stopped for 15 s, mid-run (1 worker, lease writes during the outage)",
         &[
             ("tasks", n.to_string()),
-            ("S3 down for", format!("{:.1} s", down.as_secs_f64())),
+            ("S3 out for", format!("{:.1} s", down.as_secs_f64())),
             ("storage retries", format!("{retries:.0}")),
             ("completed", done.with_status(CompletionStatus::Succeeded).len().to_string()),
             ("DLQ records", dlq.len().to_string()),
             ("lost", (n - done.completions.len()).to_string()),
+            ("poll loop's longest gap", format!("{poll_gap:.2} s")),
+            ("partitions revoked during the outage", format!("{revokes:.0}")),
             ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
         ],
     );
     assert!(retries > 0.0, "the outage was felt");
     assert_eq!(dlq.len(), 0, "nothing dead-lettered");
     assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), n);
+    assert!(poll_gap < POLL_GAP_BOUND_S, "the poll loop stalled for {poll_gap} s");
+    assert_eq!(revokes, 0.0, "the worker kept its partitions");
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }
 

@@ -302,3 +302,143 @@ async fn setup_mistakes_are_clear_startup_errors() {
     assert_eq!(status.code(), Some(2), "{log}");
     assert!(log.contains("/nonexistent/models/terrain/model.onnx does not exist"), "{log}");
 }
+
+/// A panic in model code fails its task and nothing else: a worker whose model code panics on
+/// chosen tasks (`SLUICE_TEST_FAULTS`: preparing one, the batch call holding another, rendering
+/// a third) completes every other task of their batches, dead-letters the three as
+/// `model_error` with the panic message, commits past them and stays ready; a restarted worker
+/// does not read them again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panic_in_model_code_fails_its_task_and_the_partition_moves_on() {
+    use sluice_integration_tests::cluster::Worker;
+    use sluice_integration_tests::{ids_of, publish_tasks};
+
+    let c = cluster().await;
+    let stack = &c.stack;
+    // One partition, so that "the committed offset moved past the poison records" is one number.
+    let topics = stack.topics("panics", 1).unwrap();
+    let models = stack.tiny_models().unwrap().display().to_string();
+    let (prepare, run, render) = (9_001u64, 9_002u64, 9_003u64);
+    let faults = format!("panic-prepare={prepare},panic-run={run},panic-render={render}");
+    let env = [
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("SLUICE_TEST_FAULTS", faults.as_str()),
+        ("SLUICE_MAX_BATCH", "8"),
+        // Long enough that the tasks published together run as one batch.
+        ("SLUICE_MAX_WAIT_MS", "1000"),
+    ];
+    let mut worker = Worker::on_topics(stack, "panics-0", "e2e-panics", &topics, &env).await.unwrap();
+    worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    let mut all: Vec<(String, Value)> = (0..9).map(|i| terrain_task(100 + i, 128, 128, 50)).collect();
+    for (i, seed) in [(1, prepare), (4, run), (7, render)] {
+        all[i] = terrain_task(seed, 128, 128, 50);
+    }
+    let kafka = producer(stack.brokers()).unwrap();
+    publish_tasks(&kafka, &topics.tasks, &all).await.unwrap();
+    let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(120)).unwrap();
+    let poisoned = [&all[1].0, &all[4].0, &all[7].0];
+    for (id, _) in &all {
+        let event = &done.completions[id][0];
+        if poisoned.contains(&id) {
+            assert_eq!(event.status, CompletionStatus::Failed, "{id}");
+            assert_eq!(done.dlq_reason(id), Some("model_error"), "{id}");
+            let message = &done.dlq[id][0].message;
+            assert!(message.contains("panicked") && message.contains("injected fault"), "{message}");
+        } else {
+            assert_eq!(event.status, CompletionStatus::Succeeded, "{id}: {event:?}");
+        }
+    }
+    // The worker is still up and ready, and its offset moved past every record.
+    assert!(worker.service.running());
+    assert!(reqwest::get(format!("{}/readyz", worker.url)).await.unwrap().status().is_success());
+    let committed = sluice_integration_tests::wait_for("the commit past the last record", Duration::from_secs(30), async || {
+        sluice_integration_tests::kafka::committed(stack.brokers(), "e2e-panics", &topics.tasks, 0).filter(|o| *o == 9)
+    })
+    .await
+    .unwrap();
+    assert_eq!(committed, 9);
+    // A restarted worker starts after them: the poison records are not read again, and new
+    // tasks run.
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+    worker.restart(stack).await.unwrap();
+    let after = vec![terrain_task(200, 128, 128, 50)];
+    publish_tasks(&kafka, &topics.tasks, &after).await.unwrap();
+    let later = Outcomes::wait(stack.brokers(), &topics, &ids_of(&after), Duration::from_secs(120)).unwrap();
+    assert_eq!(later.completions[&after[0].0][0].status, CompletionStatus::Succeeded);
+    let metrics = worker.metrics().await.unwrap();
+    assert_eq!(
+        sluice_integration_tests::cluster::metric_value(&metrics, "sluice_worker_tasks_received_total"),
+        Some(1.0),
+        "the restarted worker read only the new task"
+    );
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// Every error answer of both services is JSON `{error, message, fields}`, unknown routes,
+/// wrong methods, oversized and unreadable bodies included.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_http_error_of_both_services_is_json() {
+    let c = cluster().await;
+    let client = reqwest::Client::new();
+    let worker = &c.workers[0].url;
+    let producer = &c.producer_url;
+    let huge = "x".repeat(100_000);
+    let cases: Vec<(reqwest::RequestBuilder, u16, &str)> = vec![
+        (client.get(format!("{producer}/nowhere")), 404, "not_found"),
+        (
+            client.get(format!("{producer}/v1/tasks")).bearer_auth(API_KEY),
+            405,
+            "method_not_allowed",
+        ),
+        (client.delete(format!("{producer}/healthz")), 405, "method_not_allowed"),
+        (
+            client.post(format!("{producer}/v1/tasks")).bearer_auth(API_KEY).body(huge),
+            413,
+            "payload_too_large",
+        ),
+        (
+            client.post(format!("{producer}/v1/tasks")).bearer_auth(API_KEY).body("{nope"),
+            400,
+            "invalid_json",
+        ),
+        (client.post(format!("{producer}/v1/tasks")).body("{}"), 401, "unauthorized"),
+        (
+            client
+                .post(format!("{producer}/v1/tasks"))
+                .bearer_auth(API_KEY)
+                .json(&json!({"model": "terrain", "width": 1})),
+            400,
+            "invalid_request",
+        ),
+        (client.get(format!("{worker}/nowhere")), 404, "not_found"),
+        (client.get(format!("{worker}/admin/reload")), 405, "method_not_allowed"),
+        (
+            client
+                .post(format!("{worker}/admin/reload"))
+                .header("content-type", "application/json")
+                .body("{nope"),
+            400,
+            "bad_request",
+        ),
+        (
+            client.post(format!("{worker}/admin/reload")).json(&json!({"colour": "red"})),
+            422,
+            "unprocessable_entity",
+        ),
+        (
+            client.post(format!("{worker}/admin/reload")).json(&json!({"model": "nope"})),
+            404,
+            "unknown_model",
+        ),
+    ];
+    for (request, status, code) in cases {
+        let response = request.send().await.unwrap();
+        let url = response.url().to_string();
+        assert_eq!(response.status().as_u16(), status, "{url}");
+        assert_eq!(response.headers()["content-type"].to_str().unwrap(), "application/json", "{url}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"], code, "{url}: {body}");
+        assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{url}: {body}");
+        assert!(body["fields"].is_array(), "{url}: {body}");
+    }
+}

@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{Value, json};
+use sluice_service::http_error::{ApiError, FieldError, json_errors};
 
 use crate::auth::ApiKeys;
 use crate::metrics::Metrics;
@@ -23,19 +24,24 @@ pub struct AppState {
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
-    Router::new()
-        .route("/v1/tasks", post(submit))
-        .route(
-            "/metrics",
-            get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
-        )
-        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
-        .layer(DefaultBodyLimit::max(max_body_bytes))
-        .with_state(state)
+    json_errors(
+        Router::new()
+            .route("/v1/tasks", post(submit))
+            .route(
+                "/metrics",
+                get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
+            )
+            .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+            .layer(DefaultBodyLimit::max(max_body_bytes)),
+    )
+    .with_state(state)
 }
 
-fn error(status: StatusCode, code: &str, message: String, fields: Value) -> Response {
-    (status, Json(json!({"error": code, "message": message, "fields": fields}))).into_response()
+fn field(field: &str, message: impl Into<String>) -> FieldError {
+    FieldError {
+        field: field.to_owned(),
+        message: message.into(),
+    }
 }
 
 /// The user the task is submitted for, from `X-Sluice-User`.
@@ -48,79 +54,47 @@ fn user_of(headers: &HeaderMap) -> Result<Option<String>, &'static str> {
 }
 
 async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let response = submit_inner(&s, &headers, &body).await;
+    let response = submit_inner(&s, &headers, &body).await.unwrap_or_else(IntoResponse::into_response);
     s.metrics.requests.with_label_values(&[response.status().as_str()]).inc();
     response
 }
 
-async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Response {
+async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    let tenant = match s.keys.tenant(authorization) {
-        Ok(t) => t,
-        Err(e) => {
-            return (
-                StatusCode::UNAUTHORIZED,
-                [(header::WWW_AUTHENTICATE, "Bearer")],
-                Json(json!({"error": "unauthorized", "message": e.to_string()})),
-            )
-                .into_response();
-        }
-    };
-    let user = match user_of(headers) {
-        Ok(u) => u,
-        Err(message) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                message.into(),
-                json!([{"field": "X-Sluice-User", "message": message}]),
-            );
-        }
-    };
-    let request: Value = match serde_json::from_slice(body) {
-        Ok(v) => v,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_json",
-                format!("the body is not JSON: {e}"),
-                json!([{"field": "", "message": e.to_string()}]),
-            );
-        }
-    };
-    let record = match TaskPublisher::record(&request, &Submitter { tenant, user }) {
-        Ok(r) => r,
-        Err(SubmitError::Invalid(violations)) => {
+    let tenant = s.keys.tenant(authorization).map_err(|e| {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()).with_header(header::WWW_AUTHENTICATE, "Bearer")
+    })?;
+    let user = user_of(headers).map_err(|message| {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("X-Sluice-User", message)])
+    })?;
+    let request: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not JSON: {e}")).with_fields([field("", e.to_string())])
+    })?;
+    let record = TaskPublisher::record(&request, &Submitter { tenant, user }).map_err(|e| match e {
+        SubmitError::Invalid(violations) => {
             let mut names: Vec<&str> = violations
                 .iter()
                 .map(|v| if v.field.is_empty() { "(body)" } else { v.field.as_str() })
                 .collect();
             names.dedup();
-            return error(
+            ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",
                 format!("invalid field(s): {}", names.join(", ")),
-                json!(violations),
-            );
-        }
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string(), json!([])),
-    };
-    match s.publisher.publish(&record, s.publish_timeout).await {
-        Ok(()) => (
-            StatusCode::ACCEPTED,
-            [(header::LOCATION, format!("/v1/tasks/{}", record.task_id))],
-            Json(json!({"task_id": record.task_id, "status": "queued"})),
-        )
-            .into_response(),
-        Err(e) => {
-            tracing::warn!(error = %e, "broker unavailable; task refused");
-            let retry = (s.publish_timeout.as_secs().max(1)).to_string();
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                [(header::RETRY_AFTER, retry)],
-                Json(json!({"error": "unavailable", "message": e.to_string()})),
             )
-                .into_response()
+            .with_fields(violations.into_iter().map(|v| field(&v.field, v.message)))
         }
+        e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()),
+    })?;
+    if let Err(e) = s.publisher.publish(&record, s.publish_timeout).await {
+        tracing::warn!(error = %e, "broker unavailable; task refused");
+        let retry = s.publish_timeout.as_secs().max(1).to_string();
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry));
     }
+    Ok((
+        StatusCode::ACCEPTED,
+        [(header::LOCATION, format!("/v1/tasks/{}", record.task_id))],
+        Json(json!({"task_id": record.task_id, "status": "queued"})),
+    )
+        .into_response())
 }

@@ -142,11 +142,12 @@ pub enum DlqReason {
     TooLarge,
     ResourceExhausted,
     ModelError,
+    StorageRejected,
     RetriesExhausted,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 8] = [
+    pub const ALL: [DlqReason; 9] = [
         DlqReason::Malformed,
         DlqReason::SchemaViolation,
         DlqReason::UnsupportedVersion,
@@ -154,6 +155,7 @@ impl DlqReason {
         DlqReason::TooLarge,
         DlqReason::ResourceExhausted,
         DlqReason::ModelError,
+        DlqReason::StorageRejected,
         DlqReason::RetriesExhausted,
     ];
 
@@ -166,6 +168,7 @@ impl DlqReason {
             DlqReason::TooLarge => "too_large",
             DlqReason::ResourceExhausted => "resource_exhausted",
             DlqReason::ModelError => "model_error",
+            DlqReason::StorageRejected => "storage_rejected",
             DlqReason::RetriesExhausted => "retries_exhausted",
         }
     }

@@ -1,6 +1,7 @@
-//! What every Sluice binary shares: Kafka client settings, logging, the metrics endpoint and
-//! shutdown signals. Each module does one of these jobs.
+//! What every Sluice binary shares: Kafka client settings, logging, the metrics endpoint, the
+//! HTTP error shape and shutdown signals. Each module does one of these jobs.
 
+pub mod http_error;
 pub mod kafka;
 pub mod metrics;
 pub mod shutdown;

@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::engine::{Engine, EngineError, Tensor};
+use crate::engine::{Call, CallTask, Engine, EngineError, Tensor};
 use crate::events::{self, Emit};
 use crate::metrics::Metrics;
 use crate::models::{Bucket, Prepared, concat_inputs};
@@ -90,6 +90,35 @@ pub trait BatchItem: Send + 'static {
     fn id(&self) -> String;
     /// Dimensions for logs and the DLQ.
     fn dimensions(&self) -> String;
+    /// Progress and cancellation of the task, for models with many steps.
+    fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
+        None
+    }
+}
+
+/// The model call of a chunk: inputs concatenated in item order, and each item's rows.
+fn call_of<T: BatchItem>(bucket: &Bucket, items: &[T]) -> Call {
+    let prepared: Vec<&Prepared> = items.iter().map(BatchItem::prepared).collect();
+    Call {
+        key: bucket.key.clone(),
+        inputs: concat_inputs(&prepared),
+        tasks: items
+            .iter()
+            .map(|i| CallTask {
+                id: i.id(),
+                rows: i.prepared().rows,
+                hooks: i.hooks(),
+            })
+            .collect(),
+    }
+}
+
+/// Task ids and dimensions of `items`, for events.
+fn names<T: BatchItem>(items: &[T]) -> (Vec<String>, Vec<String>) {
+    (
+        items.iter().map(BatchItem::id).collect(),
+        items.iter().map(BatchItem::dimensions).collect(),
+    )
 }
 
 /// What became of a chunk of a batch.
@@ -149,48 +178,29 @@ impl Adaptive {
         self.max_batch.min(self.max_rows / bucket.rows_per_task.max(1)).max(1)
     }
 
-    pub fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
     /// The current limit of `bucket` (tasks per call).
     pub fn limit(&self, bucket: &Bucket) -> usize {
+        self.with_ceiling(bucket, |c| c.limit())
+    }
+
+    /// Runs `f` on the ceiling of `bucket`, made (and reported) on first use.
+    fn with_ceiling<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Ceiling) -> R) -> R {
         let mut ceilings = self.ceilings.lock().expect("ceilings");
         let ceiling = ceilings.entry(bucket.clone()).or_insert_with(|| {
             let c = Ceiling::new(self.max_for(bucket), self.probe_after);
-            self.metrics
-                .batch_ceiling
-                .with_label_values(&[&bucket.to_string()])
-                .set(c.limit() as i64);
+            events::CeilingIs { bucket, limit: c.limit() }.emit(&self.metrics);
             c
         });
-        ceiling.limit()
+        f(ceiling)
     }
 
-    /// Learned limits of every bucket seen so far.
-    pub fn limits(&self) -> Vec<(Bucket, usize)> {
-        let mut v: Vec<_> = self
-            .ceilings
-            .lock()
-            .expect("ceilings")
-            .iter()
-            .map(|(b, c)| (b.clone(), c.limit()))
-            .collect();
-        v.sort();
-        v
-    }
-
+    /// Changes the ceiling of `bucket` through `f` and reports its limit.
     fn update<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Ceiling) -> R) -> R {
-        let mut ceilings = self.ceilings.lock().expect("ceilings");
-        let ceiling = ceilings
-            .entry(bucket.clone())
-            .or_insert_with(|| Ceiling::new(self.max_for(bucket), self.probe_after));
-        let r = f(ceiling);
-        self.metrics
-            .batch_ceiling
-            .with_label_values(&[&bucket.to_string()])
-            .set(ceiling.limit() as i64);
-        r
+        self.with_ceiling(bucket, |c| {
+            let r = f(c);
+            events::CeilingIs { bucket, limit: c.limit() }.emit(&self.metrics);
+            r
+        })
     }
 
     /// Runs `items` (all of `bucket`) and reports each chunk as it finishes, so that CPU work on
@@ -213,9 +223,9 @@ impl Adaptive {
                 }
             };
             let size = chunk.items.len();
-            let inputs = concat_inputs(&chunk.items.iter().map(|i| i.prepared()).collect::<Vec<_>>());
+            let call = call_of(bucket, &chunk.items);
             let started = Instant::now();
-            let result = self.engine.run(&bucket.model, inputs, chunk.exclusive).await;
+            let result = self.engine.run(&bucket.model, call, chunk.exclusive).await;
             let elapsed = started.elapsed();
             match result {
                 Ok(outputs) => {
@@ -232,13 +242,15 @@ impl Adaptive {
                 }
                 Err(error) if error.is_oom() => {
                     self.engine.release_memory(&bucket.model);
+                    let (task_ids, dimensions) = names(&chunk.items);
                     if size > 1 {
                         let to = self.update(bucket, |c| c.on_oom(size));
                         events::OomHandled {
                             bucket,
                             from: size,
                             to,
-                            items: &chunk.items,
+                            task_ids,
+                            dimensions,
                             error: &error,
                         }
                         .emit(&self.metrics);
@@ -253,7 +265,8 @@ impl Adaptive {
                             bucket,
                             from: 1,
                             to: 1,
-                            items: &chunk.items,
+                            task_ids,
+                            dimensions,
                             error: &error,
                         }
                         .emit(&self.metrics);
@@ -263,18 +276,26 @@ impl Adaptive {
                         });
                     } else {
                         self.update(bucket, |c| c.on_oom(1));
-                        let item = chunk.items.into_iter().next().expect("one item");
                         events::DoesNotFit {
                             bucket,
-                            item: &item,
+                            task_id: &task_ids[0],
+                            dimensions: &dimensions[0],
                             error: &error,
                         }
                         .emit(&self.metrics);
+                        let item = chunk.items.into_iter().next().expect("one item");
                         on_done(Done::Failed { item, error });
                     }
                 }
-                Err(EngineError::Run(_)) if size > 1 => {
-                    // A model error inside a batch: isolate it by bisection so the others run.
+                Err(error) if error.is_task_error() && size > 1 => {
+                    // A model error or panic inside a batch: isolate it by bisection so the
+                    // others run.
+                    events::Bisected {
+                        bucket,
+                        size,
+                        error: &error,
+                    }
+                    .emit(&self.metrics);
                     let mut items = chunk.items;
                     let second = items.split_off(size / 2);
                     retries.push_front(Chunk {
@@ -308,6 +329,157 @@ impl crate::batcher::BatchLimits for Adaptive {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED, prepared};
+    use crate::models::ModelAdapter;
+
+    struct Item(Prepared, String);
+
+    impl BatchItem for Item {
+        fn prepared(&self) -> &Prepared {
+            &self.0
+        }
+        fn id(&self) -> String {
+            self.1.clone()
+        }
+        fn dimensions(&self) -> String {
+            format!("1x1x{}", self.0.rows)
+        }
+    }
+
+    fn bucket(rows: usize) -> Bucket {
+        Bucket {
+            key: String::new(),
+            model: "fake".into(),
+            rows_per_task: rows,
+        }
+    }
+
+    /// An adaptive runner over `slots` engine threads sharing a fake device of `capacity` rows.
+    async fn adaptive(
+        capacity: usize,
+        slots: usize,
+        max: usize,
+        probe_after: u32,
+        serialize: bool,
+    ) -> (Arc<Adaptive>, Arc<Device>, Metrics) {
+        let device = Device::new(capacity, Duration::from_millis(20));
+        let engine = Engine::start(slots);
+        let model = Arc::new(FakeModel { device: device.clone() });
+        engine
+            .load("fake", Arc::new(move || model.load(std::path::Path::new(""), &Default::default())))
+            .await
+            .unwrap();
+        let metrics = Metrics::new();
+        let limits = BatchSize {
+            max_tasks: max,
+            max_rows: 1024,
+        };
+        (
+            Arc::new(Adaptive::new(engine, limits, probe_after, serialize, metrics.clone())),
+            device,
+            metrics,
+        )
+    }
+
+    fn items(seeds: impl IntoIterator<Item = u64>, rows: usize) -> Vec<Item> {
+        seeds.into_iter().map(|s| Item(prepared(s, rows), s.to_string())).collect()
+    }
+
+    /// Runs `items` as one batch: the sizes of the calls that ran, the ids that ran, and the
+    /// failures.
+    async fn run(a: &Adaptive, b: &Bucket, items: Vec<Item>) -> (Vec<usize>, Vec<String>, Vec<(String, EngineError)>) {
+        let (mut sizes, mut ran, mut failed) = (Vec::new(), Vec::new(), Vec::new());
+        a.run(b, items, |done| match done {
+            Done::Ran { items, batch_size, .. } => {
+                sizes.push(batch_size);
+                ran.extend(items.iter().map(|i| i.1.clone()));
+            }
+            Done::Failed { item, error } => failed.push((item.1, error)),
+        })
+        .await;
+        (sizes, ran, failed)
+    }
+
+    #[tokio::test]
+    async fn an_oom_halves_the_batch_runs_the_same_tasks_and_remembers_the_size() {
+        let (a, device, metrics) = adaptive(4, 1, 8, 16, true).await;
+        let (sizes, ran, failed) = run(&a, &bucket(1), items(0..8, 1)).await;
+        assert_eq!(sizes, vec![4, 4]);
+        assert_eq!(ran.len(), 8);
+        assert!(failed.is_empty());
+        assert_eq!(a.limit(&bucket(1)), 4, "learned");
+        assert_eq!(metrics.ooms(&bucket(1)), 1);
+        assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 4);
+        // The next batch starts at the learned size: no OOM.
+        let (sizes, _, _) = run(&a, &bucket(1), items(10..16, 1)).await;
+        assert_eq!(sizes, vec![4, 2]);
+        assert_eq!(metrics.ooms(&bucket(1)), 1);
+    }
+
+    #[tokio::test]
+    async fn a_task_that_does_not_fit_even_alone_fails_on_its_own() {
+        let (a, _, metrics) = adaptive(4, 1, 8, 16, true).await;
+        let (sizes, ran, failed) = run(&a, &bucket(5), items([1, 2], 5)).await;
+        assert!(sizes.is_empty() && ran.is_empty());
+        assert_eq!(failed.len(), 2);
+        assert!(failed.iter().all(|(_, e)| e.is_oom()));
+        assert_eq!(a.limit(&bucket(5)), 1);
+        // Halved once (2 -> 1); the bucket is then down to one, so each runs alone with the
+        // device to itself at once, and fails there.
+        assert_eq!(metrics.ooms(&bucket(5)), 1 + 2);
+        // Other buckets are not affected.
+        assert_eq!(run(&a, &bucket(1), items(0..4, 1)).await.0, vec![4]);
+    }
+
+    #[tokio::test]
+    async fn singles_share_the_device_only_through_the_exclusive_permit() {
+        for serialize in [true, false] {
+            // Two engine slots, a device that holds one row: two singles side by side don't fit.
+            let (a, device, _) = adaptive(1, 2, 1, 16, serialize).await;
+            let runs = (0..2).map(|i| {
+                let a = a.clone();
+                tokio::spawn(async move { run(&a, &bucket(1), items([i], 1)).await })
+            });
+            let results = futures::future::join_all(runs).await;
+            let failed: usize = results.iter().map(|r| r.as_ref().unwrap().2.len()).sum();
+            if serialize {
+                assert_eq!(failed, 0, "the permit serializes them");
+                assert_eq!(device.peak.load(std::sync::atomic::Ordering::SeqCst), 1);
+            } else {
+                assert!(failed >= 1, "without the permit they fail each other");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn the_ceiling_is_probed_after_clean_batches_and_a_failed_probe_backs_off() {
+        let (a, _, metrics) = adaptive(4, 1, 8, 2, true).await;
+        // 8 -> OOM -> 4, 4: two clean full batches earn a probe.
+        assert_eq!(run(&a, &bucket(1), items(0..8, 1)).await.0, vec![4, 4]);
+        assert_eq!(a.limit(&bucket(1)), 5, "probing one more");
+        // The probe of 5 fails: back to 4 (not halved), and the rest run.
+        assert_eq!(run(&a, &bucket(1), items(10..16, 1)).await.0, vec![4, 2]);
+        assert_eq!(a.limit(&bucket(1)), 4);
+        assert_eq!(metrics.ooms(&bucket(1)), 2);
+        // The next probe waits twice as long: two clean full batches are no longer enough.
+        assert_eq!(run(&a, &bucket(1), items(20..28, 1)).await.0, vec![4, 4]);
+        assert_eq!(a.limit(&bucket(1)), 4);
+        assert_eq!(run(&a, &bucket(1), items(30..38, 1)).await.0, vec![4, 4]);
+        assert_eq!(a.limit(&bucket(1)), 5, "probing again after four");
+    }
+
+    #[tokio::test]
+    async fn a_task_that_fails_or_panics_is_isolated_by_bisection() {
+        let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
+        let seeds = [1, 2, PANIC_SEED, 4, 5, ERROR_SEED, 7, 8];
+        let (_, ran, failed) = run(&a, &bucket(1), items(seeds, 1)).await;
+        assert_eq!(ran.len(), 6, "every other task ran: {ran:?}");
+        assert_eq!(failed.len(), 2);
+        let by_id: HashMap<_, _> = failed.into_iter().collect();
+        assert!(matches!(&by_id[&PANIC_SEED.to_string()], EngineError::Panicked(m) if m.contains("panicking task")));
+        assert!(matches!(&by_id[&ERROR_SEED.to_string()], EngineError::Run(_)));
+        assert_eq!(a.limit(&bucket(1)), 8, "model errors say nothing about memory");
+    }
 
     #[test]
     fn halves_on_oom_and_never_below_one() {

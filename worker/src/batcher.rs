@@ -156,6 +156,7 @@ mod tests {
 
     fn bucket(rows: usize) -> Bucket {
         Bucket {
+            key: String::new(),
             model: "m".into(),
             rows_per_task: rows,
         }

@@ -41,6 +41,10 @@ pub struct Config {
     /// Log format: `json` for production, `text` for people.
     #[arg(long, env = "SLUICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
     pub log_format: LogFormat,
+    /// Test-only fault injection (`panic-prepare=SEED`, `panic-run=SEED`, `panic-render=SEED`);
+    /// never set in production.
+    #[arg(long, env = "SLUICE_TEST_FAULTS", value_delimiter = ',', hide = true)]
+    pub test_faults: Vec<String>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -82,14 +86,9 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// Where and how ONNX Runtime runs: shared by the worker and `sluice-worker generate`.
 #[derive(Debug, Clone, Args)]
-pub struct EngineArgs {
-    /// Model repository: one directory per model name, each with a `model.onnx`.
-    #[arg(long, env = "SLUICE_MODEL_DIR")]
-    pub model_dir: PathBuf,
-    /// Models to serve, comma-separated.
-    #[arg(long, env = "SLUICE_MODELS", value_delimiter = ',', default_value = "terrain")]
-    pub models: Vec<String>,
+pub struct DeviceArgs {
     /// Path of libonnxruntime.so.
     #[arg(long, env = "ORT_DYLIB_PATH")]
     pub ort_dylib_path: Option<PathBuf>,
@@ -122,6 +121,45 @@ pub struct EngineArgs {
     /// thread while idle; worth it on a dedicated GPU node, not on a shared CPU).
     #[arg(long, env = "SLUICE_ORT_SPIN")]
     pub ort_spin: bool,
+}
+
+impl DeviceArgs {
+    pub fn runtime_options(&self) -> crate::engine::RuntimeOptions {
+        crate::engine::RuntimeOptions {
+            dylib_path: self.ort_dylib_path.clone(),
+            cpu_arena_max_bytes: self.cpu_arena_max_bytes,
+        }
+    }
+
+    pub fn session_options(&self) -> crate::engine::SessionOptions {
+        let device = match self.device {
+            DeviceKind::Cpu => crate::engine::Device::Cpu,
+            DeviceKind::Cuda => crate::engine::Device::Cuda {
+                device_id: self.cuda_device_id,
+                mem_limit: self.gpu_mem_limit,
+                arena_extend: self.arena_extend_strategy,
+                conv_search: self.cudnn_conv_algo_search,
+                require: self.require_gpu,
+            },
+        };
+        crate::engine::SessionOptions {
+            device,
+            intra_threads: self.intra_threads,
+            spin: self.ort_spin,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Model repository: one directory per model name, each with a `model.onnx`.
+    #[arg(long, env = "SLUICE_MODEL_DIR")]
+    pub model_dir: PathBuf,
+    /// Models to serve, comma-separated.
+    #[arg(long, env = "SLUICE_MODELS", value_delimiter = ',', default_value = "terrain")]
+    pub models: Vec<String>,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Batches that may run on the device at once, each on its own engine thread and session.
     #[arg(long, env = "SLUICE_ENGINE_SLOTS", default_value_t = 1)]
     pub engine_slots: usize,
@@ -179,6 +217,11 @@ pub struct DeliveryArgs {
     /// First retry delay, milliseconds; it doubles each attempt, with jitter, up to 10 s.
     #[arg(long, env = "SLUICE_RETRY_BASE_DELAY_MS", default_value_t = 200)]
     pub retry_base_delay_ms: u64,
+    /// Records a partition's read lease covers beyond the record that extended it (one lease
+    /// write per this many records; see the README's delivery guarantees). Tests lower it to
+    /// exercise lease writes.
+    #[arg(long, env = "SLUICE_LEASE_SPAN", default_value_t = crate::redelivery::LEASE_SPAN, hide = true)]
+    pub lease_span: i64,
 }
 
 impl DeliveryArgs {

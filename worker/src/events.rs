@@ -1,21 +1,25 @@
 //! Internal events: one struct per thing that happens, which logs it once at the right level and
-//! counts it. Stages emit these instead of scattering log lines and metric names.
+//! records it in the metrics. Events carry plain data (ids, sizes, names), never pipeline types.
+//!
+//! The rule: `metrics.rs` registers every metric and `events.rs` writes them — no other module
+//! touches a metric. Counters and histograms count what happened; gauges mirror state and are set
+//! by the event that reports the state.
 
 use std::time::Duration;
 
 use sluice_schemas::DlqReason;
 
-use crate::adaptive::BatchItem;
-use crate::engine::EngineError;
+use crate::engine::{ArenaStats, EngineError};
 use crate::metrics::Metrics;
 use crate::models::Bucket;
+use crate::offsets::TopicPartition;
 
-pub trait Emit {
+pub(crate) trait Emit {
     fn emit(self, metrics: &Metrics);
 }
 
 /// A model call finished.
-pub struct BatchRan<'a> {
+pub(crate) struct BatchRan<'a> {
     pub bucket: &'a Bucket,
     pub size: usize,
     pub elapsed: Duration,
@@ -34,27 +38,26 @@ impl Emit for BatchRan<'_> {
 }
 
 /// A batch ran out of memory and will run again smaller. A WARN, never an ERROR: it is handled.
-pub struct OomHandled<'a, T> {
+pub(crate) struct OomHandled<'a> {
     pub bucket: &'a Bucket,
     pub from: usize,
     pub to: usize,
-    pub items: &'a [T],
+    pub task_ids: Vec<String>,
+    pub dimensions: Vec<String>,
     pub error: &'a EngineError,
 }
 
-impl<T: BatchItem> Emit for OomHandled<'_, T> {
+impl Emit for OomHandled<'_> {
     fn emit(self, m: &Metrics) {
         let bucket = self.bucket.to_string();
         m.ooms.with_label_values(&[&bucket]).inc();
-        let task_ids: Vec<String> = self.items.iter().map(BatchItem::id).collect();
-        let dimensions: Vec<String> = self.items.iter().map(BatchItem::dimensions).collect();
         tracing::warn!(
             %bucket,
             batch_before = self.from,
             batch_after = self.to,
             rows = self.from * self.bucket.rows_per_task,
-            dimensions = %dimensions.join(","),
-            task_ids = %task_ids.join(","),
+            dimensions = %self.dimensions.join(","),
+            task_ids = %self.task_ids.join(","),
             error = %short(self.error),
             "out of memory; retrying with a smaller batch"
         );
@@ -62,19 +65,20 @@ impl<T: BatchItem> Emit for OomHandled<'_, T> {
 }
 
 /// A task ran out of memory alone, with the device to itself: it goes to the DLQ.
-pub struct DoesNotFit<'a, T> {
+pub(crate) struct DoesNotFit<'a> {
     pub bucket: &'a Bucket,
-    pub item: &'a T,
+    pub task_id: &'a str,
+    pub dimensions: &'a str,
     pub error: &'a EngineError,
 }
 
-impl<T: BatchItem> Emit for DoesNotFit<'_, T> {
+impl Emit for DoesNotFit<'_> {
     fn emit(self, m: &Metrics) {
         m.ooms.with_label_values(&[&self.bucket.to_string()]).inc();
         tracing::warn!(
             bucket = %self.bucket,
-            task_id = %self.item.id(),
-            dimensions = %self.item.dimensions(),
+            task_id = self.task_id,
+            dimensions = self.dimensions,
             rows = self.bucket.rows_per_task,
             error = %short(self.error),
             "out of memory at batch 1; the task does not fit and goes to the DLQ"
@@ -82,8 +86,21 @@ impl<T: BatchItem> Emit for DoesNotFit<'_, T> {
     }
 }
 
+/// A batch failed on its inputs (a model error or a panic): it is split to find the task.
+pub(crate) struct Bisected<'a> {
+    pub bucket: &'a Bucket,
+    pub size: usize,
+    pub error: &'a EngineError,
+}
+
+impl Emit for Bisected<'_> {
+    fn emit(self, _: &Metrics) {
+        tracing::info!(bucket = %self.bucket, size = self.size, error = %short(self.error), "a batch failed on its inputs; splitting it to isolate the task");
+    }
+}
+
 /// The learned ceiling of a bucket went up by one, to test whether more fits again.
-pub struct CeilingProbed<'a> {
+pub(crate) struct CeilingProbed<'a> {
     pub bucket: &'a Bucket,
     pub to: usize,
 }
@@ -94,8 +111,22 @@ impl Emit for CeilingProbed<'_> {
     }
 }
 
+/// The learned ceiling of a bucket, when it is made or changes.
+pub(crate) struct CeilingIs<'a> {
+    pub bucket: &'a Bucket,
+    pub limit: usize,
+}
+
+impl Emit for CeilingIs<'_> {
+    fn emit(self, m: &Metrics) {
+        m.batch_ceiling
+            .with_label_values(&[&self.bucket.to_string()])
+            .set(self.limit as i64);
+    }
+}
+
 /// A record went to the DLQ (its DLQ record was acknowledged).
-pub struct DeadLettered<'a> {
+pub(crate) struct DeadLettered<'a> {
     pub reason: DlqReason,
     pub task_id: Option<String>,
     pub message: &'a str,
@@ -119,7 +150,7 @@ impl Emit for DeadLettered<'_> {
 }
 
 /// A task succeeded (its completion was acknowledged).
-pub struct TaskSucceeded<'a> {
+pub(crate) struct TaskSucceeded<'a> {
     pub task_id: &'a str,
     pub images: usize,
     pub total: Duration,
@@ -147,7 +178,7 @@ impl Emit for TaskSucceeded<'_> {
 }
 
 /// A transient failure will be retried after `delay`.
-pub struct RetryScheduled<'a> {
+pub(crate) struct RetryScheduled<'a> {
     pub operation: &'static str,
     pub attempt: u32,
     pub delay: Duration,
@@ -158,6 +189,191 @@ impl Emit for RetryScheduled<'_> {
     fn emit(self, m: &Metrics) {
         m.retries.with_label_values(&[self.operation]).inc();
         tracing::warn!(operation = self.operation, attempt = self.attempt, delay_ms = self.delay.as_millis() as u64, error = %truncate(self.error, 300), "transient failure; retrying");
+    }
+}
+
+/// A record was read from the tasks topic.
+pub(crate) struct RecordReceived;
+
+impl Emit for RecordReceived {
+    fn emit(self, m: &Metrics) {
+        m.tasks_received.inc();
+    }
+}
+
+/// The poll loop came round again after `gap` (the longest is what matters: a poll thread that
+/// stalls past `max.poll.interval.ms` costs the worker its partitions).
+pub(crate) struct PollGap {
+    pub gap: Duration,
+}
+
+impl Emit for PollGap {
+    fn emit(self, m: &Metrics) {
+        let gap = self.gap.as_secs_f64();
+        if gap > m.poll_gap_max_seconds.get() {
+            m.poll_gap_max_seconds.set(gap);
+            if gap > 1.0 {
+                tracing::warn!(gap_ms = self.gap.as_millis() as u64, "the poll loop stalled");
+            }
+        }
+    }
+}
+
+/// Partitions were paused for backpressure, or resumed.
+pub(crate) struct Paused {
+    pub paused: bool,
+    pub in_flight: usize,
+}
+
+impl Emit for Paused {
+    fn emit(self, m: &Metrics) {
+        m.paused.set(self.paused as i64);
+        tracing::debug!(in_flight = self.in_flight, paused = self.paused, "backpressure");
+    }
+}
+
+/// Partitions were assigned to this worker.
+pub(crate) struct PartitionsAssigned<'a> {
+    pub partitions: &'a [TopicPartition],
+    pub assigned_now: usize,
+}
+
+impl Emit for PartitionsAssigned<'_> {
+    fn emit(self, m: &Metrics) {
+        m.assigned_partitions.set(self.assigned_now as i64);
+        m.rebalances.with_label_values(&["assign"]).inc();
+        tracing::info!(partitions = ?self.partitions.iter().map(|p| p.partition).collect::<Vec<_>>(), "partitions assigned");
+    }
+}
+
+/// Partitions were taken from this worker, after their in-flight work drained (or timed out)
+/// and what finished was committed.
+pub(crate) struct PartitionsRevoked<'a> {
+    pub partitions: &'a [TopicPartition],
+    pub assigned_now: usize,
+    pub drained: Duration,
+    pub abandoned: usize,
+    pub commits: &'a [(TopicPartition, i64)],
+    pub commit_error: Option<String>,
+}
+
+impl Emit for PartitionsRevoked<'_> {
+    fn emit(self, m: &Metrics) {
+        m.rebalances.with_label_values(&["revoke"]).inc();
+        m.assigned_partitions.set(self.assigned_now as i64);
+        match &self.commit_error {
+            None => m.commits.inc_by(self.commits.len() as u64),
+            Some(_) => m.commit_failures.inc(),
+        }
+        for tp in self.partitions {
+            let _ = m.consumer_lag.remove_label_values(&[&*tp.topic, &tp.partition.to_string()]);
+        }
+        tracing::info!(
+            partitions = ?self.partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
+            drained_ms = self.drained.as_millis() as u64,
+            abandoned = self.abandoned,
+            commits = ?self.commits.iter().map(|(tp, o)| (tp.partition, *o)).collect::<Vec<_>>(),
+            commit_error = self.commit_error,
+            "partitions revoked"
+        );
+    }
+}
+
+/// The consumer reported a rebalance error.
+pub(crate) struct RebalanceFailed<'a> {
+    pub error: &'a str,
+}
+
+impl Emit for RebalanceFailed<'_> {
+    fn emit(self, _: &Metrics) {
+        tracing::warn!(error = self.error, "rebalance error");
+    }
+}
+
+/// Finished offsets were committed, or the commit failed (it is tried again on the next tick).
+pub(crate) struct OffsetsCommitted<'a> {
+    pub partitions: usize,
+    pub error: Option<&'a str>,
+}
+
+impl Emit for OffsetsCommitted<'_> {
+    fn emit(self, m: &Metrics) {
+        match self.error {
+            None => m.commits.inc_by(self.partitions as u64),
+            Some(error) => {
+                m.commit_failures.inc();
+                tracing::warn!(error, "offset commit failed; retrying on the next tick");
+            }
+        }
+    }
+}
+
+/// Consumer lag of one partition, from the client's statistics and this worker's commits.
+pub(crate) struct LagObserved<'a> {
+    pub tp: &'a TopicPartition,
+    pub lag: i64,
+}
+
+impl Emit for LagObserved<'_> {
+    fn emit(self, m: &Metrics) {
+        m.consumer_lag
+            .with_label_values(&[&*self.tp.topic, &self.tp.partition.to_string()])
+            .set(self.lag);
+    }
+}
+
+/// What the offset tracker holds: read at every scrape and on the gauge tick.
+pub(crate) struct OffsetsObserved {
+    pub in_flight: usize,
+    pub uncommitted: usize,
+    pub oldest: Option<Duration>,
+}
+
+impl Emit for OffsetsObserved {
+    fn emit(self, m: &Metrics) {
+        m.in_flight.set(self.in_flight as i64);
+        m.uncommitted.set(self.uncommitted as i64);
+        m.oldest_in_flight_seconds.set(self.oldest.map_or(0.0, |d| d.as_secs_f64()));
+    }
+}
+
+/// Process memory, sampled on the gauge tick.
+pub(crate) struct MemorySampled {
+    pub rss_bytes: u64,
+    pub arena: Option<ArenaStats>,
+}
+
+impl Emit for MemorySampled {
+    fn emit(self, m: &Metrics) {
+        m.rss_bytes.set(self.rss_bytes as i64);
+        if let Some(arena) = self.arena {
+            m.arena_in_use_bytes.set(arena.in_use as i64);
+            m.arena_allocated_bytes.set(arena.total_allocated as i64);
+        }
+    }
+}
+
+/// A model was loaded (or dropped).
+pub(crate) struct ModelLoaded<'a> {
+    pub model: &'a str,
+    pub loaded: bool,
+}
+
+impl Emit for ModelLoaded<'_> {
+    fn emit(self, m: &Metrics) {
+        m.model_loaded.with_label_values(&[self.model]).set(self.loaded as i64);
+    }
+}
+
+/// A reload ended: `result` is `reloaded`, `fell_back` or `fatal`.
+pub(crate) struct ReloadEnded<'a> {
+    pub model: &'a str,
+    pub result: &'a str,
+}
+
+impl Emit for ReloadEnded<'_> {
+    fn emit(self, m: &Metrics) {
+        m.reloads.with_label_values(&[self.model, self.result]).inc();
     }
 }
 

@@ -4,19 +4,21 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
+use sluice_service::http_error::{ApiError, json_errors};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::events::Emit;
 use crate::metrics::Metrics;
 use crate::offsets::Offsets;
 use crate::serving::{Health, ReloadOverrides, Serving, ServingError};
 
-pub struct AppState {
+pub(crate) struct AppState {
     pub metrics: Metrics,
     pub health: watch::Receiver<Health>,
     pub serving: Arc<Serving>,
@@ -28,19 +30,21 @@ pub struct AppState {
     pub offsets: Arc<Offsets>,
 }
 
-pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route(
-            "/metrics",
-            get(|State(s): State<Arc<AppState>>| async move {
-                s.metrics.observe_offsets(&s.offsets);
-                sluice_service::metrics::render(&s.metrics.registry)
-            }),
-        )
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/admin/reload", post(reload))
-        .with_state(state)
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    json_errors(
+        Router::new()
+            .route(
+                "/metrics",
+                get(|State(s): State<Arc<AppState>>| async move {
+                    s.offsets.observed().emit(&s.metrics);
+                    sluice_service::metrics::render(&s.metrics.registry)
+                }),
+            )
+            .route("/healthz", get(healthz))
+            .route("/readyz", get(readyz))
+            .route("/admin/reload", post(reload)),
+    )
+    .with_state(state)
 }
 
 async fn healthz(State(s): State<Arc<AppState>>) -> Response {
@@ -78,10 +82,8 @@ async fn reload(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Option
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         if given != Some(token.as_str()) {
-            return (
-                StatusCode::UNAUTHORIZED,
-                Json(serde_json::json!({"error": "missing or wrong bearer token"})),
-            )
+            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token")
+                .with_header(header::WWW_AUTHENTICATE, "Bearer")
                 .into_response();
         }
     }
@@ -92,13 +94,11 @@ async fn reload(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Option
     };
     match s.serving.reload(request.model.as_deref(), overrides).await {
         Ok(reports) => (StatusCode::OK, Json(serde_json::json!({ "reloads": reports }))).into_response(),
-        Err(e @ ServingError::UnknownModel(_)) => {
-            (StatusCode::NOT_FOUND, Json(serde_json::json!({"error": e.to_string()}))).into_response()
-        }
+        Err(e @ ServingError::UnknownModel(_)) => ApiError::new(StatusCode::NOT_FOUND, "unknown_model", e.to_string()).into_response(),
         Err(e) => {
             tracing::error!(error = %e, "reload failed; the worker cannot serve and exits");
             s.fatal.cancel();
-            (StatusCode::INTERNAL_SERVER_ERROR, Json(serde_json::json!({"error": e.to_string()}))).into_response()
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "reload_failed", e.to_string()).into_response()
         }
     }
 }

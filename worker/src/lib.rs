@@ -1,22 +1,31 @@
 //! Sluice's worker: consumes tasks from Kafka, runs them in batches on ONNX Runtime, stores the
-//! images and announces each result. See `pipeline` for how the stages fit together.
+//! images and announces each result. [`run`] is the whole worker; see `pipeline` for how the
+//! stages fit together.
 
 pub mod adaptive;
-pub mod batcher;
+mod batcher;
 pub mod config;
-pub mod encode;
+mod encode;
 pub mod engine;
-pub mod events;
-pub mod gpu;
-pub mod http;
-pub mod lease;
+mod events;
+#[cfg(test)]
+mod fake;
+mod faults;
+mod gpu;
+mod http;
 pub mod metrics;
 pub mod models;
-pub mod offsets;
-pub mod pipeline;
-pub mod publish;
-pub mod retry;
-pub mod serving;
+mod offsets;
+mod outcome;
+mod panics;
+mod pipeline;
+mod publish;
+mod redelivery;
+mod retry;
+mod service;
+mod serving;
 pub mod sink;
-pub mod source;
-pub mod task;
+mod source;
+mod task;
+
+pub use service::{Exit, Models, StartError, run};

@@ -1,5 +1,5 @@
-//! Every Prometheus metric of the worker, registered in one place. Stages record through
-//! [`crate::events`] rather than touching these directly.
+//! Every Prometheus metric of the worker, registered in one place. Only [`crate::events`] writes
+//! them (see the rule there).
 
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, exponential_buckets,
@@ -9,32 +9,33 @@ use sluice_service::metrics::register;
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
-    pub tasks_received: IntCounter,
-    pub tasks_finished: IntCounterVec,
-    pub dlq_records: IntCounterVec,
-    pub duplicates_skipped: IntCounter,
-    pub batches: IntCounterVec,
-    pub batch_size: HistogramVec,
-    pub batch_ceiling: IntGaugeVec,
-    pub ooms: IntCounterVec,
-    pub inference_seconds: HistogramVec,
-    pub upload_seconds: Histogram,
-    pub task_seconds: Histogram,
-    pub in_flight: IntGauge,
-    pub uncommitted: IntGauge,
-    pub oldest_in_flight_seconds: prometheus::Gauge,
-    pub consumer_lag: IntGaugeVec,
-    pub commits: IntCounter,
-    pub commit_failures: IntCounter,
-    pub retries: IntCounterVec,
-    pub paused: IntGauge,
-    pub assigned_partitions: IntGauge,
-    pub rebalances: IntCounterVec,
-    pub reloads: IntCounterVec,
-    pub model_loaded: IntGaugeVec,
-    pub rss_bytes: IntGauge,
-    pub arena_in_use_bytes: IntGauge,
-    pub arena_allocated_bytes: IntGauge,
+    pub(crate) tasks_received: IntCounter,
+    pub(crate) tasks_finished: IntCounterVec,
+    pub(crate) dlq_records: IntCounterVec,
+    pub(crate) duplicates_skipped: IntCounter,
+    pub(crate) batches: IntCounterVec,
+    pub(crate) batch_size: HistogramVec,
+    pub(crate) batch_ceiling: IntGaugeVec,
+    pub(crate) ooms: IntCounterVec,
+    pub(crate) inference_seconds: HistogramVec,
+    pub(crate) upload_seconds: Histogram,
+    pub(crate) task_seconds: Histogram,
+    pub(crate) in_flight: IntGauge,
+    pub(crate) uncommitted: IntGauge,
+    pub(crate) oldest_in_flight_seconds: prometheus::Gauge,
+    pub(crate) consumer_lag: IntGaugeVec,
+    pub(crate) commits: IntCounter,
+    pub(crate) commit_failures: IntCounter,
+    pub(crate) retries: IntCounterVec,
+    pub(crate) paused: IntGauge,
+    pub(crate) poll_gap_max_seconds: prometheus::Gauge,
+    pub(crate) assigned_partitions: IntGauge,
+    pub(crate) rebalances: IntCounterVec,
+    pub(crate) reloads: IntCounterVec,
+    pub(crate) model_loaded: IntGaugeVec,
+    pub(crate) rss_bytes: IntGauge,
+    pub(crate) arena_in_use_bytes: IntGauge,
+    pub(crate) arena_allocated_bytes: IntGauge,
 }
 
 fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -50,10 +51,9 @@ fn seconds(name: &str, help: &str) -> HistogramOpts {
 }
 
 impl Metrics {
-    /// Sets the gauges read from the offset tracker: tasks in flight, records not committed.
-    pub fn observe_offsets(&self, offsets: &crate::offsets::Offsets) {
-        self.in_flight.set(offsets.in_flight() as i64);
-        self.uncommitted.set(offsets.uncommitted() as i64);
+    /// Out-of-memory errors handled in `bucket` so far.
+    pub fn ooms(&self, bucket: &crate::models::Bucket) -> u64 {
+        self.ooms.with_label_values(&[&bucket.to_string()]).get()
     }
 
     pub fn new() -> Metrics {
@@ -160,6 +160,14 @@ impl Metrics {
                     "Retries of transient failures, by operation",
                     &["operation"],
                 ),
+            ),
+            poll_gap_max_seconds: register(
+                &r,
+                prometheus::Gauge::new(
+                    "sluice_worker_poll_gap_max_seconds",
+                    "Longest time between two polls of the tasks consumer so far (the poll thread must stay well inside max.poll.interval.ms)",
+                )
+                .unwrap(),
             ),
             paused: register(
                 &r,

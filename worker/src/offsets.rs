@@ -162,13 +162,6 @@ impl Offsets {
         false
     }
 
-    /// Whether `origin` still belongs to a current assignment (work on it is not wasted).
-    pub fn is_current(&self, origin: &Origin) -> bool {
-        let state = self.lock();
-        let tp = TopicPartition::of(origin);
-        state.partitions.get(&tp).is_some_and(|p| p.generation == origin.generation)
-    }
-
     /// Records read and not yet finished.
     pub fn in_flight(&self) -> usize {
         self.lock().in_flight
@@ -273,6 +266,21 @@ impl Offsets {
         out
     }
 
+    /// Whether `offset` of `tp` is read and not yet finished.
+    #[cfg(test)]
+    pub(crate) fn is_pending(&self, tp: &TopicPartition, offset: i64) -> bool {
+        self.lock().partitions.get(tp).is_some_and(|p| p.pending.contains_key(&offset))
+    }
+
+    /// What the tracker holds, for the gauges.
+    pub(crate) fn observed(&self) -> crate::events::OffsetsObserved {
+        crate::events::OffsetsObserved {
+            in_flight: self.in_flight(),
+            uncommitted: self.uncommitted(),
+            oldest: self.oldest_age(),
+        }
+    }
+
     /// Every assigned partition.
     pub fn assigned(&self) -> Vec<TopicPartition> {
         let mut v: Vec<_> = self.lock().partitions.keys().cloned().collect();
@@ -362,11 +370,9 @@ mod tests {
         let old = offsets.track(&tp(0), 5).unwrap();
         assert_eq!(offsets.revoke(&[tp(0)]), vec![(tp(0), 5)]);
         assert_eq!(offsets.in_flight(), 0);
-        assert!(!offsets.is_current(&old));
         offsets.assign(&[tp(0)]);
         assert!(!offsets.ack(&old), "an ack from before the revoke must not count");
         let new = offsets.track(&tp(0), 5).unwrap();
-        assert!(offsets.is_current(&new));
         assert!(offsets.ack(&new));
         assert_eq!(offsets.commit_candidates(), vec![(tp(0), 6)]);
     }

@@ -1,20 +1,18 @@
 //! The stages of one task's life, joined by bounded channels:
 //!
 //! ```text
-//! source ─▶ decode ─▶ batcher ─▶ engine ─▶ finish (render, sink, publish) ─▶ offsets
+//! source ─▶ decode ─▶ batcher ─▶ engine ─▶ finish (render, sink) ─▶ outcome ─▶ offsets
 //! ```
 //!
-//! Every task carries its origin; whichever stage finishes it (the DLQ from decode, a completion
-//! after upload) acknowledges it in one place, [`Offsets`]. A task is acknowledged only after its
-//! completion or DLQ record was acknowledged by the broker; a task abandoned at shutdown or on a
-//! revoke is never acknowledged, so it is read again.
+//! Every task carries its origin; whichever stage finishes it hands it to [`Outcomes`], the one
+//! place that announces outcomes and acknowledges offsets.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use sluice_schemas::{CompletionError, CompletionEvent, CompletionStatus, DlqReason, OutputRef, SCHEMA_VERSION, Timings, decode_task};
+use sluice_schemas::{DlqReason, OutputRef, Timings, decode_task};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,32 +20,32 @@ use tracing::Instrument;
 
 use crate::adaptive::{Adaptive, BatchItem, Done};
 use crate::batcher::{Batch, BatchRequests};
-use crate::encode::Image;
 use crate::engine::{EngineError, Tensor};
-use crate::events::{DeadLettered, Emit, TaskSucceeded};
+use crate::events::{Emit, MemorySampled};
 use crate::metrics::Metrics;
-use crate::models::{Bucket, ModelAdapter, Prepared};
+use crate::models::{Bucket, Prepared};
 use crate::offsets::Offsets;
-use crate::publish::Publisher;
-use crate::retry::{GaveUp, RetryPolicy, retry};
+use crate::outcome::{Failed, Outcomes, Success, TaskIdentity};
+use crate::panics;
+use crate::redelivery::RedeliveryCheck;
+use crate::retry::{RetryPolicy, retry};
 use crate::serving::Serving;
 use crate::sink::Sink;
 use crate::task::{Failure, Job, Record};
 
 /// What every stage shares.
-pub struct Shared {
+pub(crate) struct Shared {
     pub offsets: Arc<Offsets>,
-    pub publisher: Publisher,
+    pub outcomes: Outcomes,
     pub sink: Sink,
     pub serving: Arc<Serving>,
     pub adaptive: Arc<Adaptive>,
+    pub redelivery: Arc<dyn RedeliveryCheck>,
     pub metrics: Metrics,
     pub worker_id: String,
     pub max_task_bytes: usize,
     /// Storage retries: bounded, then `retries_exhausted`.
     pub storage_retry: RetryPolicy,
-    /// Broker retries: until cancelled (the offset is never committed without the record).
-    pub publish_retry: RetryPolicy,
     /// Fires when the worker gives up on what is in flight (shutdown grace over, fatal error).
     pub abandon: CancellationToken,
     /// Bounds tasks being rendered and stored at once.
@@ -57,10 +55,9 @@ pub struct Shared {
 }
 
 /// A prepared task inside a batch.
-pub struct Item {
+struct Item {
     job: Job,
     prepared: Prepared,
-    adapter: Arc<dyn ModelAdapter>,
 }
 
 impl BatchItem for Item {
@@ -76,73 +73,22 @@ impl BatchItem for Item {
     }
 }
 
-/// Decode: parse and validate each record; bad ones go to the DLQ at once, good ones whose
-/// results already exist are announced again, the rest go to the batcher.
-pub async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, shared: Arc<Shared>) {
+/// Decode: parse and validate each record; bad ones fail at once, good ones that may have been
+/// started before are checked for results, the rest go to the batcher.
+pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, shared: Arc<Shared>) {
     while let Some(record) = input.recv().await {
         if !shared.offsets.should_start(&record.origin) {
             continue; // revoked or being revoked while queued; the new owner reads it again
         }
-        if record.value.len() > shared.max_task_bytes {
-            let failure = Failure::new(
-                DlqReason::TooLarge,
-                format!("record is {} bytes; the limit is {}", record.value.len(), shared.max_task_bytes),
-            );
-            shared.tasks.spawn(dead_letter(shared.clone(), record, failure, None));
-            continue;
-        }
-        let task = match decode_task(&record.value, record.header(sluice_schemas::HEADER_SCHEMA_VERSION)) {
-            Ok(task) => task,
-            Err(bad) => {
-                let mut failure = Failure::new(bad.error.reason(), bad.error.to_string());
-                if let sluice_schemas::DecodeError::Schema(violations) = &bad.error {
-                    let fields = violations
-                        .iter()
-                        .map(|v| serde_json::json!({"field": v.field, "message": v.message}))
-                        .collect();
-                    failure = failure.with_details([("violations".to_owned(), serde_json::Value::Array(fields))].into_iter().collect());
-                }
-                let identity = bad.task_id.map(|id| TaskIdentity {
-                    task_id: id,
-                    tenant: bad.tenant,
-                    model: bad.model,
-                    user: None,
-                });
-                shared.tasks.spawn(dead_letter(shared.clone(), record, failure, identity));
-                continue;
-            }
-        };
-        let span = tracing::info_span!("task", task_id = %task.task_id, partition = record.origin.partition, offset = record.origin.offset);
-        let Some(adapter) = shared.serving.adapter(&task.model) else {
-            let failure = Failure::new(
-                DlqReason::UnsupportedModel,
-                format!("model {:?} is not served here (serving {:?})", task.model, shared.serving.names()),
-            );
-            let identity = Some(TaskIdentity::of(&task));
-            shared.tasks.spawn(dead_letter(shared.clone(), record, failure, identity));
-            continue;
-        };
-        let bucket = match adapter.bucket(&task) {
-            Ok(bucket) => bucket,
-            Err(e) => {
-                let identity = Some(TaskIdentity::of(&task));
-                shared.tasks.spawn(dead_letter(
-                    shared.clone(),
-                    record,
-                    Failure::new(DlqReason::SchemaViolation, e),
-                    identity,
-                ));
-                continue;
-            }
-        };
-        let job = Job { record, task, span };
-        // The idempotency check is a storage round trip: run it concurrently, not in line.
-        let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
-        if !job.record.check {
-            // New since the last read lease: no earlier delivery can have results.
+        let Some((bucket, job)) = admit(&shared, record) else { continue };
+        let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
+        if !shared.redelivery.admit(&job.record.origin, replayed).await {
+            // No earlier delivery can have started it: no results to look for.
             let _ = to_batcher.send((bucket, job)).await;
             continue;
         }
+        // The check is a storage round trip: run it concurrently, not in line.
+        let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
         shared.tasks.spawn(async move {
             if let Some(job) = announce_if_done(&shared2, job).await {
                 let _ = to_batcher.send((bucket, job)).await;
@@ -151,8 +97,70 @@ pub async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<
     }
 }
 
-/// If an earlier attempt finished the task (its manifest exists), publishes its completion
-/// again from the manifest and acknowledges it; otherwise hands the job back.
+/// The job and bucket of a record, or `None` after failing it (too large, undecodable, a model
+/// not served here, parameters its model refuses).
+fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
+    let outcomes = &shared.outcomes;
+    if record.value.len() > shared.max_task_bytes {
+        let failure = Failure::new(
+            DlqReason::TooLarge,
+            format!("record is {} bytes; the limit is {}", record.value.len(), shared.max_task_bytes),
+        );
+        outcomes.fail(
+            Failed::Record {
+                record,
+                identity: TaskIdentity::default(),
+            },
+            failure,
+        );
+        return None;
+    }
+    let task = match decode_task(&record.value, record.header(sluice_schemas::HEADER_SCHEMA_VERSION)) {
+        Ok(task) => task,
+        Err(bad) => {
+            let mut failure = Failure::new(bad.error.reason(), bad.error.to_string());
+            if let sluice_schemas::DecodeError::Schema(violations) = &bad.error {
+                let fields = violations
+                    .iter()
+                    .map(|v| serde_json::json!({"field": v.field, "message": v.message}))
+                    .collect();
+                failure = failure.with_details([("violations".to_owned(), serde_json::Value::Array(fields))].into_iter().collect());
+            }
+            let identity = TaskIdentity {
+                task_id: bad.task_id,
+                tenant: bad.tenant,
+                model: bad.model,
+                user: None,
+            };
+            outcomes.fail(Failed::Record { record, identity }, failure);
+            return None;
+        }
+    };
+    let span = tracing::info_span!("task", task_id = %task.task_id, partition = record.origin.partition, offset = record.origin.offset);
+    let job = Job { record, task, span };
+    let Some(adapter) = shared.serving.adapter(&job.task.model) else {
+        let failure = Failure::new(
+            DlqReason::UnsupportedModel,
+            format!(
+                "model {:?} is not served here (serving {:?})",
+                job.task.model,
+                shared.serving.names()
+            ),
+        );
+        outcomes.fail(job, failure);
+        return None;
+    };
+    match panics::catch(|| adapter.bucket(&job.task)).and_then(|b| b) {
+        Ok(bucket) => Some((bucket, job)),
+        Err(e) => {
+            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, e));
+            None
+        }
+    }
+}
+
+/// If an earlier attempt finished the task (its manifest exists), announces it again from the
+/// manifest; otherwise hands the job back.
 async fn announce_if_done(shared: &Arc<Shared>, job: Job) -> Option<Job> {
     let task_id = job.task.task_id;
     let manifest = retry(shared.storage_retry, "manifest_check", &shared.metrics, &shared.abandon, || {
@@ -162,48 +170,29 @@ async fn announce_if_done(shared: &Arc<Shared>, job: Job) -> Option<Job> {
     let manifest = match manifest {
         Ok(Some(m)) => m,
         Ok(None) => return Some(job),
-        Err(GaveUp::Cancelled) => return None,
-        Err(GaveUp::Exhausted {
-            error,
-            attempts,
-            first_failed_at,
-        }) => {
-            let failure = Failure {
-                reason: DlqReason::RetriesExhausted,
-                message: format!("checking for earlier results: {error}"),
-                details: None,
-                attempts,
-                first_failed_at,
-            };
-            let identity = Some(TaskIdentity::of(&job.task));
-            dead_letter(shared.clone(), job.record, failure, identity).await;
+        Err(gave_up) => {
+            shared.outcomes.gave_up(job, "checking for earlier results", gave_up);
             return None;
         }
     };
-    let started = Instant::now();
     let timings = Timings {
         total_ms: job.age_ms(Utc::now()),
         inference_ms: manifest.inference_ms.unwrap_or(0),
         ..Timings::default()
     };
-    let event = completion_event(shared, &job, manifest.outputs, timings, None);
-    if publish_completion(shared, &event).await {
-        TaskSucceeded {
-            task_id: &task_id.to_string(),
-            images: event.outputs.len(),
-            total: started.elapsed(),
-            upload: Duration::ZERO,
-            duplicate: true,
-        }
-        .emit(&shared.metrics);
-        shared.offsets.ack(&job.record.origin);
-    }
+    let success = Success {
+        outputs: manifest.outputs,
+        timings,
+        duplicate: true,
+        upload: Duration::ZERO,
+    };
+    shared.outcomes.succeed(&job, success).await;
     None
 }
 
 /// The engine stage: pulls batches and runs up to `concurrency` of them at once (one more than
 /// the engine slots, so the next batch is prepared while one runs).
-pub async fn engine(requests: BatchRequests<Job>, shared: Arc<Shared>, concurrency: usize) {
+pub(crate) async fn engine(requests: BatchRequests<Job>, shared: Arc<Shared>, concurrency: usize) {
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
     loop {
         let permit = permits.clone().acquire_owned().await.expect("never closed");
@@ -228,30 +217,22 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
     let Some(adapter) = shared.serving.adapter(&bucket.model) else {
         return;
     };
-    // Prepare on the blocking pool: noise and tiling are CPU work.
-    let prepared = {
-        let adapter = adapter.clone();
-        tokio::task::spawn_blocking(move || jobs.into_iter().map(|job| (adapter.prepare(&job.task), job)).collect::<Vec<_>>())
-            .await
-            .expect("prepare does not panic")
+    // Prepare on the blocking pool (noise and tiling are CPU work), each task on its own: a
+    // panic fails that task only.
+    let prepared = tokio::task::spawn_blocking(move || {
+        jobs.into_iter()
+            .map(|job| (panics::catch(|| adapter.prepare(&job.task)).and_then(|r| r), job))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let Ok(prepared) = prepared else {
+        return; // the runtime is shutting down: leave the tasks unacknowledged
     };
     let mut items = Vec::with_capacity(prepared.len());
     for (result, job) in prepared {
         match result {
-            Ok(prepared) => items.push(Item {
-                job,
-                prepared,
-                adapter: adapter.clone(),
-            }),
-            Err(e) => {
-                let identity = Some(TaskIdentity::of(&job.task));
-                shared.tasks.spawn(dead_letter(
-                    shared.clone(),
-                    job.record,
-                    Failure::new(DlqReason::ModelError, e),
-                    identity,
-                ));
-            }
+            Ok(prepared) => items.push(Item { job, prepared }),
+            Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e)),
         }
     }
     let Some(_held) = shared.serving.hold(&bucket.model).await else {
@@ -284,26 +265,30 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
                 }
             }
             Done::Failed { item, error } => {
-                let Some(failure) = failure_of(&item, &bucket, &error) else {
-                    return;
-                };
-                let identity = Some(TaskIdentity::of(&item.job.task));
-                shared.tasks.spawn(dead_letter(shared.clone(), item.job.record, failure, identity));
+                if let Some(failure) = failure_of(shared, &item, &bucket, &error) {
+                    shared.outcomes.fail(item.job, failure);
+                }
             }
         })
         .await;
 }
 
-fn failure_of(item: &Item, bucket: &Bucket, error: &EngineError) -> Option<Failure> {
-    let mut details = item.adapter.describe(&item.job.task);
+/// The DLQ failure of a task that failed on its own; `None` for an engine failure that is not
+/// the task's fault (it is left for redelivery).
+fn failure_of(shared: &Shared, item: &Item, bucket: &Bucket, error: &EngineError) -> Option<Failure> {
+    let mut details = shared
+        .serving
+        .adapter(&bucket.model)
+        .map(|a| a.describe(&item.job.task))
+        .unwrap_or_default();
     details.insert("rows".into(), bucket.rows_per_task.into());
     let failure = match error {
         EngineError::OutOfMemory(m) => Failure::new(
             DlqReason::ResourceExhausted,
             format!("out of memory even at batch 1 ({}): {m}", item.dimensions()),
         ),
-        EngineError::Run(m) | EngineError::Load(m) => Failure::new(DlqReason::ModelError, m.clone()),
-        EngineError::Runtime(_) | EngineError::Stopped => return None, // not the task's fault: leave it for redelivery
+        EngineError::Run(_) | EngineError::Load(_) | EngineError::Panicked(_) => Failure::new(DlqReason::ModelError, error.to_string()),
+        EngineError::Runtime(_) | EngineError::Stopped => return None,
     };
     Some(failure.with_details(details))
 }
@@ -316,31 +301,24 @@ struct Ran {
     batch_size: usize,
 }
 
-/// Render, store, announce, acknowledge.
+/// Render, store, announce.
 async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
     let _permit = shared.finishing.acquire().await.expect("never closed");
-    let Item { job, prepared, adapter } = item;
-    let (images, job) = {
-        let task = job.task.clone();
+    let Item { job, prepared } = item;
+    let rendered = {
         let outputs = ran.outputs.clone();
         let rows = ran.rows.clone();
-        let rendered = tokio::task::spawn_blocking(move || adapter.render(&task, &prepared, &outputs, rows))
-            .await
-            .expect("render does not panic");
-        (rendered, job)
+        tokio::task::spawn_blocking(move || panics::catch(|| prepared.render.render(&outputs, rows)).and_then(|r| r)).await
     };
-    let images: Vec<Image> = match images {
-        Ok(images) => images,
-        Err(e) => {
-            let identity = Some(TaskIdentity::of(&job.task));
-            return dead_letter(
-                shared.clone(),
-                job.record,
-                Failure::new(DlqReason::ModelError, format!("rendering: {e}")),
-                identity,
-            )
-            .await;
+    let images = match rendered {
+        Ok(Ok(images)) => images,
+        Ok(Err(e)) => {
+            shared
+                .outcomes
+                .fail(job, Failure::new(DlqReason::ModelError, format!("rendering: {e}")));
+            return;
         }
+        Err(_) => return, // the runtime is shutting down
     };
     let upload_started = Instant::now();
     let task_id = job.task.task_id;
@@ -359,166 +337,268 @@ async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
     .await;
     let outputs = match stored {
         Ok(outputs) => outputs,
-        Err(GaveUp::Cancelled) => return,
-        Err(GaveUp::Exhausted {
-            error,
-            attempts,
-            first_failed_at,
-        }) => {
-            let failure = Failure {
-                reason: DlqReason::RetriesExhausted,
-                message: format!("storing images: {error}"),
-                details: None,
-                attempts,
-                first_failed_at,
-            };
-            let identity = Some(TaskIdentity::of(&job.task));
-            return dead_letter(shared.clone(), job.record, failure, identity).await;
-        }
+        Err(gave_up) => return shared.outcomes.gave_up(job, "storing images", gave_up),
     };
     let upload = upload_started.elapsed();
-    let now = Utc::now();
     let timings = Timings {
         queued_ms: (ran.started_at - job.task.submitted_at).num_milliseconds().max(0) as u64,
         inference_ms: ran.inference.as_millis() as u64,
         upload_ms: upload.as_millis() as u64,
-        total_ms: job.age_ms(now),
+        total_ms: job.age_ms(Utc::now()),
     };
-    let event = completion_event(&shared, &job, outputs, timings, None);
-    if publish_completion(&shared, &event).await {
-        TaskSucceeded {
-            task_id: &task_id.to_string(),
-            images: event.outputs.len(),
-            total: Duration::from_millis(timings.total_ms),
-            upload,
-            duplicate: false,
-        }
-        .emit(&shared.metrics);
-        tracing::debug!(batch_size = ran.batch_size, "completed");
-        shared.offsets.ack(&job.record.origin);
-    }
-}
-
-/// Who a task is, for its completion event; what is known of a record that failed to decode.
-pub struct TaskIdentity {
-    task_id: uuid::Uuid,
-    tenant: Option<String>,
-    model: Option<String>,
-    user: Option<String>,
-}
-
-impl TaskIdentity {
-    fn of(task: &sluice_schemas::TaskRecord) -> TaskIdentity {
-        TaskIdentity {
-            task_id: task.task_id,
-            tenant: Some(task.tenant.clone()),
-            model: Some(task.model.clone()),
-            user: task.user.clone(),
-        }
-    }
-}
-
-fn completion_event(
-    shared: &Shared,
-    job: &Job,
-    outputs: Vec<OutputRef>,
-    timings: Timings,
-    error: Option<CompletionError>,
-) -> CompletionEvent {
-    CompletionEvent {
-        version: SCHEMA_VERSION,
-        task_id: job.task.task_id,
-        status: if error.is_some() {
-            CompletionStatus::Failed
-        } else {
-            CompletionStatus::Succeeded
-        },
-        model: job.task.model.clone(),
-        tenant: job.task.tenant.clone(),
-        user: job.task.user.clone(),
+    let success = Success {
         outputs,
-        error,
         timings,
-        worker_id: shared.worker_id.clone(),
-        attempt: job.record.attempt(),
-        completed_at: Utc::now(),
-        source: job.record.origin.source_ref(),
+        duplicate: false,
+        upload,
+    };
+    if shared.outcomes.succeed(&job, success).await {
+        tracing::debug!(batch_size = ran.batch_size, "completed");
     }
-}
-
-/// Publishes until acknowledged; false when abandoned (shutdown), so the caller must not ack.
-async fn publish_completion(shared: &Shared, event: &CompletionEvent) -> bool {
-    retry(shared.publish_retry, "publish_completion", &shared.metrics, &shared.abandon, || {
-        shared.publisher.completion(event)
-    })
-    .await
-    .is_ok()
-}
-
-/// Sends a record to the DLQ, announces the failure on the completion topic when the task is
-/// known, then acknowledges the record.
-pub async fn dead_letter(shared: Arc<Shared>, record: Record, failure: Failure, identity: Option<TaskIdentity>) {
-    let task_id = identity.as_ref().map(|i| i.task_id);
-    let sent = retry(shared.publish_retry, "publish_dlq", &shared.metrics, &shared.abandon, || {
-        shared.publisher.dead_letter(&record, &failure, task_id)
-    })
-    .await;
-    if sent.is_err() {
-        return; // abandoned: not acknowledged, read again after restart
-    }
-    if let Some(identity) = identity {
-        let event = CompletionEvent {
-            version: SCHEMA_VERSION,
-            task_id: identity.task_id,
-            status: CompletionStatus::Failed,
-            model: identity.model.unwrap_or_default(),
-            tenant: identity.tenant.unwrap_or_default(),
-            user: identity.user,
-            outputs: Vec::new(),
-            error: Some(CompletionError {
-                reason: failure.reason,
-                message: failure.message.clone(),
-            }),
-            timings: Timings {
-                total_ms: record.received_at.elapsed().as_millis() as u64,
-                ..Timings::default()
-            },
-            worker_id: shared.worker_id.clone(),
-            attempt: record.attempt(),
-            completed_at: Utc::now(),
-            source: record.origin.source_ref(),
-        };
-        if !publish_completion(&shared, &event).await {
-            return;
-        }
-    }
-    DeadLettered {
-        reason: failure.reason,
-        task_id: task_id.map(|t| t.to_string()),
-        message: &failure.message,
-        partition: record.origin.partition,
-        offset: record.origin.offset,
-    }
-    .emit(&shared.metrics);
-    shared.offsets.ack(&record.origin);
 }
 
 /// Refreshes the gauges that are read rather than counted.
-pub async fn gauges(shared: Arc<Shared>, stop: CancellationToken) {
+pub(crate) async fn gauges(shared: Arc<Shared>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     while !stop.is_cancelled() {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.cancelled() => return,
         }
-        let m = &shared.metrics;
-        m.observe_offsets(&shared.offsets);
-        m.oldest_in_flight_seconds
-            .set(shared.offsets.oldest_age().map_or(0.0, |d| d.as_secs_f64()));
-        m.rss_bytes.set(crate::metrics::rss_bytes() as i64);
-        if let Some(arena) = shared.adaptive.engine().runtime().cpu_arena_stats() {
-            m.arena_in_use_bytes.set(arena.in_use as i64);
-            m.arena_allocated_bytes.set(arena.total_allocated as i64);
+        shared.offsets.observed().emit(&shared.metrics);
+        MemorySampled {
+            rss_bytes: crate::metrics::rss_bytes(),
+            arena: shared.serving.arena_stats(),
         }
+        .emit(&shared.metrics);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use futures::future::BoxFuture;
+    use sluice_schemas::{CompletionEvent, CompletionStatus};
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::adaptive::BatchSize;
+    use crate::batcher::Batcher;
+    use crate::engine::{Engine, SessionOptions};
+    use crate::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED};
+    use crate::models::Registry;
+    use crate::offsets::TopicPartition;
+    use crate::outcome::OutcomeSettings;
+    use crate::publish::{Publish, PublishError};
+    use crate::redelivery::ObjectStoreLeases;
+    use crate::serving::Health;
+
+    /// What the recording publisher saw: per offset, the kind of record, whether the record was
+    /// still unacknowledged then, and the partition's commit candidate at that moment.
+    #[derive(Debug, Clone, PartialEq)]
+    struct Published {
+        offset: i64,
+        kind: &'static str,
+        pending: bool,
+        commit_at_publish: Option<i64>,
+    }
+
+    struct Recorder {
+        offsets: Arc<Offsets>,
+        seen: Mutex<Vec<Published>>,
+    }
+
+    impl Recorder {
+        fn note(&self, tp: TopicPartition, offset: i64, kind: &'static str) {
+            let commit_at_publish = self.offsets.commit_candidates().first().map(|(_, o)| *o);
+            self.seen.lock().unwrap().push(Published {
+                offset,
+                kind,
+                pending: self.offsets.is_pending(&tp, offset),
+                commit_at_publish,
+            });
+        }
+    }
+
+    impl Publish for Recorder {
+        fn completion<'a>(&'a self, event: &'a CompletionEvent) -> BoxFuture<'a, Result<(), PublishError>> {
+            let kind = match event.status {
+                CompletionStatus::Succeeded => "succeeded",
+                CompletionStatus::Failed => "failed",
+            };
+            let tp = TopicPartition {
+                topic: event.source.topic.as_str().into(),
+                partition: event.source.partition,
+            };
+            self.note(tp, event.source.offset, kind);
+            Box::pin(async { Ok(()) })
+        }
+
+        fn dead_letter<'a>(&'a self, record: &'a Record, _: &'a Failure, _: Option<Uuid>) -> BoxFuture<'a, Result<(), PublishError>> {
+            self.note(TopicPartition::of(&record.origin), record.origin.offset, "dlq");
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn record(offsets: &Offsets, tp: &TopicPartition, offset: i64, value: Vec<u8>) -> Record {
+        Record {
+            origin: offsets.track(tp, offset).expect("assigned"),
+            key: None,
+            value,
+            headers: vec![("sluice-schema-version".into(), Some(b"1".to_vec()))],
+            timestamp_ms: None,
+            received_at: std::time::Instant::now(),
+        }
+    }
+
+    fn task(seed: u64, images: u32) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "version": 1, "task_id": Uuid::now_v7(), "submitted_at": Utc::now(), "tenant": "t", "user": null, "model": "terrain",
+            "request": {"prompt": "", "negative_prompt": "", "steps": 1, "guidance_scale": 1.0, "seed": seed, "sampler": "onestep",
+                        "width": 128, "height": 128, "num_images": images, "params": {}}
+        }))
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tasks_finish_out_of_order_and_offsets_are_acknowledged_only_after_their_outcome() {
+        let dir = std::env::temp_dir().join(format!("sluice-pipeline-{}", Uuid::new_v4()));
+        std::fs::create_dir_all(dir.join("models/terrain")).unwrap();
+        std::fs::write(dir.join("models/terrain/model.onnx"), b"fake").unwrap();
+        let metrics = Metrics::new();
+        let offsets = Arc::new(Offsets::new());
+        let tp = TopicPartition {
+            topic: "tasks".into(),
+            partition: 0,
+        };
+        offsets.assign(std::slice::from_ref(&tp));
+        let recorder = Arc::new(Recorder {
+            offsets: offsets.clone(),
+            seen: Mutex::new(Vec::new()),
+        });
+        // A device of 6 rows, two engine threads: batches of three buckets (1, 2, 3 images per
+        // task) finish at different times, and some halve.
+        let engine = Engine::start(2);
+        let registry = Registry::default().with(
+            "terrain",
+            Arc::new(FakeModel {
+                device: Device::new(6, Duration::from_millis(5)),
+            }),
+        );
+        let (health, _) = tokio::sync::watch::channel(Health::default());
+        let serving = Serving::start(
+            engine.clone(),
+            None,
+            &registry,
+            &dir.join("models"),
+            &["terrain".to_owned()],
+            SessionOptions::default(),
+            metrics.clone(),
+            health,
+            0,
+        )
+        .await
+        .unwrap();
+        let sink = Sink::from_url(&format!("file://{}", dir.join("out").display())).unwrap();
+        let adaptive = Arc::new(Adaptive::new(
+            engine.clone(),
+            BatchSize {
+                max_tasks: 4,
+                max_rows: 64,
+            },
+            4,
+            true,
+            metrics.clone(),
+        ));
+        let tasks = TaskTracker::new();
+        let abandon = CancellationToken::new();
+        let shared = Arc::new(Shared {
+            offsets: offsets.clone(),
+            outcomes: Outcomes::new(OutcomeSettings {
+                offsets: offsets.clone(),
+                publisher: recorder.clone(),
+                metrics: metrics.clone(),
+                worker_id: "w".into(),
+                retry: RetryPolicy::forever(Duration::from_millis(1)),
+                abandon: abandon.clone(),
+                tasks: tasks.clone(),
+            }),
+            redelivery: Arc::new(ObjectStoreLeases::new(sink.clone(), "g".into(), 16)),
+            sink,
+            serving: Arc::new(serving),
+            adaptive: adaptive.clone(),
+            metrics: metrics.clone(),
+            worker_id: "w".into(),
+            max_task_bytes: 1 << 20,
+            storage_retry: RetryPolicy {
+                max_attempts: 3,
+                max_elapsed: Duration::from_secs(5),
+                base_delay: Duration::from_millis(1),
+                max_delay: Duration::from_millis(2),
+            },
+            abandon,
+            finishing: Semaphore::new(8),
+            tasks,
+        });
+        let (record_tx, record_rx) = mpsc::channel(256);
+        let (job_tx, job_rx) = mpsc::channel(256);
+        let (batcher, requests) = Batcher::new(job_rx, adaptive, Duration::from_millis(5));
+        let stages = [
+            tokio::spawn(decode(record_rx, job_tx, shared.clone())),
+            tokio::spawn(batcher.run()),
+            // One more batch at once than engine threads, as the worker runs it.
+            tokio::spawn(super::engine(requests, shared.clone(), 3)),
+        ];
+
+        // 60 records: tasks of 1-3 images, a task whose model code panics, one it fails on, a
+        // record that is not JSON and one over the size limit.
+        let mut expected = BTreeMap::new();
+        for offset in 0..60i64 {
+            let (value, kind) = match offset {
+                13 => (task(PANIC_SEED, 1), "dlq"),
+                29 => (task(ERROR_SEED, 2), "dlq"),
+                41 => (b"{not json".to_vec(), "dlq"),
+                50 => (vec![b' '; (1 << 20) + 1], "dlq"),
+                _ => (task(offset as u64, 1 + (offset % 3) as u32), "succeeded"),
+            };
+            expected.insert(offset, kind);
+            record_tx.send(record(&offsets, &tp, offset, value)).await.unwrap();
+        }
+        drop(record_tx);
+        for stage in stages {
+            stage.await.unwrap();
+        }
+        shared.tasks.close();
+        tokio::time::timeout(Duration::from_secs(30), shared.tasks.wait()).await.unwrap();
+
+        let seen = recorder.seen.lock().unwrap().clone();
+        // Every record has exactly one outcome of the expected kind (a failed task's DLQ record
+        // comes with a failed completion; an undecodable record has no task to complete).
+        for (offset, kind) in &expected {
+            let outcomes: Vec<&str> = seen.iter().filter(|p| p.offset == *offset).map(|p| p.kind).collect();
+            let want: &[&str] = match (*kind, *offset) {
+                ("dlq", 41 | 50) => &["dlq"],
+                ("dlq", _) => &["dlq", "failed"],
+                _ => &["succeeded"],
+            };
+            assert_eq!(outcomes, want, "offset {offset}");
+        }
+        // They finished out of order...
+        let order: Vec<i64> = seen.iter().map(|p| p.offset).collect();
+        assert!(
+            order.windows(2).any(|w| w[1] < w[0]),
+            "outcomes in offset order: the test proves nothing"
+        );
+        // ...yet no record was acknowledged before its outcome was published, and no offset was
+        // committable past an unfinished record.
+        for p in &seen {
+            assert!(p.pending, "acknowledged before its outcome was published: {p:?}");
+            assert!(p.commit_at_publish.is_none_or(|c| c <= p.offset), "{p:?}");
+        }
+        assert_eq!(offsets.in_flight(), 0);
+        assert_eq!(offsets.commit_candidates(), vec![(tp, 60)], "everything committable at the end");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

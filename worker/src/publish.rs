@@ -3,23 +3,48 @@
 
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sluice_schemas::{CompletionEvent, DlqRecord, HEADER_SCHEMA_VERSION, OriginalRecord, SCHEMA_VERSION, dlq_headers};
 use thiserror::Error;
 use uuid::Uuid;
 
+use crate::retry::Retriable;
 use crate::task::{Failure, Record};
 
 #[derive(Debug, Error)]
 #[error("publishing to {topic} failed: {message}")]
-pub struct PublishError {
+pub(crate) struct PublishError {
     pub topic: String,
     pub message: String,
 }
 
+/// Broker errors are retried until the worker gives up on its work (shutdown): a task's offset
+/// is never committed without its record, so giving up on a publish would lose the task.
+impl Retriable for PublishError {
+    fn is_retriable(&self) -> bool {
+        true
+    }
+}
+
+/// Where outcomes are announced: the completion and DLQ topics. A trait so that the pipeline's
+/// ordering can be unit-tested in process.
+pub(crate) trait Publish: Send + Sync {
+    /// Publishes a completion event, keyed by its task id, and waits for the acknowledgement.
+    fn completion<'a>(&'a self, event: &'a CompletionEvent) -> BoxFuture<'a, Result<(), PublishError>>;
+    /// Publishes the DLQ record of `record` and waits for the acknowledgement.
+    fn dead_letter<'a>(
+        &'a self,
+        record: &'a Record,
+        failure: &'a Failure,
+        task_id: Option<Uuid>,
+    ) -> BoxFuture<'a, Result<(), PublishError>>;
+}
+
+/// The Kafka publisher (acks=all, idempotent producer).
 #[derive(Clone)]
-pub struct Publisher {
+pub(crate) struct Publisher {
     producer: FutureProducer,
     completions_topic: String,
     dlq_topic: String,
@@ -29,7 +54,7 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    pub fn new(producer: FutureProducer, completions_topic: String, dlq_topic: String, worker_id: String) -> Publisher {
+    pub(crate) fn new(producer: FutureProducer, completions_topic: String, dlq_topic: String, worker_id: String) -> Publisher {
         Publisher {
             producer,
             completions_topic,
@@ -37,14 +62,6 @@ impl Publisher {
             worker_id,
             queue_timeout: Duration::from_secs(5),
         }
-    }
-
-    pub fn worker_id(&self) -> &str {
-        &self.worker_id
-    }
-
-    pub fn producer(&self) -> &FutureProducer {
-        &self.producer
     }
 
     async fn send(&self, topic: &str, key: Option<&[u8]>, payload: &[u8], headers: OwnedHeaders) -> Result<(), PublishError> {
@@ -62,8 +79,7 @@ impl Publisher {
             })
     }
 
-    /// Publishes a completion event, keyed by its task id.
-    pub async fn completion(&self, event: &CompletionEvent) -> Result<(), PublishError> {
+    async fn publish_completion(&self, event: &CompletionEvent) -> Result<(), PublishError> {
         let payload = serde_json::to_vec(event).expect("completion serializes");
         let key = event.task_id.to_string();
         let headers = OwnedHeaders::new()
@@ -80,7 +96,7 @@ impl Publisher {
 
     /// Publishes a DLQ record: the original key unchanged, the original value and headers kept
     /// byte for byte inside the record, and the failure as fields and as `sluice-dlq-*` headers.
-    pub async fn dead_letter(&self, record: &Record, failure: &Failure, task_id: Option<Uuid>) -> Result<DlqRecord, PublishError> {
+    async fn publish_dead_letter(&self, record: &Record, failure: &Failure, task_id: Option<Uuid>) -> Result<(), PublishError> {
         let now = chrono::Utc::now();
         let dlq = DlqRecord {
             version: SCHEMA_VERSION,
@@ -99,6 +115,7 @@ impl Publisher {
         let partition = record.origin.partition.to_string();
         let offset = record.origin.offset.to_string();
         let attempts = failure.attempts.to_string();
+        let version = SCHEMA_VERSION.to_string();
         let first = failure.first_failed_at.to_rfc3339();
         let last = now.to_rfc3339();
         // Header values must stay small; the full message is in the record.
@@ -112,7 +129,7 @@ impl Publisher {
             (dlq_headers::SOURCE_OFFSET, offset.as_str()),
             (dlq_headers::FIRST_FAILED_AT, first.as_str()),
             (dlq_headers::LAST_FAILED_AT, last.as_str()),
-            (HEADER_SCHEMA_VERSION, "1"),
+            (HEADER_SCHEMA_VERSION, version.as_str()),
         ]
         .into_iter()
         .fold(OwnedHeaders::new(), |h, (key, value)| {
@@ -121,7 +138,21 @@ impl Publisher {
                 value: Some(value.as_bytes()),
             })
         });
-        self.send(&self.dlq_topic, record.key.as_deref(), &payload, headers).await?;
-        Ok(dlq)
+        self.send(&self.dlq_topic, record.key.as_deref(), &payload, headers).await
+    }
+}
+
+impl Publish for Publisher {
+    fn completion<'a>(&'a self, event: &'a CompletionEvent) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(self.publish_completion(event))
+    }
+
+    fn dead_letter<'a>(
+        &'a self,
+        record: &'a Record,
+        failure: &'a Failure,
+        task_id: Option<Uuid>,
+    ) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(self.publish_dead_letter(record, failure, task_id))
     }
 }

@@ -19,9 +19,10 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::sync::{Mutex, RwLock, RwLockReadGuard, watch};
 
-use crate::engine::{Device, Engine, EngineError, Loader, Placement, Runtime, SessionOptions};
+use crate::engine::{ArenaStats, Device, Engine, EngineError, Loader, Placement, Runtime, SessionOptions};
+use crate::events::{Emit, ModelLoaded, ReloadEnded};
 use crate::metrics::{self, Metrics};
-use crate::models::{ModelAdapter, adapter_for};
+use crate::models::{ModelAdapter, Registry};
 
 /// What `/readyz` and `/healthz` report.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -43,8 +44,8 @@ impl Health {
 pub enum ServingError {
     #[error("model {0:?} is not served by this worker (SLUICE_MODELS)")]
     UnknownModel(String),
-    #[error("no adapter for model {0:?}: this build serves {1}")]
-    NoAdapter(String, String),
+    #[error("no adapter for model {0:?}: this worker knows {1:?}")]
+    NoAdapter(String, Vec<String>),
     #[error("model {name}: {path} does not exist")]
     MissingFile { name: String, path: String },
     #[error("model {name}: {source}")]
@@ -64,12 +65,30 @@ pub struct MemorySnapshot {
     pub device_free_bytes: Option<u64>,
 }
 
+/// How a reload ended, when the worker can still serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReloadResult {
+    /// The new model is loaded.
+    Reloaded,
+    /// The new model failed to load; the previous one was loaded again.
+    FellBack,
+}
+
+impl ReloadResult {
+    fn as_str(self) -> &'static str {
+        match self {
+            ReloadResult::Reloaded => "reloaded",
+            ReloadResult::FellBack => "fell_back",
+        }
+    }
+}
+
 /// What a reload did.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReloadReport {
     pub model: String,
-    /// `reloaded` or `fell_back`.
-    pub result: &'static str,
+    pub result: ReloadResult,
     pub error: Option<String>,
     pub placement: String,
     pub before: MemorySnapshot,
@@ -102,6 +121,9 @@ struct Served {
 
 pub struct Serving {
     engine: Engine,
+    /// The ONNX Runtime whose CPU arena a reload resets and whose statistics the gauges read;
+    /// `None` for backends that don't run on it.
+    runtime: Option<Arc<Runtime>>,
     models: HashMap<String, Served>,
     options: Mutex<SessionOptions>,
     metrics: Metrics,
@@ -116,8 +138,11 @@ pub struct ModelGuard<'a> {
 
 impl Serving {
     /// Loads every model. Any failure is a startup error naming the model and the file.
-    pub async fn start(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn start(
         engine: Engine,
+        runtime: Option<Arc<Runtime>>,
+        registry: &Registry,
         model_dir: &Path,
         names: &[String],
         options: SessionOptions,
@@ -127,9 +152,11 @@ impl Serving {
     ) -> Result<Serving, ServingError> {
         let mut models = HashMap::new();
         for name in names {
-            let adapter =
-                adapter_for(name).ok_or_else(|| ServingError::NoAdapter(name.clone(), crate::models::terrain::NAME.to_owned()))?;
-            let path = model_dir.join(name).join("model.onnx");
+            let adapter = registry
+                .get(name)
+                .ok_or_else(|| ServingError::NoAdapter(name.clone(), registry.names()))?;
+            let dir = model_dir.join(name);
+            let path = adapter.entry().map_or_else(|| dir.clone(), |entry| dir.join(entry));
             let file = File::open(&path).map_err(|_| ServingError::MissingFile {
                 name: name.clone(),
                 path: path.display().to_string(),
@@ -142,7 +169,7 @@ impl Serving {
                     source,
                 })?;
             tracing::info!(model = %name, path = %path.display(), %placement, "model loaded");
-            metrics.model_loaded.with_label_values(&[name]).set(1);
+            ModelLoaded { model: name, loaded: true }.emit(&metrics);
             models.insert(
                 name.clone(),
                 Served {
@@ -159,6 +186,7 @@ impl Serving {
         health.send_modify(|h| h.models_loaded = true);
         Ok(Serving {
             engine,
+            runtime,
             models,
             options: Mutex::new(options),
             metrics,
@@ -184,9 +212,13 @@ impl Serving {
         guard.serving.then_some(ModelGuard { _guard: guard })
     }
 
-    pub fn snapshot(&self) -> MemorySnapshot {
-        let runtime: &Runtime = self.engine.runtime();
-        let arena = runtime.cpu_arena_stats();
+    /// Statistics of the shared CPU arena, when there is one.
+    pub(crate) fn arena_stats(&self) -> Option<ArenaStats> {
+        self.runtime.as_ref()?.cpu_arena_stats()
+    }
+
+    fn snapshot(&self) -> MemorySnapshot {
+        let arena = self.arena_stats();
         let device = self.models.values().find_map(|s| match s.state.try_read().ok()?.placement {
             Placement::Cuda(id) => Some(id),
             Placement::Cpu => None,
@@ -224,8 +256,16 @@ impl Serving {
             match report {
                 Ok(report) => reports.push(report),
                 Err(e) => {
-                    self.metrics.reloads.with_label_values(&[&name, "fatal"]).inc();
-                    self.metrics.model_loaded.with_label_values(&[&name]).set(0);
+                    ReloadEnded {
+                        model: &name,
+                        result: "fatal",
+                    }
+                    .emit(&self.metrics);
+                    ModelLoaded {
+                        model: &name,
+                        loaded: false,
+                    }
+                    .emit(&self.metrics);
                     self.health.send_modify(|h| h.fatal = Some(e.to_string()));
                     return Err(e);
                 }
@@ -251,10 +291,14 @@ impl Serving {
         let before = self.snapshot();
 
         self.engine.unload(name).await;
-        self.metrics.model_loaded.with_label_values(&[name]).set(0);
-        if self.models.len() == 1 {
+        ModelLoaded {
+            model: name,
+            loaded: false,
+        }
+        .emit(&self.metrics);
+        if let (1, Some(runtime)) = (self.models.len(), &self.runtime) {
             // No session is left anywhere: give the whole arena back, then the freed heap.
-            if let Err(e) = self.engine.runtime().reset_cpu_arena() {
+            if let Err(e) = runtime.reset_cpu_arena() {
                 return Err(ServingError::Fatal(format!("resetting the CPU arena failed: {e}")));
             }
         }
@@ -300,14 +344,14 @@ impl Serving {
                     placement,
                     serving: true,
                 };
-                ("reloaded", None)
+                (ReloadResult::Reloaded, None)
             }
             Err(error) => {
                 tracing::warn!(model = name, error = %error, "new model failed to load; loading the previous one");
                 match self.engine.load(name, loader(&served.adapter, fd_path(&state.file), options)).await {
                     Ok(placement) => {
                         state.placement = placement;
-                        ("fell_back", Some(error.to_string()))
+                        (ReloadResult::FellBack, Some(error.to_string()))
                     }
                     Err(fallback) => {
                         return Err(ServingError::Fatal(format!(
@@ -317,8 +361,12 @@ impl Serving {
                 }
             }
         };
-        self.metrics.model_loaded.with_label_values(&[name]).set(1);
-        self.metrics.reloads.with_label_values(&[name, result]).inc();
+        ModelLoaded { model: name, loaded: true }.emit(&self.metrics);
+        ReloadEnded {
+            model: name,
+            result: result.as_str(),
+        }
+        .emit(&self.metrics);
         let after = MemorySnapshot {
             device_free_bytes: self.device_free(state.placement),
             ..self.snapshot()
@@ -336,7 +384,7 @@ impl Serving {
         };
         tracing::info!(
             model = name,
-            result,
+            result = result.as_str(),
             rss_before = before.rss_bytes,
             rss_after_unload = after_unload.rss_bytes,
             rss_after = after.rss_bytes,
@@ -363,5 +411,5 @@ fn fd_path(file: &File) -> PathBuf {
 
 fn loader(adapter: &Arc<dyn ModelAdapter>, path: PathBuf, options: SessionOptions) -> Loader {
     let adapter = adapter.clone();
-    Arc::new(move |runtime: &Runtime| adapter.load(runtime, &path, &options))
+    Arc::new(move || adapter.load(&path, &options))
 }

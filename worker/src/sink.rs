@@ -17,18 +17,59 @@ use thiserror::Error;
 use uuid::Uuid;
 
 use crate::encode::Image;
+use crate::retry::Retriable;
 
 #[derive(Debug, Error)]
 pub enum SinkError {
     /// The output URL can't be used.
     #[error("invalid output URL {url}: {reason}")]
     Config { url: String, reason: String },
-    /// The store failed; worth retrying (network, server down, throttling).
+    /// The store failed: transient (network, server down, throttling) or not (see
+    /// [`Retriable`]).
     #[error("object store: {0}")]
     Store(#[from] object_store::Error),
-    /// A manifest in the store is not one this worker wrote.
-    #[error("manifest {key} is unreadable: {reason}")]
-    BadManifest { key: String, reason: String },
+    /// An object in the store (a manifest, a lease) is not one a worker wrote.
+    #[error("{key} is unreadable: {reason}")]
+    Unreadable { key: String, reason: String },
+}
+
+impl Retriable for SinkError {
+    fn is_retriable(&self) -> bool {
+        match self {
+            SinkError::Config { .. } | SinkError::Unreadable { .. } => false,
+            SinkError::Store(e) => store_error_is_retriable(e),
+        }
+    }
+}
+
+/// Whether an object store error may go away on its own. Authentication, permission, path and
+/// configuration errors never do, nor a 4xx answer other than 408 (timeout) and 429 (throttled);
+/// connection failures, timeouts and 5xx answers may. `NotFound`, `AlreadyExists` and
+/// `Precondition` are answers the callers expect and handle where they mean something; anywhere
+/// else they are not transient either.
+fn store_error_is_retriable(e: &object_store::Error) -> bool {
+    use object_store::Error as E;
+    match e {
+        E::PermissionDenied { .. }
+        | E::Unauthenticated { .. }
+        | E::InvalidPath { .. }
+        | E::NotSupported { .. }
+        | E::NotImplemented { .. }
+        | E::UnknownConfigurationKey { .. }
+        | E::NotFound { .. }
+        | E::AlreadyExists { .. }
+        | E::Precondition { .. }
+        | E::NotModified { .. } => false,
+        // The HTTP status of a generic failure is only in its text ("... non-2xx status code:
+        // 400 Bad Request ..."): the client's error type is private.
+        _ => http_status(&e.to_string()).is_none_or(|s| !(400..500).contains(&s) || s == 408 || s == 429),
+    }
+}
+
+/// The HTTP status an object store error message reports, if any.
+fn http_status(message: &str) -> Option<u16> {
+    let (_, rest) = message.split_once("status code: ")?;
+    rest.get(..3)?.parse().ok()
 }
 
 /// Storage requests in flight at once, by default. Unbounded, a backlog of tasks opens a
@@ -138,7 +179,7 @@ impl Sink {
     }
 
     /// The task's manifest, if its results are complete.
-    pub async fn manifest(&self, task_id: Uuid) -> Result<Option<ResultManifest>, SinkError> {
+    pub(crate) async fn manifest(&self, task_id: Uuid) -> Result<Option<ResultManifest>, SinkError> {
         let key = self.key(task_id, "manifest.json");
         let _permit = self.permit().await;
         let bytes = match self.store.get(&key).await {
@@ -146,7 +187,7 @@ impl Sink {
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let bad = |reason: String| SinkError::BadManifest {
+        let bad = |reason: String| SinkError::Unreadable {
             key: key.to_string(),
             reason,
         };
@@ -157,7 +198,7 @@ impl Sink {
 
     /// Stores image `index` of a task. If an earlier attempt already stored it, the stored object
     /// is kept and described instead.
-    pub async fn put_image(&self, task_id: Uuid, index: u32, image: &Image) -> Result<OutputRef, SinkError> {
+    pub(crate) async fn put_image(&self, task_id: Uuid, index: u32, image: &Image) -> Result<OutputRef, SinkError> {
         let key = self.key(task_id, &format!("{index}.png"));
         let options = PutOptions {
             mode: PutMode::Create,
@@ -186,7 +227,7 @@ impl Sink {
     }
 
     /// Writes the manifest, after every image.
-    pub async fn put_manifest(
+    pub(crate) async fn put_manifest(
         &self,
         task_id: Uuid,
         outputs: &[OutputRef],
@@ -217,15 +258,15 @@ impl Sink {
     }
 
     /// The read lease of a partition: no consumer of `group` ever started a record at or beyond
-    /// this offset (see [`crate::lease`]). `None` when there is none yet.
-    pub async fn lease(&self, group: &str, topic: &str, partition: i32) -> Result<Option<i64>, SinkError> {
+    /// this offset (see [`crate::redelivery`]). `None` when there is none yet. Lease requests
+    /// don't queue behind image uploads: they gate the start of new records.
+    pub(crate) async fn lease(&self, group: &str, topic: &str, partition: i32) -> Result<Option<i64>, SinkError> {
         let key = self.lease_key(group, topic, partition);
-        let _permit = self.permit().await;
         match self.store.get(&key).await {
             Ok(result) => {
                 let bytes = result.bytes().await?;
                 let text = String::from_utf8_lossy(&bytes);
-                text.trim().parse().map(Some).map_err(|e| SinkError::BadManifest {
+                text.trim().parse().map(Some).map_err(|e| SinkError::Unreadable {
                     key: key.to_string(),
                     reason: format!("lease is not an offset: {e}"),
                 })
@@ -236,9 +277,8 @@ impl Sink {
     }
 
     /// Records a partition's read lease.
-    pub async fn put_lease(&self, group: &str, topic: &str, partition: i32, end: i64) -> Result<(), SinkError> {
+    pub(crate) async fn put_lease(&self, group: &str, topic: &str, partition: i32, end: i64) -> Result<(), SinkError> {
         let key = self.lease_key(group, topic, partition);
-        let _permit = self.permit().await;
         self.store.put(&key, PutPayload::from(end.to_string().into_bytes())).await?;
         Ok(())
     }
@@ -281,6 +321,66 @@ mod tests {
         let manifest = sink.manifest(task).await.unwrap().unwrap();
         assert_eq!(manifest.outputs, vec![first]);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn only_errors_that_can_pass_are_retriable() {
+        let generic = |text: &str| {
+            SinkError::Store(object_store::Error::Generic {
+                store: "S3",
+                source: text.to_owned().into(),
+            })
+        };
+        let cases = [
+            (
+                generic("Error performing PUT http://s3/x in 2ms - Server returned non-2xx status code: 400 Bad Request: <Error/>"),
+                false,
+            ),
+            (
+                generic("Error performing GET http://s3/x in 2ms - Server returned non-2xx status code: 404 Not Found: "),
+                false,
+            ),
+            (
+                generic("Error performing PUT http://s3/x in 1s - Server returned non-2xx status code: 429 Too Many Requests: "),
+                true,
+            ),
+            (
+                generic("Error performing PUT http://s3/x in 1s - Server returned non-2xx status code: 408 Request Timeout: "),
+                true,
+            ),
+            (
+                generic("Error performing PUT http://s3/x in 1s - Server returned non-2xx status code: 503 Service Unavailable: "),
+                true,
+            ),
+            (
+                generic("Error performing PUT http://s3/x in 5s, after 2 retries - HTTP error: error sending request"),
+                true,
+            ),
+            (
+                SinkError::Store(object_store::Error::PermissionDenied {
+                    path: "x".into(),
+                    source: "403".into(),
+                }),
+                false,
+            ),
+            (
+                SinkError::Store(object_store::Error::Unauthenticated {
+                    path: "x".into(),
+                    source: "401".into(),
+                }),
+                false,
+            ),
+            (
+                SinkError::Unreadable {
+                    key: "k".into(),
+                    reason: "not JSON".into(),
+                },
+                false,
+            ),
+        ];
+        for (error, retriable) in cases {
+            assert_eq!(error.is_retriable(), retriable, "{error}");
+        }
     }
 
     #[test]

@@ -15,15 +15,16 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::lease::{HEADER_ORIGIN, Leases};
+use crate::events::{
+    Emit, LagObserved, OffsetsCommitted, PartitionsAssigned, PartitionsRevoked, Paused, PollGap, RebalanceFailed, RecordReceived,
+};
 use crate::metrics::Metrics;
 use crate::offsets::{Offsets, TopicPartition};
 use crate::task::Record;
 
 /// Consumer callbacks: rebalances, statistics (for lag).
-pub struct SourceContext {
+pub(crate) struct SourceContext {
     offsets: Arc<Offsets>,
-    leases: std::sync::Mutex<Leases>,
     metrics: Metrics,
     drain_timeout: Duration,
     paused: AtomicBool,
@@ -31,23 +32,18 @@ pub struct SourceContext {
 }
 
 impl SourceContext {
-    pub fn new(offsets: Arc<Offsets>, leases: Leases, metrics: Metrics, drain_timeout: Duration, topic: String) -> SourceContext {
+    pub(crate) fn new(offsets: Arc<Offsets>, metrics: Metrics, drain_timeout: Duration, topic: String) -> SourceContext {
         SourceContext {
             offsets,
-            leases: std::sync::Mutex::new(leases),
             metrics,
             drain_timeout,
             paused: AtomicBool::new(false),
             topic,
         }
     }
-
-    fn leases(&self) -> std::sync::MutexGuard<'_, Leases> {
-        self.leases.lock().expect("leases")
-    }
 }
 
-pub type TaskConsumer = BaseConsumer<SourceContext>;
+pub(crate) type TaskConsumer = BaseConsumer<SourceContext>;
 
 fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
     tpl.elements()
@@ -81,10 +77,11 @@ impl ClientContext for SourceContext {
             } else {
                 p.lo_offset.max(0)
             });
-            self.metrics
-                .consumer_lag
-                .with_label_values(&[&*tp.topic, &tp.partition.to_string()])
-                .set((p.hi_offset - base).max(0));
+            LagObserved {
+                tp: &tp,
+                lag: (p.hi_offset - base).max(0),
+            }
+            .emit(&self.metrics);
         }
     }
 }
@@ -93,37 +90,23 @@ impl ConsumerContext for SourceContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
             let partitions = partitions_of(tpl);
-            self.metrics.rebalances.with_label_values(&["revoke"]).inc();
             let started = Instant::now();
             let abandoned = self.offsets.wait_drained(&partitions, self.drain_timeout);
             let commits = self.offsets.revoke(&partitions);
-            for tp in &partitions {
-                self.leases().revoke(tp);
-            }
             let committed = if commits.is_empty() {
                 Ok(())
             } else {
                 consumer.commit(&list_of(&commits), CommitMode::Sync)
             };
-            match &committed {
-                Ok(()) => self.metrics.commits.inc_by(commits.len() as u64),
-                Err(_) => self.metrics.commit_failures.inc(),
-            }
-            self.metrics.assigned_partitions.set(self.offsets.assigned().len() as i64);
-            for tp in &partitions {
-                let _ = self
-                    .metrics
-                    .consumer_lag
-                    .remove_label_values(&[&*tp.topic, &tp.partition.to_string()]);
-            }
-            tracing::info!(
-                partitions = ?partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
-                drained_ms = started.elapsed().as_millis() as u64,
+            PartitionsRevoked {
+                partitions: &partitions,
+                assigned_now: self.offsets.assigned().len(),
+                drained: started.elapsed(),
                 abandoned,
-                commits = ?commits.iter().map(|(tp, o)| (tp.partition, *o)).collect::<Vec<_>>(),
-                commit_error = committed.err().map(|e| e.to_string()),
-                "partitions revoked"
-            );
+                commits: &commits,
+                commit_error: committed.err().map(|e| e.to_string()),
+            }
+            .emit(&self.metrics);
         }
     }
 
@@ -131,47 +114,44 @@ impl ConsumerContext for SourceContext {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 let partitions = partitions_of(tpl);
-                for tp in &partitions {
-                    self.leases().assign(tp);
-                }
                 self.offsets.assign(&partitions);
-                self.metrics.assigned_partitions.set(self.offsets.assigned().len() as i64);
-                self.metrics.rebalances.with_label_values(&["assign"]).inc();
                 if self.paused.load(Ordering::SeqCst) {
                     let _ = consumer.pause(tpl);
                 }
-                tracing::info!(partitions = ?partitions.iter().map(|p| p.partition).collect::<Vec<_>>(), "partitions assigned");
+                PartitionsAssigned {
+                    partitions: &partitions,
+                    assigned_now: self.offsets.assigned().len(),
+                }
+                .emit(&self.metrics);
             }
-            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+            Rebalance::Error(e) => RebalanceFailed { error: &e.to_string() }.emit(&self.metrics),
             Rebalance::Revoke(_) => {}
         }
     }
 }
 
 /// Commits every committable offset now. Returns how many partitions were committed.
-pub fn commit_now(consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics) -> usize {
+pub(crate) fn commit_now(consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics) -> usize {
     let commits = offsets.commit_candidates();
     if commits.is_empty() {
         return 0;
     }
-    match consumer.commit(&list_of(&commits), CommitMode::Sync) {
-        Ok(()) => {
-            offsets.committed(&commits);
-            metrics.commits.inc_by(commits.len() as u64);
-            commits.len()
-        }
-        Err(e) => {
-            metrics.commit_failures.inc();
-            tracing::warn!(error = %e, "offset commit failed; retrying on the next tick");
-            0
-        }
+    let result = consumer.commit(&list_of(&commits), CommitMode::Sync);
+    if result.is_ok() {
+        offsets.committed(&commits);
     }
+    OffsetsCommitted {
+        partitions: commits.len(),
+        error: result.as_ref().err().map(|e| e.to_string()).as_deref(),
+    }
+    .emit(metrics);
+    if result.is_ok() { commits.len() } else { 0 }
 }
 
 /// Commits on a timer until `stop` fires. A synchronous commit can block for as long as the
 /// broker is unreachable, so one runs at a time on the blocking pool, and a tick that finds the
 /// previous one still running skips rather than piling up.
-pub async fn commit_loop(
+pub(crate) async fn commit_loop(
     consumer: Arc<TaskConsumer>,
     offsets: Arc<Offsets>,
     interval: Duration,
@@ -195,13 +175,9 @@ pub async fn commit_loop(
     }
 }
 
-fn headers_has(headers: &sluice_schemas::RawHeaders, name: &str) -> bool {
-    headers.iter().any(|(k, _)| k == name)
-}
-
 /// Signals to the poll thread.
 #[derive(Clone)]
-pub struct SourceControl {
+pub(crate) struct SourceControl {
     /// Stop reading: pause everything and close the channel into the pipeline.
     pub stop_reading: CancellationToken,
     /// Leave: commit what is finished and leave the group.
@@ -209,7 +185,7 @@ pub struct SourceControl {
 }
 
 /// The poll loop. Runs until `control.close`; then commits and leaves the group.
-pub fn poll_loop(
+pub(crate) fn poll_loop(
     consumer: Arc<TaskConsumer>,
     offsets: Arc<Offsets>,
     tx: mpsc::Sender<Record>,
@@ -219,9 +195,9 @@ pub fn poll_loop(
 ) {
     let mut tx = Some(tx);
     let mut last_error_log: Option<Instant> = None;
-    let set_paused = |pause: bool| {
+    let set_paused = |pause: bool, in_flight: usize| {
         consumer.context().paused.store(pause, Ordering::SeqCst);
-        metrics.paused.set(pause as i64);
+        Paused { paused: pause, in_flight }.emit(&metrics);
         if let Ok(assignment) = consumer.assignment() {
             let r = if pause {
                 consumer.pause(&assignment)
@@ -234,20 +210,21 @@ pub fn poll_loop(
         }
     };
     let mut paused = false;
+    let mut last_poll = Instant::now();
     while !control.close.is_cancelled() {
+        PollGap { gap: last_poll.elapsed() }.emit(&metrics);
+        last_poll = Instant::now();
         if tx.is_some() && control.stop_reading.is_cancelled() {
             tx = None; // closes the pipeline's input: the stages drain and end
             tracing::info!("stopped reading new tasks");
         }
         let in_flight = offsets.in_flight();
         if !paused && (tx.is_none() || in_flight >= max_in_flight) {
-            set_paused(true);
+            set_paused(true, in_flight);
             paused = true;
-            tracing::debug!(in_flight, "paused partitions");
         } else if paused && tx.is_some() && in_flight <= max_in_flight / 2 {
-            set_paused(false);
+            set_paused(false, in_flight);
             paused = false;
-            tracing::debug!(in_flight, "resumed partitions");
         }
         match consumer.poll(Duration::from_millis(100)) {
             None => {}
@@ -269,10 +246,7 @@ pub fn poll_loop(
                     .headers()
                     .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
                     .unwrap_or_default();
-                let replayed = headers_has(&headers, HEADER_ORIGIN);
-                let check = consumer.context().leases().admit(&tp, message.offset(), replayed);
                 let record = Record {
-                    check,
                     origin,
                     key: message.key().map(<[u8]>::to_vec),
                     value: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
@@ -280,7 +254,7 @@ pub fn poll_loop(
                     timestamp_ms: message.timestamp().to_millis(),
                     received_at: Instant::now(),
                 };
-                metrics.tasks_received.inc();
+                RecordReceived.emit(&metrics);
                 if sender.blocking_send(record).is_err() {
                     tracing::warn!("pipeline input closed");
                     tx = None;

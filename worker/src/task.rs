@@ -38,9 +38,6 @@ pub struct Record {
     pub headers: sluice_schemas::RawHeaders,
     pub timestamp_ms: Option<i64>,
     pub received_at: Instant,
-    /// Whether an earlier delivery may have started it, so its results may exist
-    /// ([`crate::lease`]).
-    pub check: bool,
 }
 
 impl Record {

@@ -21,7 +21,7 @@ use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::Stack;
 use sluice_integration_tests::{TopicReader, publish_tasks, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus};
-use sluice_worker::engine::{Backend, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
+use sluice_worker::engine::{Backend, Call, CallTask, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
 
 struct Row {
@@ -134,26 +134,40 @@ fn runtime_with(stack: &Stack, cpu_arena_max_bytes: Option<usize>) -> anyhow::Re
     Ok(RUNTIME.get_or_init(|| r).clone())
 }
 
+/// Loads `<model_dir>/terrain/model.onnx` on ONNX Runtime with default session options.
+fn ort_loader(runtime: &Arc<Runtime>, model_dir: &Path) -> Loader {
+    let (runtime, path) = (runtime.clone(), model_dir.join("terrain/model.onnx"));
+    Arc::new(move || Ok(Box::new(OrtBackend::load(&runtime, &path, &SessionOptions::default())?) as Box<dyn Backend>))
+}
+
 async fn raw_images_per_second(stack: &Stack, model_dir: &Path, batch: usize, batches: usize) -> anyhow::Result<f64> {
-    let engine = Engine::start(runtime(stack)?, 1);
-    let path = model_dir.join("terrain/model.onnx");
-    let loader: Loader =
-        Arc::new(move |rt: &Runtime| Ok(Box::new(OrtBackend::load(rt, &path, &SessionOptions::default())?) as Box<dyn Backend>));
-    engine.load("terrain", loader).await?;
-    let adapter = Terrain;
+    let engine = Engine::start(1);
+    let runtime = runtime(stack)?;
+    engine.load("terrain", ort_loader(&runtime, model_dir)).await?;
+    let adapter = Terrain::new(runtime);
     let tasks: Vec<_> = (0..batch).map(|i| serde_json::from_value(task_record(i)).unwrap()).collect();
     let prepared: Vec<_> = tasks
         .iter()
         .map(|t| adapter.prepare(t))
         .collect::<Result<_, _>>()
         .map_err(anyhow::Error::msg)?;
-    let inputs = concat_inputs(&prepared.iter().collect::<Vec<_>>());
+    let call = Call {
+        key: String::new(),
+        inputs: concat_inputs(&prepared.iter().collect::<Vec<_>>()),
+        tasks: (0..batch)
+            .map(|i| CallTask {
+                id: i.to_string(),
+                rows: 1,
+                hooks: None,
+            })
+            .collect(),
+    };
     for _ in 0..2 {
-        engine.run("terrain", inputs.clone(), false).await?;
+        engine.run("terrain", call.clone(), false).await?;
     }
     let started = Instant::now();
     for _ in 0..batches {
-        engine.run("terrain", inputs.clone(), false).await?;
+        engine.run("terrain", call.clone(), false).await?;
     }
     Ok((batches * batch) as f64 / started.elapsed().as_secs_f64())
 }
@@ -266,11 +280,8 @@ mod adaptive {
 
     /// Runs `tasks` tasks in calls of at most `max`, as the batcher hands them over: each batch
     /// as large as the bucket's current limit.
-    async fn measure(engine: &Engine, model_dir: &Path, max: usize, tasks: usize) -> anyhow::Result<Outcome> {
-        let path = model_dir.join("terrain/model.onnx");
-        let loader: Loader =
-            Arc::new(move |rt: &Runtime| Ok(Box::new(OrtBackend::load(rt, &path, &SessionOptions::default())?) as Box<dyn Backend>));
-        engine.load("terrain", loader).await?;
+    async fn measure(engine: &Engine, runtime: &Arc<Runtime>, model_dir: &Path, max: usize, tasks: usize) -> anyhow::Result<Outcome> {
+        engine.load("terrain", ort_loader(runtime, model_dir)).await?;
         let metrics = Metrics::new();
         let adaptive = Adaptive::new(
             engine.clone(),
@@ -283,11 +294,12 @@ mod adaptive {
             metrics.clone(),
         );
         let bucket = Bucket {
+            key: String::new(),
             model: "terrain".into(),
             rows_per_task: 1,
         };
         // Inputs prepared beforehand: the table compares batching, not input preparation.
-        let adapter = Terrain;
+        let adapter = Terrain::new(runtime.clone());
         // A pool of prepared inputs, recycled as runs finish.
         let mut pending: std::collections::VecDeque<Item> = (0..tasks.min(1024))
             .map(|i| {
@@ -333,7 +345,7 @@ mod adaptive {
             .expect("the last one matches");
         let elapsed = started.elapsed().as_secs_f64();
         engine.unload("terrain").await;
-        let ooms = metrics.ooms.with_label_values(&[&bucket.to_string()]).get();
+        let ooms = metrics.ooms(&bucket);
         Ok(Outcome {
             images_per_s: done as f64 / elapsed,
             ooms,
@@ -352,7 +364,8 @@ mod adaptive {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(32_768);
-        let engine = Engine::start(runtime_with(stack, Some(cap))?, 1);
+        let runtime = runtime_with(stack, Some(cap))?;
+        let engine = Engine::start(1);
         let tiny = stack.tiny_models()?;
         let mut rows = Vec::new();
         for (label, max) in [
@@ -366,7 +379,7 @@ mod adaptive {
             ("fixed 256", 256),
         ] {
             eprintln!("== adaptive: {label}, {tasks} tasks, CPU arena capped at {} MiB", cap >> 20);
-            rows.push((label, max, measure(&engine, &tiny, max, tasks).await?));
+            rows.push((label, max, measure(&engine, &runtime, &tiny, max, tasks).await?));
         }
         let best_fixed = rows
             .iter()

@@ -19,6 +19,9 @@ pub enum EngineError {
     /// ONNX Runtime itself is unusable (missing or incompatible library).
     #[error("ONNX Runtime unavailable: {0}")]
     Runtime(String),
+    /// Model code panicked on these inputs (a bug, isolated to the task that triggers it).
+    #[error("model code {0}")]
+    Panicked(String),
     /// The engine is shutting down or its thread is gone.
     #[error("engine stopped")]
     Stopped,
@@ -43,7 +46,7 @@ const OOM_MARKERS: [&str; 8] = [
 ];
 
 /// True when `message` is an allocation failure.
-pub fn is_out_of_memory(message: &str) -> bool {
+pub(crate) fn is_out_of_memory(message: &str) -> bool {
     let lower = message.to_ascii_lowercase();
     OOM_MARKERS.iter().any(|m| lower.contains(m))
 }
@@ -61,6 +64,12 @@ impl EngineError {
 
     pub fn is_oom(&self) -> bool {
         matches!(self, EngineError::OutOfMemory(_))
+    }
+
+    /// Whether the error belongs to the inputs of the call (a model error or a panic): inside a
+    /// batch it is isolated by bisection, and the task that triggers it fails on its own.
+    pub fn is_task_error(&self) -> bool {
+        matches!(self, EngineError::Run(_) | EngineError::Panicked(_))
     }
 }
 

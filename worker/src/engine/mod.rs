@@ -12,17 +12,60 @@ mod runtime;
 mod session;
 mod tensor;
 
-pub use error::{EngineError, is_out_of_memory};
+use std::sync::Arc;
+
+pub use error::EngineError;
+pub(crate) use error::is_out_of_memory;
 pub use pool::{Engine, Loader};
 pub use runtime::{ArenaStats, Runtime, RuntimeOptions};
-pub use session::{ArenaExtend, ConvSearch, Device, OrtBackend, Placement, SessionOptions};
+pub use session::{ArenaExtend, ConvSearch, Device, ElementKind, InputInfo, OrtBackend, Placement, SessionOptions};
 pub use tensor::{Tensor, TensorData};
+
+/// One model call: the inputs of a batch and which task owns which rows.
+#[derive(Debug, Clone)]
+pub struct Call {
+    /// The batch's bucket key ([`crate::models::Bucket::key`]): what its tasks share.
+    pub key: String,
+    /// Whole-batch tensors, batch on axis 0: the tasks' rows concatenated in task order.
+    pub inputs: Vec<Tensor>,
+    pub tasks: Vec<CallTask>,
+}
+
+/// A task's share of a [`Call`].
+#[derive(Clone)]
+pub struct CallTask {
+    /// The task id, for logs.
+    pub id: String,
+    /// Rows of the outputs that belong to this task.
+    pub rows: usize,
+    /// What a model with many steps reports of the task, and asks of it, between steps.
+    pub hooks: Option<Arc<dyn TaskHooks>>,
+}
+
+impl std::fmt::Debug for CallTask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallTask")
+            .field("id", &self.id)
+            .field("rows", &self.rows)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A task's side of a long model call, called on the engine thread between steps: cheap and
+/// non-blocking.
+pub trait TaskHooks: Send + Sync {
+    /// Whether the task was cancelled: the model stops working on it at the next step.
+    fn cancelled(&self) -> bool;
+    /// The task finished step `step` of `steps` (1-based).
+    fn progress(&self, step: usize, steps: usize);
+}
 
 /// A loaded model that can run a batch. Implementations own their sessions and live on one
 /// engine thread; `run` may block for as long as the model takes.
 pub trait Backend: Send {
-    /// Runs one batch. Inputs and outputs are whole-batch tensors (batch on axis 0).
-    fn run(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>, EngineError>;
+    /// Runs one batch. Outputs are whole-batch tensors (batch on axis 0), each task's rows in
+    /// the order of `call.tasks`.
+    fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError>;
     /// Gives back what the allocator holds but does not use, after an out-of-memory error: the
     /// next run asks ONNX Runtime to shrink its arena (the counterpart of `torch.cuda.empty_cache`).
     fn release_memory(&mut self);

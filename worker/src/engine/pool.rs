@@ -7,15 +7,16 @@ use std::thread;
 
 use tokio::sync::{Semaphore, oneshot};
 
-use super::{Backend, EngineError, Placement, Runtime, Tensor};
+use super::{Backend, Call, EngineError, Placement, Tensor};
+use crate::panics;
 
 /// Builds one backend of a model; called once on every engine thread.
-pub type Loader = Arc<dyn Fn(&Runtime) -> Result<Box<dyn Backend>, EngineError> + Send + Sync>;
+pub type Loader = Arc<dyn Fn() -> Result<Box<dyn Backend>, EngineError> + Send + Sync>;
 
 enum Command {
     Run {
         model: String,
-        inputs: Vec<Tensor>,
+        call: Call,
         reply: oneshot::Sender<Result<Vec<Tensor>, EngineError>>,
     },
     Load {
@@ -42,20 +43,18 @@ struct Inner {
     slots: Vec<std_mpsc::Sender<Command>>,
     idle: Mutex<Vec<usize>>,
     gate: Semaphore,
-    runtime: Arc<Runtime>,
 }
 
 impl Engine {
     /// Starts `slots` engine threads (at least one).
-    pub fn start(runtime: Arc<Runtime>, slots: usize) -> Engine {
+    pub fn start(slots: usize) -> Engine {
         let slots = slots.max(1);
         let senders = (0..slots)
             .map(|i| {
                 let (tx, rx) = std_mpsc::channel();
-                let runtime = runtime.clone();
                 thread::Builder::new()
                     .name(format!("sluice-engine-{i}"))
-                    .spawn(move || slot_main(runtime, rx))
+                    .spawn(move || slot_main(rx))
                     .expect("spawn engine thread");
                 tx
             })
@@ -65,7 +64,6 @@ impl Engine {
                 slots: senders,
                 idle: Mutex::new((0..slots).rev().collect()),
                 gate: Semaphore::new(slots),
-                runtime,
             }),
         }
     }
@@ -74,13 +72,9 @@ impl Engine {
         self.inner.slots.len()
     }
 
-    pub fn runtime(&self) -> &Arc<Runtime> {
-        &self.inner.runtime
-    }
-
     /// Runs a batch of `model` on one engine thread. An `exclusive` run waits until no other run
     /// is on the device and keeps it to itself.
-    pub async fn run(&self, model: &str, inputs: Vec<Tensor>, exclusive: bool) -> Result<Vec<Tensor>, EngineError> {
+    pub async fn run(&self, model: &str, call: Call, exclusive: bool) -> Result<Vec<Tensor>, EngineError> {
         let permits = if exclusive { self.inner.slots.len() as u32 } else { 1 };
         let _permit = self.inner.gate.acquire_many(permits).await.map_err(|_| EngineError::Stopped)?;
         let slot = self
@@ -95,7 +89,7 @@ impl Engine {
         self.inner.slots[slot]
             .send(Command::Run {
                 model: model.to_owned(),
-                inputs,
+                call,
                 reply,
             })
             .map_err(|_| EngineError::Stopped)?;
@@ -173,22 +167,24 @@ impl Drop for ReturnSlot<'_> {
     }
 }
 
-fn slot_main(runtime: Arc<Runtime>, commands: std_mpsc::Receiver<Command>) {
+fn slot_main(commands: std_mpsc::Receiver<Command>) {
     let mut models: HashMap<String, Box<dyn Backend>> = HashMap::new();
     while let Ok(command) = commands.recv() {
         match command {
-            Command::Run { model, inputs, reply } => {
+            Command::Run { model, call, reply } => {
                 let result = match models.get_mut(&model) {
-                    Some(backend) => backend.run(&inputs),
+                    // A panic fails this call only; the thread and its sessions carry on.
+                    Some(backend) => panics::catch(|| backend.run(&call)).unwrap_or_else(|m| Err(EngineError::Panicked(m))),
                     None => Err(EngineError::Run(format!("model {model} is not loaded"))),
                 };
-                drop(inputs);
+                drop(call);
                 let _ = reply.send(result);
             }
             Command::Load { model, loader, reply } => {
                 // Drop the old sessions first: their memory must be free before the new ones load.
                 models.remove(&model);
-                let result = loader(&runtime).map(|backend| {
+                let loaded = panics::catch(|| loader()).unwrap_or_else(|m| Err(EngineError::Load(m)));
+                let result = loaded.map(|backend| {
                     let placement = backend.placement();
                     models.insert(model, backend);
                     placement

@@ -1,7 +1,7 @@
 //! The process-wide ONNX Runtime: loading the library, the shared CPU arena, memory statistics.
 
 use std::ffi::{CStr, c_char};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::ptr;
 use std::sync::{Arc, Mutex};
 
@@ -171,10 +171,6 @@ impl Runtime {
             (api.ReleaseKeyValuePairs)(kvps);
             Some(stats)
         }
-    }
-
-    pub fn dylib_path(&self) -> &Path {
-        &self.dylib_path
     }
 }
 

@@ -6,7 +6,7 @@ use ort::ep;
 use ort::session::{RunOptions, Session, SessionInputValue};
 use ort::value::TensorRef;
 
-use super::{Backend, EngineError, Runtime, Tensor, TensorData};
+use super::{Backend, Call, EngineError, Runtime, Tensor, TensorData};
 
 /// How a CUDA arena grows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -186,19 +186,77 @@ impl OrtBackend {
     }
 }
 
-impl Backend for OrtBackend {
-    fn run(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {
+/// Element type of a session input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ElementKind {
+    F32,
+    F16,
+    I64,
+    I32,
+    Other,
+}
+
+/// What a session expects of one input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InputInfo {
+    pub name: String,
+    pub kind: ElementKind,
+    /// Dimensions; -1 where dynamic.
+    pub shape: Vec<i64>,
+}
+
+impl OrtBackend {
+    /// The session's inputs, as the model declares them.
+    pub fn inputs(&self) -> Vec<InputInfo> {
+        use ort::value::TensorElementType as T;
+        self.session
+            .inputs()
+            .iter()
+            .map(|outlet| InputInfo {
+                name: outlet.name().to_owned(),
+                kind: match outlet.dtype().tensor_type() {
+                    Some(T::Float32) => ElementKind::F32,
+                    Some(T::Float16) => ElementKind::F16,
+                    Some(T::Int64) => ElementKind::I64,
+                    Some(T::Int32) => ElementKind::I32,
+                    _ => ElementKind::Other,
+                },
+                shape: outlet
+                    .dtype()
+                    .tensor_shape()
+                    .map(|s| s.iter().copied().collect())
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+
+    /// Runs the session on named tensors (f32 or i64; an i64 tensor goes in as int32 where the
+    /// session's input is int32). Outputs are f32.
+    pub fn run_tensors(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {
+        let int32: Vec<String> = self
+            .inputs()
+            .into_iter()
+            .filter(|i| i.kind == ElementKind::I32)
+            .map(|i| i.name)
+            .collect();
+        let narrowed: Vec<Option<Vec<i32>>> = inputs
+            .iter()
+            .map(|input| match &input.data {
+                TensorData::I64(v) if int32.contains(&input.name) => Some(v.iter().map(|&x| x as i32).collect()),
+                _ => None,
+            })
+            .collect();
         let mut values: Vec<(String, SessionInputValue<'_>)> = Vec::with_capacity(inputs.len());
-        for input in inputs {
+        for (input, narrow) in inputs.iter().zip(&narrowed) {
             let shape = input.shape.clone();
-            let value: SessionInputValue<'_> = match &input.data {
-                TensorData::F32(v) => TensorRef::from_array_view((shape, v.as_slice()))
+            let value: SessionInputValue<'_> = match (&input.data, narrow) {
+                (_, Some(v)) => TensorRef::from_array_view((shape, v.as_slice()))
                     .map_err(EngineError::from_run)?
                     .into(),
-                TensorData::I64(v) => TensorRef::from_array_view((shape, v.as_slice()))
+                (TensorData::F32(v), None) => TensorRef::from_array_view((shape, v.as_slice()))
                     .map_err(EngineError::from_run)?
                     .into(),
-                TensorData::I32(v) => TensorRef::from_array_view((shape, v.as_slice()))
+                (TensorData::I64(v), None) => TensorRef::from_array_view((shape, v.as_slice()))
                     .map_err(EngineError::from_run)?
                     .into(),
             };
@@ -218,6 +276,12 @@ impl Backend for OrtBackend {
             result.push(Tensor::f32(name, shape, data.to_vec()));
         }
         Ok(result)
+    }
+}
+
+impl Backend for OrtBackend {
+    fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
+        self.run_tensors(&call.inputs)
     }
 
     fn release_memory(&mut self) {

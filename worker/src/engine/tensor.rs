@@ -5,21 +5,6 @@
 pub enum TensorData {
     F32(Vec<f32>),
     I64(Vec<i64>),
-    I32(Vec<i32>),
-}
-
-impl TensorData {
-    pub fn len(&self) -> usize {
-        match self {
-            TensorData::F32(v) => v.len(),
-            TensorData::I64(v) => v.len(),
-            TensorData::I32(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// A named tensor with its batch on axis 0.
@@ -40,32 +25,52 @@ impl Tensor {
         }
     }
 
+    pub fn i64(name: impl Into<String>, shape: Vec<usize>, data: Vec<i64>) -> Tensor {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        Tensor {
+            name: name.into(),
+            shape,
+            data: TensorData::I64(data),
+        }
+    }
+
     /// Number of rows (the size of axis 0).
     pub fn rows(&self) -> usize {
         self.shape.first().copied().unwrap_or(0)
     }
 
     /// Elements per row.
-    pub fn row_len(&self) -> usize {
+    fn row_len(&self) -> usize {
         self.shape.iter().skip(1).product()
     }
 
     /// Joins tensors of one name and element type along the batch axis.
     ///
     /// # Panics
-    /// If `parts` is empty or mixes element types (a model's input has one type).
+    /// If `parts` is empty.
     pub fn concat(parts: &[&Tensor]) -> Tensor {
-        fn gather<'a, T: Copy + 'a>(parts: &[&'a Tensor], get: impl Fn(&'a TensorData) -> Option<&'a Vec<T>>) -> Vec<T> {
-            parts
-                .iter()
-                .flat_map(|p| get(&p.data).expect("one element type per input").iter().copied())
-                .collect()
-        }
         let first = parts[0];
         let data = match &first.data {
-            TensorData::F32(_) => TensorData::F32(gather(parts, |d| if let TensorData::F32(v) = d { Some(v) } else { None })),
-            TensorData::I64(_) => TensorData::I64(gather(parts, |d| if let TensorData::I64(v) = d { Some(v) } else { None })),
-            TensorData::I32(_) => TensorData::I32(gather(parts, |d| if let TensorData::I32(v) = d { Some(v) } else { None })),
+            TensorData::F32(_) => TensorData::F32(
+                parts
+                    .iter()
+                    .flat_map(|p| match &p.data {
+                        TensorData::F32(v) => v.as_slice(),
+                        TensorData::I64(_) => panic!("tensor {}: mixed element types", first.name),
+                    })
+                    .copied()
+                    .collect(),
+            ),
+            TensorData::I64(_) => TensorData::I64(
+                parts
+                    .iter()
+                    .flat_map(|p| match &p.data {
+                        TensorData::I64(v) => v.as_slice(),
+                        TensorData::F32(_) => panic!("tensor {}: mixed element types", first.name),
+                    })
+                    .copied()
+                    .collect(),
+            ),
         };
         let mut shape = first.shape.clone();
         shape[0] = parts.iter().map(|p| p.rows()).sum();
@@ -81,7 +86,16 @@ impl Tensor {
         let n = self.row_len();
         match &self.data {
             TensorData::F32(v) => v.get(start * n..end * n),
-            _ => None,
+            TensorData::I64(_) => None,
+        }
+    }
+
+    /// The i64 elements of rows `start..end`, or `None` for another element type.
+    pub fn i64_rows(&self, start: usize, end: usize) -> Option<&[i64]> {
+        let n = self.row_len();
+        match &self.data {
+            TensorData::I64(v) => v.get(start * n..end * n),
+            TensorData::F32(_) => None,
         }
     }
 }

@@ -1,10 +1,10 @@
-//! Model adapters: "task parameters → input tensors → images" for each model. The engine and the
-//! batcher don't know which model runs; an adapter knows nothing of Kafka.
+//! Model adapters: "task parameters → input tensors → images" for each kind of model. The engine
+//! and the batcher don't know which model runs; an adapter knows nothing of Kafka.
 
-pub mod noise;
+pub(crate) mod noise;
 pub mod terrain;
 
-use std::any::Any;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -12,44 +12,60 @@ use std::sync::Arc;
 use sluice_schemas::TaskRecord;
 
 use crate::encode::Image;
-use crate::engine::{Backend, EngineError, OrtBackend, Runtime, SessionOptions, Tensor};
+use crate::engine::{Backend, EngineError, SessionOptions, Tensor};
 
 /// Tasks of one bucket can run in one model call and use the same memory per task.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Bucket {
     pub model: String,
+    /// What else tasks must share to run in one call (for Stable Diffusion: size, sampler,
+    /// steps, guidance on or off); empty when the model needs nothing more.
+    pub key: String,
     /// Rows (entries on the model's batch axis) each task of the bucket needs.
     pub rows_per_task: usize,
 }
 
 impl std::fmt::Display for Bucket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}", self.model, self.rows_per_task)
+        if self.key.is_empty() {
+            write!(f, "{}:{}", self.model, self.rows_per_task)
+        } else {
+            write!(f, "{}:{}:{}", self.model, self.key, self.rows_per_task)
+        }
     }
 }
 
-/// A task's model inputs, made on the CPU before its batch runs.
+/// A task's model inputs, made on the CPU before its batch runs, and how to turn its share of
+/// the outputs back into images.
 pub struct Prepared {
     /// The task's rows of every model input (batch on axis 0).
     pub inputs: Vec<Tensor>,
+    /// Rows of the outputs that belong to the task.
     pub rows: usize,
-    /// What the adapter needs to turn the outputs back into images.
-    pub layout: Box<dyn Any + Send + Sync>,
+    pub render: Box<dyn Render>,
 }
 
-/// Turns tasks of one model into inputs and outputs back into images.
+/// Turns a task's rows of a batch's outputs into its images. Made by the adapter with the task's
+/// own layout, so it needs nothing else.
+pub trait Render: Send + Sync {
+    /// CPU work, run off the async runtime.
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String>;
+}
+
+/// Turns tasks of one kind of model into inputs, and loads that kind of model.
 pub trait ModelAdapter: Send + Sync {
-    fn name(&self) -> &str;
     /// The bucket of a task. Tasks with different buckets are never batched together.
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String>;
     /// The task's input rows. CPU work, run off the async runtime.
     fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String>;
-    /// The task's images from its `rows` of the batch `outputs`. CPU work.
-    fn render(&self, task: &TaskRecord, prepared: &Prepared, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String>;
-    /// Loads the model on one engine thread.
-    fn load(&self, runtime: &Runtime, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
-        Ok(Box::new(OrtBackend::load(runtime, path, options)?))
+    /// The file inside the model's directory that [`ModelAdapter::load`] gets; `None` when it
+    /// gets the directory itself (a model of several files).
+    fn entry(&self) -> Option<&'static str> {
+        Some("model.onnx")
     }
+    /// Loads the model at `path` (see [`ModelAdapter::entry`]); called once on every engine
+    /// thread.
+    fn load(&self, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError>;
     /// Facts about a task for logs and the DLQ (its dimensions).
     fn describe(&self, task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {
         let r = &task.request;
@@ -61,11 +77,38 @@ pub trait ModelAdapter: Send + Sync {
     }
 }
 
-/// The adapter of a served model name.
-pub fn adapter_for(model: &str) -> Option<Arc<dyn ModelAdapter>> {
-    match model {
-        terrain::NAME => Some(Arc::new(terrain::Terrain)),
-        _ => None,
+/// The adapters a worker can serve, by model name.
+#[derive(Clone, Default)]
+pub struct Registry {
+    adapters: BTreeMap<String, Arc<dyn ModelAdapter>>,
+}
+
+impl Registry {
+    /// The models built into this worker, running on ONNX Runtime.
+    pub fn builtin(runtime: Arc<crate::engine::Runtime>) -> Registry {
+        Registry::default().with(terrain::NAME, Arc::new(terrain::Terrain::new(runtime)))
+    }
+
+    /// Adds (or replaces) the adapter of `name`.
+    pub fn with(mut self, name: &str, adapter: Arc<dyn ModelAdapter>) -> Registry {
+        self.adapters.insert(name.to_owned(), adapter);
+        self
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<dyn ModelAdapter>> {
+        self.adapters.get(name).cloned()
+    }
+
+    /// Every name, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.adapters.keys().cloned().collect()
+    }
+
+    /// The same registry with every adapter passed through `wrap`.
+    pub(crate) fn map(self, wrap: impl Fn(Arc<dyn ModelAdapter>) -> Arc<dyn ModelAdapter>) -> Registry {
+        Registry {
+            adapters: self.adapters.into_iter().map(|(n, a)| (n, wrap(a))).collect(),
+        }
     }
 }
 

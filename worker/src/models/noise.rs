@@ -59,6 +59,14 @@ impl Gaussian {
         }
     }
 
+    /// Stream `stream` of `seed`: ChaCha's own stream counter, so streams never overlap.
+    /// Stream 0 is [`Gaussian::new`].
+    pub fn stream(seed: u64, stream: u64) -> Gaussian {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(stream);
+        Gaussian { rng, tables: &TABLES }
+    }
+
     /// A uniform sample in (0, 1).
     fn uniform(&mut self) -> f32 {
         ((self.rng.next_u32() >> 8) as f32 + 0.5) * (1.0 / (1u32 << 24) as f32)

@@ -7,14 +7,16 @@
 //! with a Hann window. So a larger request is a larger batch of tiles — and more memory.
 
 use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
 
 use sluice_schemas::TaskRecord;
 use sluice_schemas::models::terrain::{Colormap, NATIVE_SIZE, Params};
 
 use super::noise::Gaussian;
-use super::{Bucket, ModelAdapter, Prepared};
+use super::{Bucket, ModelAdapter, Prepared, Render};
 use crate::encode::{self, Image};
-use crate::engine::Tensor;
+use crate::engine::{Backend, EngineError, OrtBackend, Runtime, SessionOptions, Tensor};
 
 pub const NAME: &str = sluice_schemas::models::terrain::NAME;
 
@@ -25,7 +27,16 @@ const NUM_CLASSES: f32 = 100.0;
 pub const HEIGHT_RANGE: f32 = 22.168_64;
 const ASINH_SCALE: f32 = 0.1;
 
-pub struct Terrain;
+/// The terrain adapter, on ONNX Runtime.
+pub struct Terrain {
+    runtime: Arc<Runtime>,
+}
+
+impl Terrain {
+    pub fn new(runtime: Arc<Runtime>) -> Terrain {
+        Terrain { runtime }
+    }
+}
 
 /// How a task's rows map back to images.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,13 +111,10 @@ fn layout_of(task: &TaskRecord) -> Result<(Layout, Params), String> {
 }
 
 impl ModelAdapter for Terrain {
-    fn name(&self) -> &str {
-        NAME
-    }
-
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
         let (layout, _) = layout_of(task)?;
         Ok(Bucket {
+            key: String::new(),
             model: NAME.to_owned(),
             rows_per_task: layout.rows(),
         })
@@ -141,15 +149,24 @@ impl ModelAdapter for Terrain {
                 Tensor::f32("difficulty", vec![rows], vec![label; rows]),
             ],
             rows,
-            layout: Box::new((layout, params)),
+            render: Box::new(TerrainRender { layout, params }),
         })
     }
 
-    fn render(&self, _task: &TaskRecord, prepared: &Prepared, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
-        let (layout, params) = prepared
-            .layout
-            .downcast_ref::<(Layout, Params)>()
-            .ok_or("layout of another model")?;
+    fn load(&self, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
+        Ok(Box::new(OrtBackend::load(&self.runtime, path, options)?))
+    }
+}
+
+/// How a task's rows become its maps.
+struct TerrainRender {
+    layout: Layout,
+    params: Params,
+}
+
+impl Render for TerrainRender {
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
+        let TerrainRender { layout, params } = self;
         let denoised = outputs
             .iter()
             .find(|t| t.name == "denoised")

@@ -1,0 +1,132 @@
+//! An in-process fake model for unit tests of the worker's state machines: a "device" of a fixed
+//! number of rows shared by every engine thread (a call that would hold more fails with an
+//! out-of-memory error, as ONNX Runtime's arena does), a fixed latency per call, and tasks that
+//! make the backend panic or fail by their seed. Nothing here runs in the worker binary.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use sluice_schemas::TaskRecord;
+
+use crate::encode::{self, Image};
+use crate::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
+use crate::models::{Bucket, ModelAdapter, Prepared, Render};
+
+/// A task with this seed makes the backend panic.
+pub(crate) const PANIC_SEED: u64 = 666;
+/// A task with this seed makes the backend fail with a model error.
+pub(crate) const ERROR_SEED: u64 = 404;
+
+/// The fake device: rows in use right now, and how many fit.
+#[derive(Debug)]
+pub(crate) struct Device {
+    capacity: usize,
+    in_use: AtomicUsize,
+    latency: Duration,
+    /// Calls that ran, and the largest number of rows that ran at once.
+    pub calls: AtomicUsize,
+    pub peak: AtomicUsize,
+}
+
+impl Device {
+    pub(crate) fn new(capacity: usize, latency: Duration) -> Arc<Device> {
+        Arc::new(Device {
+            capacity,
+            in_use: AtomicUsize::new(0),
+            latency,
+            calls: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        })
+    }
+}
+
+/// The fake model: a task of `num_images` images is that many rows, each row one value (its
+/// seed); the output is the input doubled.
+pub(crate) struct FakeModel {
+    pub device: Arc<Device>,
+}
+
+impl ModelAdapter for FakeModel {
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
+        Ok(Bucket {
+            key: String::new(),
+            model: task.model.clone(),
+            rows_per_task: task.request.num_images as usize,
+        })
+    }
+
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String> {
+        let rows = task.request.num_images as usize;
+        Ok(Prepared {
+            inputs: vec![Tensor::f32("x", vec![rows, 1], vec![task.request.seed as f32; rows])],
+            rows,
+            render: Box::new(FakeRender),
+        })
+    }
+
+    fn load(&self, _: &Path, _: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
+        Ok(Box::new(FakeBackend {
+            device: self.device.clone(),
+        }))
+    }
+}
+
+/// Prepared inputs of one task of `rows` rows and seed `seed`, outside any task record.
+pub(crate) fn prepared(seed: u64, rows: usize) -> Prepared {
+    Prepared {
+        inputs: vec![Tensor::f32("x", vec![rows, 1], vec![seed as f32; rows])],
+        rows,
+        render: Box::new(FakeRender),
+    }
+}
+
+struct FakeBackend {
+    device: Arc<Device>,
+}
+
+impl Backend for FakeBackend {
+    fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
+        let x = &call.inputs[0];
+        let values = x.f32_rows(0, x.rows()).expect("f32 input").to_vec();
+        if values.contains(&(PANIC_SEED as f32)) {
+            panic!("fake model: a panicking task in a batch of {}", call.tasks.len());
+        }
+        if values.contains(&(ERROR_SEED as f32)) {
+            return Err(EngineError::Run("fake model: a task it cannot run".into()));
+        }
+        let rows = x.rows();
+        let d = &self.device;
+        let before = d.in_use.fetch_add(rows, Ordering::SeqCst);
+        if before + rows > d.capacity {
+            d.in_use.fetch_sub(rows, Ordering::SeqCst);
+            return Err(EngineError::OutOfMemory(format!(
+                "fake device: Available memory of {} is smaller than requested bytes of {rows}",
+                d.capacity - before.min(d.capacity)
+            )));
+        }
+        d.peak.fetch_max(before + rows, Ordering::SeqCst);
+        std::thread::sleep(d.latency);
+        d.in_use.fetch_sub(rows, Ordering::SeqCst);
+        d.calls.fetch_add(1, Ordering::SeqCst);
+        Ok(vec![Tensor::f32("y", vec![rows, 1], values.iter().map(|v| v * 2.0).collect())])
+    }
+
+    fn release_memory(&mut self) {}
+
+    fn placement(&self) -> Placement {
+        Placement::Cpu
+    }
+}
+
+/// One grey pixel per row.
+struct FakeRender;
+
+impl Render for FakeRender {
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
+        let values = outputs[0].f32_rows(rows.start, rows.end).ok_or("no rows")?;
+        values.iter().map(|v| encode::png_grey16(1, 1, &[*v as u16])).collect()
+    }
+}

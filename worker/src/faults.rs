@@ -1,0 +1,152 @@
+//! Fault injection for tests of real worker processes (`SLUICE_TEST_FAULTS`, hidden; never set in
+//! production): model code that panics on chosen tasks, so that tests can show a panic fails its
+//! task and nothing else. A task is chosen by its seed:
+//!
+//! - `panic-prepare=SEED`: preparing the task's inputs panics;
+//! - `panic-run=SEED`: the backend call of any batch holding the task panics;
+//! - `panic-render=SEED`: rendering the task's images panics.
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use sluice_schemas::TaskRecord;
+
+use crate::encode::Image;
+use crate::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
+use crate::models::{Bucket, ModelAdapter, Prepared, Render};
+
+/// The faults to inject, by seed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Faults {
+    prepare: HashSet<u64>,
+    run: HashSet<u64>,
+    render: HashSet<u64>,
+}
+
+impl Faults {
+    /// Parses `kind=seed` entries.
+    pub fn parse(entries: &[String]) -> Result<Faults, String> {
+        let mut faults = Faults::default();
+        for entry in entries.iter().filter(|e| !e.trim().is_empty()) {
+            let (kind, seed) = entry
+                .split_once('=')
+                .ok_or_else(|| format!("fault {entry:?}: expected kind=seed"))?;
+            let seed: u64 = seed.trim().parse().map_err(|_| format!("fault {entry:?}: bad seed"))?;
+            let set = match kind.trim() {
+                "panic-prepare" => &mut faults.prepare,
+                "panic-run" => &mut faults.run,
+                "panic-render" => &mut faults.render,
+                other => {
+                    return Err(format!(
+                        "fault {entry:?}: unknown kind {other:?} (panic-prepare, panic-run, panic-render)"
+                    ));
+                }
+            };
+            set.insert(seed);
+        }
+        Ok(faults)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.prepare.is_empty() && self.run.is_empty() && self.render.is_empty()
+    }
+
+    /// `adapter` with these faults injected.
+    pub(crate) fn inject(self: &Arc<Self>, adapter: Arc<dyn ModelAdapter>) -> Arc<dyn ModelAdapter> {
+        Arc::new(Faulty {
+            inner: adapter,
+            faults: self.clone(),
+            doomed: Arc::new(Mutex::new(HashSet::new())),
+        })
+    }
+}
+
+struct Faulty {
+    inner: Arc<dyn ModelAdapter>,
+    faults: Arc<Faults>,
+    /// Ids of prepared tasks whose backend call must panic.
+    doomed: Arc<Mutex<HashSet<String>>>,
+}
+
+impl ModelAdapter for Faulty {
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
+        self.inner.bucket(task)
+    }
+
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String> {
+        let seed = task.request.seed;
+        if self.faults.prepare.contains(&seed) {
+            panic!("injected fault: prepare of task {} (seed {seed})", task.task_id);
+        }
+        if self.faults.run.contains(&seed) {
+            self.doomed.lock().expect("doomed").insert(task.task_id.to_string());
+        }
+        let mut prepared = self.inner.prepare(task)?;
+        if self.faults.render.contains(&seed) {
+            prepared.render = Box::new(PanickingRender {
+                task: task.task_id.to_string(),
+            });
+        }
+        Ok(prepared)
+    }
+
+    fn load(&self, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
+        Ok(Box::new(FaultyBackend {
+            inner: self.inner.load(path, options)?,
+            doomed: self.doomed.clone(),
+        }))
+    }
+
+    fn describe(&self, task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {
+        self.inner.describe(task)
+    }
+}
+
+struct FaultyBackend {
+    inner: Box<dyn Backend>,
+    doomed: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Backend for FaultyBackend {
+    fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
+        let doomed = self.doomed.lock().expect("doomed").clone();
+        if let Some(task) = call.tasks.iter().find(|t| doomed.contains(&t.id)) {
+            panic!("injected fault: a batch of {} holding task {}", call.tasks.len(), task.id);
+        }
+        self.inner.run(call)
+    }
+
+    fn release_memory(&mut self) {
+        self.inner.release_memory();
+    }
+
+    fn placement(&self) -> Placement {
+        self.inner.placement()
+    }
+}
+
+struct PanickingRender {
+    task: String,
+}
+
+impl Render for PanickingRender {
+    fn render(&self, _: &[Tensor], _: Range<usize>) -> Result<Vec<Image>, String> {
+        panic!("injected fault: render of task {}", self.task);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_faults_and_refuses_unknown_ones() {
+        let f = Faults::parse(&["panic-run=7".into(), " panic-prepare = 8".into(), "".into()]).unwrap();
+        assert!(f.run.contains(&7) && f.prepare.contains(&8) && f.render.is_empty());
+        assert!(Faults::parse(&["explode=1".into()]).is_err());
+        assert!(Faults::parse(&["panic-run".into()]).is_err());
+        assert!(Faults::default().is_empty());
+    }
+}

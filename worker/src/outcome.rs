@@ -1,0 +1,236 @@
+//! The one owner of a task's outcome. Every task ends here, exactly one way: it succeeded (its
+//! completion is published), or it failed (its DLQ record, then — when the task is known — a
+//! failed completion). Only after the broker acknowledged those records is the task's offset
+//! acknowledged to [`Offsets`]. Adding a way to fail is one call to [`Outcomes::fail`] with a
+//! [`Failure`]; nothing else publishes outcomes or acknowledges offsets.
+//!
+//! A task given up at shutdown (or whose partition was taken away) is never acknowledged: the
+//! next owner reads it again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use sluice_schemas::{CompletionError, CompletionEvent, CompletionStatus, DlqReason, OutputRef, SCHEMA_VERSION, Timings};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use uuid::Uuid;
+
+use crate::events::{DeadLettered, Emit, TaskSucceeded};
+use crate::metrics::Metrics;
+use crate::offsets::Offsets;
+use crate::publish::Publish;
+use crate::retry::{GaveUp, RetryPolicy, retry};
+use crate::task::{Failure, Job, Record};
+
+/// Who a task is, for its completion event: all of it for a decoded task, what could be read for
+/// a record that failed to decode.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TaskIdentity {
+    pub task_id: Option<Uuid>,
+    pub tenant: Option<String>,
+    pub model: Option<String>,
+    pub user: Option<String>,
+}
+
+/// What failed: a decoded task, or a record that never became one.
+pub(crate) enum Failed {
+    Task(Job),
+    Record { record: Record, identity: TaskIdentity },
+}
+
+impl TaskIdentity {
+    fn of(task: &sluice_schemas::TaskRecord) -> TaskIdentity {
+        TaskIdentity {
+            task_id: Some(task.task_id),
+            tenant: Some(task.tenant.clone()),
+            model: Some(task.model.clone()),
+            user: task.user.clone(),
+        }
+    }
+}
+
+impl From<Job> for Failed {
+    fn from(job: Job) -> Failed {
+        Failed::Task(job)
+    }
+}
+
+impl Failed {
+    fn into_parts(self) -> (TaskIdentity, Record) {
+        match self {
+            Failed::Task(job) => (TaskIdentity::of(&job.task), job.record),
+            Failed::Record { record, identity } => (identity, record),
+        }
+    }
+}
+
+/// How a task succeeded.
+pub(crate) struct Success {
+    pub outputs: Vec<OutputRef>,
+    pub timings: Timings,
+    /// Announced again from an earlier attempt's results, not run again.
+    pub duplicate: bool,
+    pub upload: Duration,
+}
+
+/// Publishes outcomes and acknowledges offsets. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Outcomes {
+    inner: Arc<OutcomeSettings>,
+}
+
+/// What [`Outcomes`] works with.
+pub(crate) struct OutcomeSettings {
+    pub offsets: Arc<Offsets>,
+    pub publisher: Arc<dyn Publish>,
+    pub metrics: Metrics,
+    pub worker_id: String,
+    /// Broker retries: until abandoned (the offset is never committed without the record).
+    pub retry: RetryPolicy,
+    /// Fires when the worker gives up on what is in flight (shutdown grace over, fatal error).
+    pub abandon: CancellationToken,
+    /// Failures are published in the background; shutdown waits for them here.
+    pub tasks: TaskTracker,
+}
+
+impl Outcomes {
+    pub(crate) fn new(settings: OutcomeSettings) -> Outcomes {
+        Outcomes { inner: Arc::new(settings) }
+    }
+
+    /// Fails a task or record, in the background: its DLQ record, its failed completion when the
+    /// task is known, then its offset.
+    pub(crate) fn fail(&self, failed: impl Into<Failed>, failure: Failure) {
+        let this = self.clone();
+        let failed = failed.into();
+        self.inner.tasks.spawn(async move { this.fail_now(failed, failure).await });
+    }
+
+    /// Fails a task whose storage operation `doing` was given up: retries exhausted or a
+    /// permanent refusal. Cancelled (shutdown) leaves it unacknowledged.
+    pub(crate) fn gave_up<E: std::fmt::Display>(&self, job: Job, doing: &str, gave_up: GaveUp<E>) {
+        let (reason, error, attempts, first_failed_at) = match gave_up {
+            GaveUp::Cancelled => return,
+            GaveUp::Exhausted {
+                error,
+                attempts,
+                first_failed_at,
+            } => (DlqReason::RetriesExhausted, error, attempts, first_failed_at),
+            GaveUp::Permanent { error, attempts } => (DlqReason::StorageRejected, error, attempts, Utc::now()),
+        };
+        let failure = Failure {
+            reason,
+            message: format!("{doing}: {error}"),
+            details: None,
+            attempts,
+            first_failed_at,
+        };
+        self.fail(job, failure);
+    }
+
+    async fn fail_now(&self, failed: Failed, failure: Failure) {
+        let i = &self.inner;
+        let (identity, record) = failed.into_parts();
+        let sent = retry(i.retry, "publish_dlq", &i.metrics, &i.abandon, || {
+            i.publisher.dead_letter(&record, &failure, identity.task_id)
+        })
+        .await;
+        if sent.is_err() {
+            return; // abandoned: not acknowledged, read again after restart
+        }
+        let task_id = identity.task_id;
+        if task_id.is_some() {
+            let timings = Timings {
+                total_ms: record.received_at.elapsed().as_millis() as u64,
+                ..Timings::default()
+            };
+            let error = CompletionError {
+                reason: failure.reason,
+                message: failure.message.clone(),
+            };
+            let event = self.completion(identity, &record, CompletionStatus::Failed, Vec::new(), timings, Some(error));
+            if !self.publish(&event).await {
+                return;
+            }
+        }
+        DeadLettered {
+            reason: failure.reason,
+            task_id: task_id.map(|t| t.to_string()),
+            message: &failure.message,
+            partition: record.origin.partition,
+            offset: record.origin.offset,
+        }
+        .emit(&i.metrics);
+        i.offsets.ack(&record.origin);
+    }
+
+    /// A task succeeded: publishes its completion and acknowledges it. Returns false when the
+    /// worker gave up first (shutdown): then it stays unacknowledged.
+    pub(crate) async fn succeed(&self, job: &Job, success: Success) -> bool {
+        let Success {
+            outputs,
+            timings,
+            duplicate,
+            upload,
+        } = success;
+        let task_id = job.task.task_id.to_string();
+        let event = self.completion(
+            TaskIdentity::of(&job.task),
+            &job.record,
+            CompletionStatus::Succeeded,
+            outputs,
+            timings,
+            None,
+        );
+        if !self.publish(&event).await {
+            return false;
+        }
+        TaskSucceeded {
+            task_id: &task_id,
+            images: event.outputs.len(),
+            total: Duration::from_millis(timings.total_ms),
+            upload,
+            duplicate,
+        }
+        .emit(&self.inner.metrics);
+        self.inner.offsets.ack(&job.record.origin);
+        true
+    }
+
+    fn completion(
+        &self,
+        identity: TaskIdentity,
+        record: &Record,
+        status: CompletionStatus,
+        outputs: Vec<OutputRef>,
+        timings: Timings,
+        error: Option<CompletionError>,
+    ) -> CompletionEvent {
+        CompletionEvent {
+            version: SCHEMA_VERSION,
+            task_id: identity.task_id.expect("a completion is for a known task"),
+            status,
+            model: identity.model.unwrap_or_default(),
+            tenant: identity.tenant.unwrap_or_default(),
+            user: identity.user,
+            outputs,
+            error,
+            timings,
+            worker_id: self.inner.worker_id.clone(),
+            attempt: record.attempt(),
+            completed_at: Utc::now(),
+            source: record.origin.source_ref(),
+        }
+    }
+
+    /// Publishes until acknowledged; false when abandoned.
+    async fn publish(&self, event: &CompletionEvent) -> bool {
+        let i = &self.inner;
+        retry(i.retry, "publish_completion", &i.metrics, &i.abandon, || {
+            i.publisher.completion(event)
+        })
+        .await
+        .is_ok()
+    }
+}

@@ -1,0 +1,366 @@
+//! The whole worker as library code: [`run`] wires the stages, serves until `shutdown` (or a
+//! fatal reload), drains within the grace period, commits and leaves the group. `main` only
+//! parses the configuration and calls it; tests call it in process with their own models.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::consumer::Consumer;
+use rdkafka::producer::FutureProducer;
+use sluice_service::shutdown;
+use thiserror::Error;
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::adaptive::{Adaptive, BatchSize};
+use crate::batcher::Batcher;
+use crate::config::Config;
+use crate::engine::{Engine, EngineError, Runtime};
+use crate::faults::Faults;
+use crate::http::{self, AppState};
+use crate::metrics::Metrics;
+use crate::models::Registry;
+use crate::offsets::Offsets;
+use crate::outcome::{OutcomeSettings, Outcomes};
+use crate::pipeline::{self, Shared};
+use crate::publish::Publisher;
+use crate::redelivery::ObjectStoreLeases;
+use crate::retry::RetryPolicy;
+use crate::serving::{Health, ReloadOverrides, Serving, ServingError};
+use crate::sink::{Sink, SinkError};
+use crate::source::{self, SourceContext, SourceControl, TaskConsumer};
+
+/// Which models the worker runs, and on what.
+pub enum Models {
+    /// The built-in adapters on ONNX Runtime (`ORT_DYLIB_PATH`, the CPU or CUDA provider).
+    Onnx,
+    /// These adapters; ONNX Runtime is not loaded (tests: a fake backend).
+    Custom(Registry),
+}
+
+/// What can keep the worker from starting. Each says what is wrong and where.
+#[derive(Debug, Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Runtime(#[from] EngineError),
+    #[error("loading models: {0}")]
+    Models(#[from] ServingError),
+    #[error(transparent)]
+    Storage(#[from] SinkError),
+    #[error("{what}: {source}")]
+    Kafka {
+        what: &'static str,
+        source: rdkafka::error::KafkaError,
+    },
+    #[error("binding {addr}: {source}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("SLUICE_TEST_FAULTS: {0}")]
+    Faults(String),
+    #[error("starting the poll thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// How the worker stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Shut down on request, after draining.
+    Clean,
+    /// It could not go on serving (a reload failed for good): the orchestrator should start a
+    /// clean process.
+    Fatal,
+}
+
+impl Exit {
+    pub fn code(self) -> i32 {
+        match self {
+            Exit::Clean => 0,
+            Exit::Fatal => 1,
+        }
+    }
+}
+
+/// Waits for a shutdown step at most `limit`.
+async fn bounded<F: Future>(step: &str, limit: Duration, f: F) {
+    if tokio::time::timeout(limit, f).await.is_err() {
+        tracing::warn!(step, "shutdown step timed out (broker unreachable?); exiting anyway");
+    }
+}
+
+/// Runs a worker until `shutdown` resolves (or a reload fails for good). Everything that can be
+/// wrong with the setup fails here, with a message, before the worker joins the group.
+pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = ()>) -> Result<Exit, StartError> {
+    let worker_id = config.worker_id();
+    let metrics = Metrics::new();
+    let e = &config.engine;
+
+    let (registry, runtime) = match models {
+        Models::Onnx => {
+            let runtime = Arc::new(Runtime::init(&e.device.runtime_options())?);
+            (Registry::builtin(runtime.clone()), Some(runtime))
+        }
+        Models::Custom(registry) => (registry, None),
+    };
+    let faults = Arc::new(Faults::parse(&config.test_faults).map_err(StartError::Faults)?);
+    let registry = if faults.is_empty() {
+        registry
+    } else {
+        tracing::warn!(?faults, "test fault injection is on (SLUICE_TEST_FAULTS): never in production");
+        registry.map(|adapter| faults.inject(adapter))
+    };
+    let engine = Engine::start(e.engine_slots);
+    let (health_tx, health_rx) = watch::channel(Health::default());
+    let serving = Arc::new(
+        Serving::start(
+            engine.clone(),
+            runtime,
+            &registry,
+            &e.model_dir,
+            &e.models,
+            e.device.session_options(),
+            metrics.clone(),
+            health_tx.clone(),
+            e.reload_min_free_bytes,
+        )
+        .await?,
+    );
+    let sink = Sink::from_url(&config.storage.output_url)?.with_concurrency(config.storage.storage_concurrency);
+
+    let k = &config.kafka;
+    let kafka = |what: &'static str| move |source| StartError::Kafka { what, source };
+    let producer: FutureProducer = k
+        .client
+        .producer_config(&worker_id, 30_000, 20)
+        .create()
+        .map_err(kafka("creating the Kafka producer"))?;
+    let offsets = Arc::new(Offsets::new());
+    let d = &config.delivery;
+    let context = SourceContext::new(offsets.clone(), metrics.clone(), d.drain_timeout(), k.tasks_topic.clone());
+    let max_poll_interval = (d.drain_timeout().as_millis() as u64 + 20_000).max(30_000).to_string();
+    let mut consumer_settings = vec![
+        ("group.id", k.group_id.as_str()),
+        ("client.id", worker_id.as_str()),
+        ("enable.auto.commit", "false"),
+        ("enable.auto.offset.store", "false"),
+        ("auto.offset.reset", "earliest"),
+        ("partition.assignment.strategy", "cooperative-sticky"),
+        ("session.timeout.ms", "10000"),
+        ("heartbeat.interval.ms", "1000"),
+        // The poll thread never waits on inference or storage; the longest it blocks is a
+        // revoke's drain plus its commit. This is also how long a rebalance waits for members
+        // that are gone, so keep it short: with 300 s a group on the local broker stalled for
+        // minutes after a member was killed mid-rebalance.
+        ("max.poll.interval.ms", &max_poll_interval),
+        // Long-poll fetches: with a 10 ms wait an idle worker and tansu burn most of a core each
+        // in fetch round trips; 100 ms costs ~50 ms of pickup latency and nothing at idle.
+        ("fetch.wait.max.ms", "100"),
+        ("statistics.interval.ms", "5000"),
+        // librdkafka prefetches up to 64 MB per partition by default; the worker bounds its own
+        // queue (SLUICE_MAX_IN_FLIGHT), so a smaller prefetch bounds memory under floods of
+        // large records without slowing steady consumption.
+        ("queued.max.messages.kbytes", "16384"),
+    ];
+    if let Some(instance) = &k.group_instance_id {
+        consumer_settings.push(("group.instance.id", instance.as_str()));
+    }
+    let consumer: Arc<TaskConsumer> = Arc::new(
+        k.client
+            .config(&consumer_settings)
+            .create_with_context(context)
+            .map_err(kafka("creating the Kafka consumer"))?,
+    );
+    consumer
+        .subscribe(&[k.tasks_topic.as_str()])
+        .map_err(kafka("subscribing to the tasks topic"))?;
+
+    let fatal = CancellationToken::new();
+    let app = Arc::new(AppState {
+        metrics: metrics.clone(),
+        health: health_rx,
+        serving: serving.clone(),
+        admin_token: config.admin_token.clone().filter(|t| !t.is_empty()),
+        fatal: fatal.clone(),
+        offsets: offsets.clone(),
+    });
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    tracing::info!(listen = %config.listen, worker_id, models = ?serving.names(), "worker started");
+    let server_stop = CancellationToken::new();
+    let server = {
+        let stop = server_stop.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, http::router(app))
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+        })
+    };
+
+    let b = &config.batching;
+    let limits = BatchSize {
+        max_tasks: b.max_batch,
+        max_rows: b.max_batch_rows,
+    };
+    let adaptive = Arc::new(Adaptive::new(
+        engine.clone(),
+        limits,
+        b.probe_after,
+        !b.no_serialize_singles,
+        metrics.clone(),
+    ));
+    let abandon = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    let outcomes = Outcomes::new(OutcomeSettings {
+        offsets: offsets.clone(),
+        publisher: Arc::new(Publisher::new(
+            producer.clone(),
+            k.completions_topic.clone(),
+            k.dlq_topic.clone(),
+            worker_id.clone(),
+        )),
+        metrics: metrics.clone(),
+        worker_id: worker_id.clone(),
+        retry: RetryPolicy::forever(Duration::from_millis(d.retry_base_delay_ms)),
+        abandon: abandon.clone(),
+        tasks: tasks.clone(),
+    });
+    let shared = Arc::new(Shared {
+        offsets: offsets.clone(),
+        outcomes,
+        redelivery: Arc::new(ObjectStoreLeases::new(sink.clone(), k.group_id.clone(), d.lease_span)),
+        sink,
+        serving: serving.clone(),
+        adaptive: adaptive.clone(),
+        metrics: metrics.clone(),
+        worker_id: worker_id.clone(),
+        max_task_bytes: k.max_task_bytes,
+        storage_retry: RetryPolicy {
+            max_attempts: d.retry_max_attempts,
+            max_elapsed: Duration::from_millis(d.retry_max_elapsed_ms),
+            base_delay: Duration::from_millis(d.retry_base_delay_ms),
+            max_delay: Duration::from_secs(10),
+        },
+        abandon: abandon.clone(),
+        finishing: Semaphore::new(config.storage.storage_concurrency.max(1) * 2),
+        tasks,
+    });
+
+    // The stages.
+    let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * 2 + 16);
+    let (job_tx, job_rx) = mpsc::channel(d.max_in_flight + 16);
+    let (batcher, requests) = Batcher::new(job_rx, adaptive.clone(), Duration::from_millis(b.max_wait_ms));
+    let control = SourceControl {
+        stop_reading: CancellationToken::new(),
+        close: CancellationToken::new(),
+    };
+    let poll_thread = {
+        let (consumer, offsets, control, metrics) = (consumer.clone(), offsets.clone(), control.clone(), metrics.clone());
+        let max = d.max_in_flight;
+        std::thread::Builder::new()
+            .name("sluice-source".into())
+            .spawn(move || source::poll_loop(consumer, offsets, record_tx, control, max, metrics))
+            .map_err(StartError::Thread)?
+    };
+    let stages = [
+        tokio::spawn(pipeline::decode(record_rx, job_tx, shared.clone())),
+        tokio::spawn(batcher.run()),
+        tokio::spawn(pipeline::engine(requests, shared.clone(), engine.slots() + 1)),
+    ];
+    let committer = tokio::spawn(source::commit_loop(
+        consumer.clone(),
+        offsets.clone(),
+        d.commit_interval(),
+        metrics.clone(),
+        control.close.clone(),
+    ));
+    let gauges_stop = CancellationToken::new();
+    tokio::spawn(pipeline::gauges(shared.clone(), gauges_stop.clone()));
+    health_tx.send_modify(|h| h.consuming = true);
+
+    // SIGHUP reloads every model.
+    let hangups = {
+        let (serving, fatal) = (serving.clone(), fatal.clone());
+        let mut hangups = shutdown::hangups();
+        tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                tracing::info!("SIGHUP: reloading models");
+                if let Err(e) = serving.reload(None, ReloadOverrides::default()).await {
+                    tracing::error!(error = %e, "reload failed; the worker cannot serve and exits");
+                    fatal.cancel();
+                }
+            }
+        })
+    };
+
+    let exit = tokio::select! {
+        _ = shutdown => Exit::Clean,
+        _ = fatal.cancelled() => Exit::Fatal,
+    };
+    hangups.abort();
+
+    // Drain: stop reading, let every stage finish what it holds, within the grace period.
+    health_tx.send_modify(|h| h.shutting_down = true);
+    control.stop_reading.cancel();
+    let grace = if exit == Exit::Clean {
+        d.shutdown_grace()
+    } else {
+        Duration::from_secs(2)
+    };
+    let drained = tokio::time::timeout(grace, async {
+        for stage in stages {
+            let _ = stage.await;
+        }
+        shared.tasks.close();
+        shared.tasks.wait().await;
+    })
+    .await
+    .is_ok();
+    if !drained {
+        tracing::warn!(
+            in_flight = offsets.in_flight(),
+            "grace period over; abandoning unfinished tasks (they will be read again)"
+        );
+        abandon.cancel();
+        shared.tasks.close();
+        let _ = tokio::time::timeout(Duration::from_secs(2), shared.tasks.wait()).await;
+    }
+    // Commit what finished and leave the group. Every step is bounded: with the broker gone a
+    // commit can block indefinitely, and the worker must still exit.
+    control.close.cancel();
+    let final_commit = {
+        let (c, o, m) = (consumer.clone(), offsets.clone(), metrics.clone());
+        tokio::task::spawn_blocking(move || source::commit_now(&c, &o, &m))
+    };
+    bounded("final commit", Duration::from_secs(10), final_commit).await;
+    bounded("committer", Duration::from_secs(2), committer).await;
+    bounded(
+        "leaving the group",
+        Duration::from_secs(10),
+        tokio::task::spawn_blocking(move || poll_thread.join()),
+    )
+    .await;
+    gauges_stop.cancel();
+    server_stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    tracing::info!(
+        drained,
+        in_flight_left = offsets.in_flight(),
+        exit_code = exit.code(),
+        "worker stopped"
+    );
+    // Dropping the Kafka clients runs librdkafka's destructors, which wait on the broker:
+    // everything that had to be acknowledged already was, so let them go on a thread of their own
+    // rather than hold up the exit.
+    drop(shared);
+    let _ = std::thread::Builder::new()
+        .name("sluice-kafka-drop".into())
+        .spawn(move || drop((consumer, producer)));
+    Ok(exit)
+}
