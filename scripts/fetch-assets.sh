@@ -81,6 +81,19 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import onnx" 2>/dev/n
   "$VENV/bin/python" -m pip install --quiet "onnx==$ONNX_PY_VERSION" "numpy==2.2.6"
 fi
 
+# The tiny random-weight Stable Diffusion models (integration-tests/fixtures/sd-tiny.tar.xz, made
+# by scripts/sd-reference/generate.sh): sd-tiny, sd-tiny-lcm, sd-tiny-external. Unpacked once per
+# version of the fixture.
+SD_FIXTURE="$(cd "$(dirname "$0")/.." && pwd)/integration-tests/fixtures/sd-tiny.tar.xz"
+SD_SHA=$(sha256sum "$SD_FIXTURE" | cut -c1-16)
+SD_DIR="$CACHE/models/sd-tiny-$SD_SHA"
+if [ ! -f "$SD_DIR/sd-tiny/unet/model.onnx" ]; then
+  rm -rf "$SD_DIR.partial" && mkdir -p "$SD_DIR.partial"
+  tar -xJf "$SD_FIXTURE" -C "$SD_DIR.partial"
+  rm -rf "$SD_DIR" && mv "$SD_DIR.partial" "$SD_DIR"
+fi
+
 echo "export ORT_DYLIB_PATH=$ORT_LIB"
 echo "export SLUICE_TERRAIN_MODEL=$MODEL_DIR/model.onnx"
 echo "export SLUICE_ONNX_PYTHON=$VENV/bin/python"
+echo "export SLUICE_SD_TINY=$SD_DIR"

@@ -50,3 +50,31 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(bytes))
 }
+
+/// Decodes an 8-bit PNG to its samples (RGB interleaved for RGB images).
+pub fn png_pixels(bytes: &[u8]) -> anyhow::Result<(u32, u32, Vec<u8>)> {
+    let mut reader = png::Decoder::new(std::io::Cursor::new(bytes)).read_info()?;
+    let mut buf = vec![0; reader.output_buffer_size().ok_or_else(|| anyhow::anyhow!("image too large"))?];
+    let info = reader.next_frame(&mut buf)?;
+    buf.truncate(info.buffer_size());
+    Ok((info.width, info.height, buf))
+}
+
+/// The runtime assets (`scripts/fetch-assets.sh`, idempotent): `ORT_DYLIB_PATH`,
+/// `SLUICE_SD_TINY` (the tiny Stable Diffusion models), ….
+pub fn assets() -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    static ASSETS: std::sync::OnceLock<std::collections::BTreeMap<String, String>> = std::sync::OnceLock::new();
+    if let Some(a) = ASSETS.get() {
+        return Ok(a.clone());
+    }
+    let out = std::process::Command::new(stack::repo_root().join("scripts/fetch-assets.sh")).output()?;
+    if !out.status.success() {
+        anyhow::bail!("fetch-assets.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let map = String::from_utf8(out.stdout)?
+        .lines()
+        .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    Ok(ASSETS.get_or_init(|| map).clone())
+}

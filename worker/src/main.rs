@@ -1,12 +1,28 @@
 //! `sluice-worker`: see the crate documentation.
 
+mod generate;
+
 use clap::Parser;
 use sluice_service::{shutdown, telemetry};
 use sluice_worker::config::Config;
 use sluice_worker::{Models, run};
 
+fn main() {
+    // `sluice-worker generate ...`: one run from the command line; anything else is the worker.
+    if std::env::args().nth(1).as_deref() == Some("generate") {
+        let args = generate::GenerateArgs::parse_from(std::env::args().skip(1));
+        telemetry::init(sluice_service::telemetry::LogFormat::Text);
+        if let Err(e) = generate::run(args) {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    serve();
+}
+
 #[tokio::main]
-async fn main() {
+async fn serve() {
     let config = Config::parse();
     telemetry::init(config.log_format);
     let code = match run(config, Models::Onnx, shutdown::terminated()).await {

@@ -1,6 +1,7 @@
 //! Model adapters: "task parameters → input tensors → images" for each kind of model. The engine
 //! and the batcher don't know which model runs; an adapter knows nothing of Kafka.
 
+pub mod diffusion;
 pub(crate) mod noise;
 pub mod terrain;
 

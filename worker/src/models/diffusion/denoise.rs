@@ -1,0 +1,372 @@
+//! The Stable Diffusion backend: text encoder, the UNet loop and the VAE decoder, three ONNX
+//! Runtime sessions on one engine thread.
+//!
+//! One call is one bucket (same size, sampler, steps and guidance mode), `rows` = images. Inputs
+//! per image row: `cond_ids` and (with classifier-free guidance) `uncond_ids` [n, 77] int64,
+//! `latents` [n, c, h/8, w/8] standard normal, `noise` [n, draws, c, h/8, w/8] (ancestral and
+//! LCM samplers), `guidance` [n]. Outputs: `images` [n, 3, H, W] in [0, 1], `latents` (the final,
+//! unscaled latents) and `cancelled` [n] (1 for images of a task cancelled mid-loop).
+//!
+//! Every stage can run out of memory; the error goes back to the adaptive batcher, which halves
+//! the batch. The VAE decode, the classic high-resolution OOM, first falls back to one image at a
+//! time inside the call, so a batch whose UNet fits is not thrown away for its decode.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::layout::SdLayout;
+use super::request::SdBucket;
+use super::schedulers::{ImageState, Schedule};
+use crate::engine::{Backend, Call, ElementKind, EngineError, InputInfo, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
+
+/// How the UNet wants its timestep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TimestepFeed {
+    /// f32 or f64-free scalar `[]` (Optimum's export).
+    ScalarF32,
+    /// f32 `[1]` or `[batch]`.
+    VectorF32 { per_row: bool },
+    /// int64 `[]`, `[1]` or `[batch]` (older exports).
+    I64 { rank: usize, per_row: bool },
+}
+
+impl TimestepFeed {
+    fn of(inputs: &[InputInfo]) -> Result<TimestepFeed, EngineError> {
+        let t = inputs
+            .iter()
+            .find(|i| i.name == "timestep")
+            .ok_or_else(|| EngineError::Load("unet/model.onnx has no `timestep` input".into()))?;
+        let per_row = t.shape.first().is_some_and(|&d| d != 1);
+        match (t.kind, t.shape.len()) {
+            (ElementKind::F32, 0) => Ok(TimestepFeed::ScalarF32),
+            (ElementKind::F32, 1) => Ok(TimestepFeed::VectorF32 { per_row }),
+            (ElementKind::I64, rank @ (0 | 1)) => Ok(TimestepFeed::I64 { rank, per_row }),
+            (kind, rank) => Err(EngineError::Load(format!(
+                "unet/model.onnx: timestep of type {kind:?} and rank {rank} is not supported (float32 or int64, rank 0 or 1)"
+            ))),
+        }
+    }
+
+    fn tensor(self, t: f32, batch: usize) -> Tensor {
+        match self {
+            TimestepFeed::ScalarF32 => Tensor::f32("timestep", vec![], vec![t]),
+            TimestepFeed::VectorF32 { per_row } => {
+                let n = if per_row { batch } else { 1 };
+                Tensor::f32("timestep", vec![n], vec![t; n])
+            }
+            TimestepFeed::I64 { rank, per_row } => {
+                let n = if per_row { batch } else { 1 };
+                let shape = if rank == 0 { vec![] } else { vec![n] };
+                Tensor::i64("timestep", shape, vec![t as i64; if rank == 0 { 1 } else { n }])
+            }
+        }
+    }
+}
+
+/// The three sessions of a model, loaded on one engine thread.
+pub struct SdBackend {
+    layout: Arc<SdLayout>,
+    text_encoder: OrtBackend,
+    unet: OrtBackend,
+    vae_decoder: OrtBackend,
+    timestep: TimestepFeed,
+    schedules: HashMap<SdBucket, Arc<Schedule>>,
+}
+
+impl SdBackend {
+    pub fn load(
+        runtime: &Runtime,
+        layout: Arc<SdLayout>,
+        dir: &std::path::Path,
+        options: &SessionOptions,
+    ) -> Result<SdBackend, EngineError> {
+        let text_encoder = OrtBackend::load(runtime, &dir.join("text_encoder/model.onnx"), options)?;
+        let unet = OrtBackend::load(runtime, &dir.join("unet/model.onnx"), options)?;
+        let vae_decoder = OrtBackend::load(runtime, &dir.join("vae_decoder/model.onnx"), options)?;
+        let unet_inputs = unet.inputs();
+        let timestep = TimestepFeed::of(&unet_inputs)?;
+        let has_cond = unet_inputs.iter().any(|i| i.name == "timestep_cond");
+        if has_cond != layout.time_cond_dim.is_some() {
+            return Err(EngineError::Load(format!(
+                "unet: config.json time_cond_proj_dim is {:?} but the ONNX model {} a `timestep_cond` input",
+                layout.time_cond_dim,
+                if has_cond { "has" } else { "has no" }
+            )));
+        }
+        Ok(SdBackend {
+            layout,
+            text_encoder,
+            unet,
+            vae_decoder,
+            timestep,
+            schedules: HashMap::new(),
+        })
+    }
+
+    fn schedule(&mut self, bucket: &SdBucket) -> Result<Arc<Schedule>, EngineError> {
+        if let Some(s) = self.schedules.get(bucket) {
+            return Ok(s.clone());
+        }
+        let schedule =
+            Arc::new(Schedule::new(bucket.sampler, &self.layout.scheduler, bucket.steps).map_err(|e| EngineError::Run(e.to_string()))?);
+        self.schedules.insert(bucket.clone(), schedule.clone());
+        Ok(schedule)
+    }
+
+    /// `last_hidden_state` of every row of `ids` [n, seq], encoding each distinct prompt once.
+    fn encode(&mut self, ids: &Tensor) -> Result<Vec<f32>, EngineError> {
+        let seq = ids.shape[1];
+        let rows = ids.rows();
+        let mut distinct: Vec<&[i64]> = Vec::new();
+        let mut index = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let row = ids
+                .i64_rows(r, r + 1)
+                .ok_or_else(|| EngineError::Run("token ids must be int64".into()))?;
+            let at = distinct.iter().position(|d| *d == row).unwrap_or_else(|| {
+                distinct.push(row);
+                distinct.len() - 1
+            });
+            index.push(at);
+        }
+        let batch = Tensor::i64("input_ids", vec![distinct.len(), seq], distinct.concat());
+        let out = self.text_encoder.run_tensors(&[batch])?;
+        let hidden = out
+            .iter()
+            .find(|t| t.name == "last_hidden_state")
+            .ok_or_else(|| EngineError::Run("text_encoder has no last_hidden_state output".into()))?;
+        let per = hidden.shape[1..].iter().product::<usize>();
+        Ok(index
+            .iter()
+            .flat_map(|&i| hidden.f32_rows(i, i + 1).expect("float32").iter().copied())
+            .collect::<Vec<f32>>()
+            .chunks(per)
+            .flatten()
+            .copied()
+            .collect())
+    }
+
+    /// Decodes unscaled latents [n, ...] to images in [0, 1]; one image at a time when the
+    /// whole batch runs out of memory.
+    fn decode(&mut self, latents: &[f32], shape: &[usize]) -> Result<Vec<f32>, EngineError> {
+        let scale = 1.0 / self.layout.scaling_factor;
+        let scaled: Vec<f32> = latents.iter().map(|v| v * scale).collect();
+        let n = shape[0];
+        let run = |vae: &mut OrtBackend, data: Vec<f32>, rows: usize| -> Result<Vec<f32>, EngineError> {
+            let mut s = shape.to_vec();
+            s[0] = rows;
+            let out = vae.run_tensors(&[Tensor::f32("latent_sample", s, data)])?;
+            let sample = out
+                .into_iter()
+                .next()
+                .ok_or_else(|| EngineError::Run("vae_decoder has no output".into()))?;
+            match sample.data {
+                crate::engine::TensorData::F32(v) => Ok(v.into_iter().map(|x| (x / 2.0 + 0.5).clamp(0.0, 1.0)).collect()),
+                crate::engine::TensorData::I64(_) => Err(EngineError::Run("vae_decoder output is not float32".into())),
+            }
+        };
+        match run(&mut self.vae_decoder, scaled.clone(), n) {
+            Err(EngineError::OutOfMemory(message)) if n > 1 => {
+                tracing::warn!(images = n, error = %message, "VAE decode ran out of memory; decoding one image at a time");
+                self.vae_decoder.release_memory();
+                let per = scaled.len() / n;
+                let mut images = Vec::new();
+                for chunk in scaled.chunks(per) {
+                    images.extend(run(&mut self.vae_decoder, chunk.to_vec(), 1)?);
+                }
+                Ok(images)
+            }
+            other => other,
+        }
+    }
+}
+
+fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, EngineError> {
+    call.inputs
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| EngineError::Run(format!("stable diffusion call without `{name}`")))
+}
+
+fn floats(t: &Tensor) -> Result<&[f32], EngineError> {
+    t.f32_rows(0, t.rows())
+        .ok_or_else(|| EngineError::Run(format!("`{}` must be float32", t.name)))
+}
+
+/// `get_guidance_scale_embedding(w, dim)` of diffusers' LCM pipeline: sin then cos of
+/// `w * 1000 * exp(-ln(10000) k / (dim/2 - 1))`.
+pub fn guidance_embedding(w: f32, dim: usize) -> Vec<f32> {
+    let w = w * 1000.0;
+    let half = dim / 2;
+    let factor = -(10000f32.ln()) / (half as f32 - 1.0);
+    let freqs: Vec<f32> = (0..half).map(|k| (k as f32 * factor).exp()).collect();
+    let mut emb: Vec<f32> = freqs.iter().map(|f| (w * f).sin()).collect();
+    emb.extend(freqs.iter().map(|f| (w * f).cos()));
+    emb.resize(dim, 0.0);
+    emb
+}
+
+impl Backend for SdBackend {
+    fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
+        let bucket = SdBucket::parse(&call.key).map_err(EngineError::Run)?;
+        let schedule = self.schedule(&bucket)?;
+        let latents_in = input(call, "latents")?;
+        let n = latents_in.rows();
+        let latent_shape = latents_in.shape.clone();
+        let per_image: usize = latent_shape[1..].iter().product();
+        let guidance = floats(input(call, "guidance")?)?.to_vec();
+
+        // Text: [uncond..., cond...] hidden states per image row.
+        let cond = self.encode(input(call, "cond_ids")?)?;
+        let hidden_per_row = cond.len() / n;
+        let seq = input(call, "cond_ids")?.shape[1];
+        let uncond = if bucket.cfg {
+            Some(self.encode(input(call, "uncond_ids")?)?)
+        } else {
+            None
+        };
+        let noise = if schedule.noise_draws() > 0 {
+            Some(floats(input(call, "noise")?)?)
+        } else {
+            None
+        };
+        let draws = schedule.noise_draws();
+
+        let mut latents: Vec<f32> = floats(latents_in)?.iter().map(|v| v * schedule.init_noise_sigma()).collect();
+        let mut states = vec![ImageState::default(); n];
+        // Which rows belong to which task, and which tasks are still running.
+        let owner: Vec<usize> = call
+            .tasks
+            .iter()
+            .enumerate()
+            .flat_map(|(t, task)| std::iter::repeat_n(t, task.rows))
+            .collect();
+        if owner.len() != n {
+            return Err(EngineError::Run(format!("tasks own {} rows, the call has {n}", owner.len())));
+        }
+        let mut cancelled = vec![false; call.tasks.len()];
+        let time_cond: Option<Vec<f32>> = self
+            .layout
+            .time_cond_dim
+            .map(|dim| guidance.iter().flat_map(|&g| guidance_embedding(g - 1.0, dim)).collect());
+        let steps = schedule.timesteps().len();
+        let mut draw = 0;
+        for (i, &t) in schedule.timesteps().iter().enumerate() {
+            for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
+                if !cancelled[task] && hooks.cancelled() {
+                    cancelled[task] = true;
+                }
+            }
+            let active: Vec<usize> = (0..n).filter(|&r| !cancelled[owner[r]]).collect();
+            if active.is_empty() {
+                break;
+            }
+            let b = active.len();
+            let mut sample = Vec::with_capacity(b * per_image);
+            for &r in &active {
+                let mut x = latents[r * per_image..(r + 1) * per_image].to_vec();
+                schedule.scale_model_input(i, &mut x).map_err(|e| EngineError::Run(e.to_string()))?;
+                sample.extend(x);
+            }
+            let mut hidden = Vec::new();
+            let mut rows = b;
+            if let Some(uncond) = &uncond {
+                for &r in &active {
+                    hidden.extend_from_slice(&uncond[r * hidden_per_row..(r + 1) * hidden_per_row]);
+                }
+                sample = [sample.clone(), sample].concat();
+                rows = 2 * b;
+            }
+            for &r in &active {
+                hidden.extend_from_slice(&cond[r * hidden_per_row..(r + 1) * hidden_per_row]);
+            }
+            let mut shape = latent_shape.clone();
+            shape[0] = rows;
+            let mut inputs = vec![
+                Tensor::f32("sample", shape, sample),
+                self.timestep.tensor(t, rows),
+                Tensor::f32("encoder_hidden_states", vec![rows, seq, hidden_per_row / seq], hidden),
+            ];
+            if let (Some(tc), Some(dim)) = (&time_cond, self.layout.time_cond_dim) {
+                let rows_tc: Vec<f32> = active.iter().flat_map(|&r| tc[r * dim..(r + 1) * dim].iter().copied()).collect();
+                let rows_tc = if uncond.is_some() {
+                    [rows_tc.clone(), rows_tc].concat()
+                } else {
+                    rows_tc
+                };
+                inputs.push(Tensor::f32("timestep_cond", vec![rows, dim], rows_tc));
+            }
+            let out = self.unet.run_tensors(&inputs)?;
+            let pred = out
+                .iter()
+                .find(|t| t.name == "out_sample")
+                .or(out.first())
+                .and_then(|t| t.f32_rows(0, rows))
+                .ok_or_else(|| EngineError::Run("unet output is not float32".into()))?;
+            let draws_now = schedule.draws_noise(i);
+            for (k, &r) in active.iter().enumerate() {
+                let model_output: Vec<f32> = if uncond.is_some() {
+                    let (u, c) = (
+                        &pred[k * per_image..(k + 1) * per_image],
+                        &pred[(b + k) * per_image..(b + k + 1) * per_image],
+                    );
+                    let g = guidance[r];
+                    u.iter().zip(c).map(|(u, c)| u + g * (c - u)).collect()
+                } else {
+                    pred[k * per_image..(k + 1) * per_image].to_vec()
+                };
+                let step_noise = match (draws_now, noise) {
+                    (true, Some(noise)) => Some(&noise[(r * draws + draw) * per_image..(r * draws + draw + 1) * per_image]),
+                    _ => None,
+                };
+                schedule
+                    .step(
+                        i,
+                        &model_output,
+                        &mut latents[r * per_image..(r + 1) * per_image],
+                        step_noise,
+                        &mut states[r],
+                    )
+                    .map_err(|e| EngineError::Run(e.to_string()))?;
+            }
+            if draws_now {
+                draw += 1;
+            }
+            for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
+                if !cancelled[task] {
+                    hooks.progress(i + 1, steps);
+                }
+            }
+        }
+
+        let images = self.decode(&latents, &latent_shape)?;
+        let image_shape = [
+            n,
+            3,
+            latent_shape[2] * self.layout.vae_scale,
+            latent_shape[3] * self.layout.vae_scale,
+        ];
+        if images.len() != image_shape.iter().product::<usize>() {
+            return Err(EngineError::Run(format!(
+                "vae_decoder gave {} values for images of shape {image_shape:?}",
+                images.len()
+            )));
+        }
+        let cancelled_rows: Vec<f32> = owner.iter().map(|&t| if cancelled[t] { 1.0 } else { 0.0 }).collect();
+        Ok(vec![
+            Tensor::f32("images", image_shape.to_vec(), images),
+            Tensor::f32("latents", latent_shape, latents),
+            Tensor::f32("cancelled", vec![n], cancelled_rows),
+        ])
+    }
+
+    fn release_memory(&mut self) {
+        self.text_encoder.release_memory();
+        self.unet.release_memory();
+        self.vae_decoder.release_memory();
+    }
+
+    fn placement(&self) -> Placement {
+        self.unet.placement()
+    }
+}

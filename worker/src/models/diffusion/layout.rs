@@ -1,0 +1,105 @@
+//! A Stable Diffusion model directory in the Optimum ONNX layout (what `optimum-cli export onnx
+//! --task text-to-image` writes), read without loading any session:
+//!
+//! ```text
+//! model_index.json
+//! scheduler/scheduler_config.json
+//! tokenizer/{vocab.json, merges.txt, tokenizer_config.json}
+//! text_encoder/model.onnx          (+ model.onnx_data when exported with external data)
+//! unet/{model.onnx, config.json}   (+ model.onnx_data)
+//! vae_decoder/{model.onnx, config.json}
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+use super::schedulers::{ScheduleError, SchedulerConfig};
+use super::tokenizer::{ClipTokenizer, TokenizerError};
+
+/// Files a Stable Diffusion directory must have, relative to it.
+pub const REQUIRED_FILES: [&str; 9] = [
+    "scheduler/scheduler_config.json",
+    "tokenizer/vocab.json",
+    "tokenizer/merges.txt",
+    "tokenizer/tokenizer_config.json",
+    "text_encoder/model.onnx",
+    "unet/model.onnx",
+    "unet/config.json",
+    "vae_decoder/model.onnx",
+    "vae_decoder/config.json",
+];
+
+#[derive(Debug, Error)]
+pub enum LayoutError {
+    #[error("{dir}: {file} is missing (expected the Optimum ONNX layout: optimum-cli export onnx --task text-to-image)")]
+    Missing { dir: String, file: String },
+    #[error("{file}: {reason}")]
+    Config { file: String, reason: String },
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Scheduler(#[from] ScheduleError),
+}
+
+/// What the CPU side of the pipeline needs from a model directory.
+pub struct SdLayout {
+    pub dir: PathBuf,
+    pub tokenizer: ClipTokenizer,
+    pub scheduler: SchedulerConfig,
+    /// `vae_decoder/config.json` `scaling_factor` (0.18215 for SD 1.x/2.x).
+    pub scaling_factor: f32,
+    /// Pixels per latent along each axis: 2^(VAE blocks - 1), 8 for every SD.
+    pub vae_scale: usize,
+    pub latent_channels: usize,
+    /// `time_cond_proj_dim` of a guidance-distilled (LCM) UNet: guidance goes in as an
+    /// embedding and classifier-free guidance is off.
+    pub time_cond_dim: Option<usize>,
+}
+
+impl SdLayout {
+    /// Checks every required file and reads the configs and the tokenizer.
+    pub fn open(dir: &Path) -> Result<SdLayout, LayoutError> {
+        for file in REQUIRED_FILES {
+            if !dir.join(file).is_file() {
+                return Err(LayoutError::Missing {
+                    dir: dir.display().to_string(),
+                    file: file.to_owned(),
+                });
+            }
+        }
+        let json = |file: &str| -> Result<serde_json::Value, LayoutError> {
+            let path = dir.join(file);
+            std::fs::read_to_string(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+                .map_err(|reason| LayoutError::Config {
+                    file: path.display().to_string(),
+                    reason,
+                })
+        };
+        let scheduler_text = std::fs::read_to_string(dir.join("scheduler/scheduler_config.json")).map_err(|e| LayoutError::Config {
+            file: "scheduler/scheduler_config.json".into(),
+            reason: e.to_string(),
+        })?;
+        let scheduler = SchedulerConfig::from_json(&scheduler_text)?;
+        let vae = json("vae_decoder/config.json")?;
+        let unet = json("unet/config.json")?;
+        let scaling_factor = vae["scaling_factor"].as_f64().unwrap_or(0.18215) as f32;
+        let vae_blocks = vae["block_out_channels"].as_array().map_or(4, |b| b.len());
+        let latent_channels = vae["latent_channels"]
+            .as_u64()
+            .or_else(|| unet["in_channels"].as_u64())
+            .unwrap_or(4) as usize;
+        let time_cond_dim = unet["time_cond_proj_dim"].as_u64().map(|d| d as usize);
+        Ok(SdLayout {
+            dir: dir.to_owned(),
+            tokenizer: ClipTokenizer::load(&dir.join("tokenizer"))?,
+            scheduler,
+            scaling_factor,
+            vae_scale: 1 << vae_blocks.saturating_sub(1),
+            latent_channels,
+            time_cond_dim,
+        })
+    }
+}

@@ -1,0 +1,129 @@
+//! Stable Diffusion (1.x, 2.x, SD-Turbo, LCM) from an Optimum ONNX export: CLIP tokenizer and
+//! text encoder, a UNet loop under one of the [`schedulers`], the VAE decoder.
+//!
+//! The pieces are split so that SDXL can reuse them: [`layout`] reads a model directory,
+//! [`request`] turns a task into inputs and outputs into PNGs, [`denoise`] runs the sessions.
+
+pub mod denoise;
+pub mod layout;
+pub mod npy;
+pub mod request;
+pub mod schedulers;
+pub mod tokenizer;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use sluice_schemas::TaskRecord;
+
+use self::denoise::SdBackend;
+use self::layout::{LayoutError, SdLayout};
+use self::request::{SdRender, SdRequest};
+use self::schedulers::Sampler;
+use super::{Bucket, ModelAdapter, Prepared};
+use crate::engine::{Backend, EngineError, Runtime, SessionOptions};
+
+/// The `kind` of Stable Diffusion models in the catalog.
+pub const KIND: &str = "stable-diffusion";
+
+/// A Stable Diffusion model served under `name`.
+pub struct StableDiffusion {
+    name: String,
+    runtime: Arc<Runtime>,
+    layout: Arc<SdLayout>,
+}
+
+impl StableDiffusion {
+    /// Reads the model directory (configs and tokenizer; sessions load on the engine threads).
+    pub fn open(runtime: Arc<Runtime>, name: &str, dir: &Path) -> Result<StableDiffusion, LayoutError> {
+        Ok(StableDiffusion {
+            name: name.to_owned(),
+            runtime,
+            layout: Arc::new(SdLayout::open(dir)?),
+        })
+    }
+
+    pub fn layout(&self) -> &SdLayout {
+        &self.layout
+    }
+
+    /// The request a task record asks for.
+    pub fn request(task: &TaskRecord) -> Result<SdRequest, String> {
+        let r = &task.request;
+        Ok(SdRequest {
+            prompt: r.prompt.clone(),
+            negative_prompt: r.negative_prompt.clone(),
+            steps: r.steps as usize,
+            guidance_scale: r.guidance_scale as f32,
+            sampler: Sampler::parse(&r.sampler).ok_or_else(|| format!("sampler {:?} is not one of {}", r.sampler, sampler_names()))?,
+            width: r.width as usize,
+            height: r.height as usize,
+            num_images: r.num_images as usize,
+            seed: r.seed,
+        })
+    }
+
+    /// The inputs of `request` from the given standard-normal latents and noise (seeded ones
+    /// when `None`), and the call's bucket.
+    pub fn prepare_request(&self, request: &SdRequest, noise: Option<(Vec<f32>, Vec<f32>)>) -> Result<(Bucket, Prepared), String> {
+        let schedule = request.check(&self.layout)?;
+        let draws = schedule.noise_draws();
+        let (latents, noise) = noise.unwrap_or_else(|| request.seeded_noise(&self.layout, draws));
+        let inputs = request.inputs(&self.layout, latents, noise, draws)?;
+        let bucket = Bucket {
+            model: self.name.clone(),
+            key: request.bucket(&self.layout).key(),
+            rows_per_task: request.num_images,
+        };
+        let prepared = Prepared {
+            inputs,
+            rows: request.num_images,
+            render: Box::new(SdRender {
+                width: request.width,
+                height: request.height,
+            }),
+        };
+        Ok((bucket, prepared))
+    }
+}
+
+/// Every sampler name, for messages.
+pub fn sampler_names() -> String {
+    Sampler::ALL.map(Sampler::name).join(", ")
+}
+
+impl ModelAdapter for StableDiffusion {
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
+        let request = Self::request(task)?;
+        Ok(Bucket {
+            model: self.name.clone(),
+            key: request.bucket(&self.layout).key(),
+            rows_per_task: request.num_images,
+        })
+    }
+
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String> {
+        Ok(self.prepare_request(&Self::request(task)?, None)?.1)
+    }
+
+    fn entry(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn load(&self, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
+        // Read the directory again: a reload may bring a new scheduler config or VAE factor.
+        let layout = SdLayout::open(path).map_err(|e| EngineError::Load(e.to_string()))?;
+        Ok(Box::new(SdBackend::load(&self.runtime, Arc::new(layout), path, options)?))
+    }
+
+    fn describe(&self, task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {
+        let r = &task.request;
+        let mut m = serde_json::Map::new();
+        m.insert("width".into(), r.width.into());
+        m.insert("height".into(), r.height.into());
+        m.insert("num_images".into(), r.num_images.into());
+        m.insert("steps".into(), r.steps.into());
+        m.insert("sampler".into(), r.sampler.clone().into());
+        m
+    }
+}

@@ -1,0 +1,207 @@
+//! A Stable Diffusion task as model inputs, and the outputs as PNGs.
+//!
+//! Noise is the worker's own and pinned: image `i` of a task with seed `s` starts from latents
+//! drawn from stream `2i + 1` of `s` and takes its per-step noise (Euler a, LCM) from stream
+//! `2i + 2`, in step order ([`crate::models::noise::Gaussian`]: ChaCha8 and a fixed ziggurat).
+//! So the same record gives the same PNG bytes on the same machine and ONNX Runtime build, and
+//! image `i` does not depend on how many images the task asked for.
+
+use std::ops::Range;
+
+use super::layout::SdLayout;
+use super::schedulers::{Sampler, Schedule};
+use crate::encode::{self, Image};
+use crate::engine::Tensor;
+use crate::models::Render;
+use crate::models::noise::Gaussian;
+
+/// What tasks must share to run in one call; the bucket key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SdBucket {
+    pub width: usize,
+    pub height: usize,
+    pub sampler: Sampler,
+    pub steps: usize,
+    /// Classifier-free guidance: the UNet runs `[uncond, cond]`.
+    pub cfg: bool,
+}
+
+impl SdBucket {
+    pub fn key(&self) -> String {
+        format!(
+            "{}x{}:{}:{}:{}",
+            self.width,
+            self.height,
+            self.sampler.name(),
+            self.steps,
+            if self.cfg { "cfg" } else { "nocfg" }
+        )
+    }
+
+    pub fn parse(key: &str) -> Result<SdBucket, String> {
+        let bad = || format!("not a stable diffusion bucket key: {key:?}");
+        let parts: Vec<&str> = key.split(':').collect();
+        let [size, sampler, steps, cfg] = parts.as_slice() else {
+            return Err(bad());
+        };
+        let (w, h) = size.split_once('x').ok_or_else(bad)?;
+        Ok(SdBucket {
+            width: w.parse().map_err(|_| bad())?,
+            height: h.parse().map_err(|_| bad())?,
+            sampler: Sampler::parse(sampler).ok_or_else(bad)?,
+            steps: steps.parse().map_err(|_| bad())?,
+            cfg: match *cfg {
+                "cfg" => true,
+                "nocfg" => false,
+                _ => return Err(bad()),
+            },
+        })
+    }
+}
+
+/// One text-to-image request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SdRequest {
+    pub prompt: String,
+    pub negative_prompt: String,
+    pub steps: usize,
+    pub guidance_scale: f32,
+    pub sampler: Sampler,
+    pub width: usize,
+    pub height: usize,
+    pub num_images: usize,
+    pub seed: u64,
+}
+
+impl SdRequest {
+    /// Classifier-free guidance runs when guidance > 1 and the UNet is not guidance-distilled.
+    pub fn cfg(&self, layout: &SdLayout) -> bool {
+        self.guidance_scale > 1.0 && layout.time_cond_dim.is_none()
+    }
+
+    pub fn bucket(&self, layout: &SdLayout) -> SdBucket {
+        SdBucket {
+            width: self.width,
+            height: self.height,
+            sampler: self.sampler,
+            steps: self.steps,
+            cfg: self.cfg(layout),
+        }
+    }
+
+    /// Shape of one image's latents.
+    pub fn latent_dims(&self, layout: &SdLayout) -> [usize; 3] {
+        [
+            layout.latent_channels,
+            self.height / layout.vae_scale,
+            self.width / layout.vae_scale,
+        ]
+    }
+
+    /// Checks what the model itself imposes (the catalog bounds are the producer's).
+    pub fn check(&self, layout: &SdLayout) -> Result<Schedule, String> {
+        let s = layout.vae_scale;
+        if self.width == 0 || self.height == 0 || !self.width.is_multiple_of(s) || !self.height.is_multiple_of(s) {
+            return Err(format!(
+                "width and height must be positive multiples of {s}, got {}x{}",
+                self.width, self.height
+            ));
+        }
+        if self.num_images == 0 {
+            return Err("num_images must be at least 1".into());
+        }
+        Schedule::new(self.sampler, &layout.scheduler, self.steps).map_err(|e| e.to_string())
+    }
+
+    /// The seeded initial latents and per-step noise of every image.
+    pub fn seeded_noise(&self, layout: &SdLayout, draws: usize) -> (Vec<f32>, Vec<f32>) {
+        let per: usize = self.latent_dims(layout).iter().product();
+        let mut latents = vec![0f32; self.num_images * per];
+        let mut noise = vec![0f32; self.num_images * draws * per];
+        for i in 0..self.num_images {
+            Gaussian::stream(self.seed, 2 * i as u64 + 1).fill(&mut latents[i * per..(i + 1) * per], 1.0);
+            Gaussian::stream(self.seed, 2 * i as u64 + 2).fill(&mut noise[i * draws * per..(i + 1) * draws * per], 1.0);
+        }
+        (latents, noise)
+    }
+
+    /// The model inputs, from standard-normal `latents` [images, c, h, w] and `noise`
+    /// [images, draws, c, h, w] (empty when the sampler draws none).
+    pub fn inputs(&self, layout: &SdLayout, latents: Vec<f32>, noise: Vec<f32>, draws: usize) -> Result<Vec<Tensor>, String> {
+        let n = self.num_images;
+        let dims = self.latent_dims(layout);
+        let per: usize = dims.iter().product();
+        if latents.len() != n * per {
+            return Err(format!("initial latents have {} values, expected {n}x{dims:?}", latents.len()));
+        }
+        if noise.len() != n * draws * per {
+            return Err(format!("noise has {} values, expected {n}x{draws}x{dims:?}", noise.len()));
+        }
+        let ids = |text: &str| -> Result<Vec<i64>, String> {
+            let ids = layout.tokenizer.encode(text).map_err(|e| e.to_string())?;
+            Ok(ids.iter().map(|&i| i as i64).collect())
+        };
+        let len = layout.tokenizer.max_length();
+        let repeat = |row: Vec<i64>| -> Vec<i64> { (0..n).flat_map(|_| row.iter().copied()).collect() };
+        let mut inputs = vec![Tensor::i64("cond_ids", vec![n, len], repeat(ids(&self.prompt)?))];
+        if self.cfg(layout) {
+            inputs.push(Tensor::i64("uncond_ids", vec![n, len], repeat(ids(&self.negative_prompt)?)));
+        }
+        inputs.push(Tensor::f32("latents", vec![n, dims[0], dims[1], dims[2]], latents));
+        if draws > 0 {
+            inputs.push(Tensor::f32("noise", vec![n, draws, dims[0], dims[1], dims[2]], noise));
+        }
+        inputs.push(Tensor::f32("guidance", vec![n], vec![self.guidance_scale; n]));
+        Ok(inputs)
+    }
+}
+
+/// Turns a task's rows of `images` into PNGs.
+pub struct SdRender {
+    pub width: usize,
+    pub height: usize,
+}
+
+/// Why a task's rows did not become images.
+pub const CANCELLED: &str = "cancelled";
+
+impl Render for SdRender {
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
+        let get = |name: &str| {
+            outputs
+                .iter()
+                .find(|t| t.name == name)
+                .and_then(|t| t.f32_rows(rows.start, rows.end))
+                .ok_or_else(|| format!("model output `{name}` missing"))
+        };
+        if get("cancelled")?.iter().any(|&c| c > 0.0) {
+            return Err(CANCELLED.into());
+        }
+        let images = get("images")?;
+        let (w, h) = (self.width, self.height);
+        if images.len() != rows.len() * 3 * w * h {
+            return Err(format!(
+                "model output has {} values, expected {}x3x{h}x{w}",
+                images.len(),
+                rows.len()
+            ));
+        }
+        images
+            .chunks(3 * w * h)
+            .map(|chw| encode::png_rgb8(w as u32, h as u32, &to_rgb8(chw, w, h)))
+            .collect()
+    }
+}
+
+/// CHW floats in [0, 1] to interleaved RGB bytes, rounded as diffusers' `numpy_to_pil`
+/// (`(x * 255).round()`, half to even).
+pub fn to_rgb8(chw: &[f32], width: usize, height: usize) -> Vec<u8> {
+    let plane = width * height;
+    let mut out = vec![0u8; 3 * plane];
+    for p in 0..plane {
+        for c in 0..3 {
+            out[3 * p + c] = (chw[c * plane + p].clamp(0.0, 1.0) * 255.0).round_ties_even() as u8;
+        }
+    }
+    out
+}
