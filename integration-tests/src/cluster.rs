@@ -100,9 +100,15 @@ pub fn metric_value(text: &str, series: &str) -> Option<f64> {
 impl Cluster {
     /// A stack, a producer with API keys, and `workers` workers in one group.
     pub async fn start(name: &str, workers: usize, worker_env: &[(&str, &str)]) -> anyhow::Result<Cluster> {
+        Cluster::start_with(name, workers, worker_env, &[]).await
+    }
+
+    /// Like [`Cluster::start`], with settings for every service (the producer too).
+    pub async fn start_with(name: &str, workers: usize, worker_env: &[(&str, &str)], common: &[(&str, &str)]) -> anyhow::Result<Cluster> {
         let stack = Stack::start(name)?;
         let port = free_port();
         let mut env = stack.vars();
+        env.extend(common.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
         env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
         let mut producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &env, &stack.dir.join("logs"))?;
@@ -111,9 +117,10 @@ impl Cluster {
             .wait_ready(&format!("{producer_url}/healthz"), Duration::from_secs(30))
             .await?;
         let mut started = Vec::new();
+        let worker_env: Vec<(&str, &str)> = common.iter().chain(worker_env).copied().collect();
         for i in 0..workers {
             started.push(
-                Worker::start(&stack, &format!("worker-{i}"), worker_env)
+                Worker::start(&stack, &format!("worker-{i}"), &worker_env)
                     .await
                     .with_context(|| format!("starting worker-{i}"))?,
             );

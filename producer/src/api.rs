@@ -17,6 +17,7 @@ use crate::metrics::Metrics;
 use crate::publish::{SubmitError, Submitter, TaskPublisher};
 
 pub struct AppState {
+    pub catalog: sluice_schemas::Catalog,
     pub publisher: TaskPublisher,
     pub keys: ApiKeys,
     pub metrics: Metrics,
@@ -27,6 +28,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
     json_errors(
         Router::new()
             .route("/v1/tasks", post(submit))
+            .route("/v1/models", get(models))
             .route(
                 "/metrics",
                 get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
@@ -35,6 +37,32 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
             .layer(DefaultBodyLimit::max(max_body_bytes)),
     )
     .with_state(state)
+}
+
+/// `GET /v1/models`: every served model with its kind, bounds and defaults (the catalog minus
+/// file paths).
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let models: Vec<Value> = s
+        .catalog
+        .models
+        .iter()
+        .map(|m| {
+            json!({
+                "name": m.name,
+                "kind": m.kind.as_str(),
+                "width": m.width,
+                "height": m.height,
+                "size_multiple": m.size_multiple,
+                "steps": m.steps,
+                "guidance_scale": m.guidance_scale,
+                "samplers": m.samplers,
+                "default_sampler": m.default_sampler,
+                "max_num_images": m.max_num_images,
+                "max_prompt_chars": m.max_prompt_chars,
+            })
+        })
+        .collect();
+    Json(json!({ "models": models }))
 }
 
 fn field(field: &str, message: impl Into<String>) -> FieldError {
@@ -70,7 +98,7 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
     let request: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not JSON: {e}")).with_fields([field("", e.to_string())])
     })?;
-    let record = TaskPublisher::record(&request, &Submitter { tenant, user }).map_err(|e| match e {
+    let record = TaskPublisher::record(&s.catalog, &request, &Submitter { tenant, user }).map_err(|e| match e {
         SubmitError::Invalid(violations) => {
             let mut names: Vec<&str> = violations
                 .iter()

@@ -119,6 +119,10 @@ pub struct PublishArgs {
     /// 503, milliseconds.
     #[arg(long, env = "SLUICE_PUBLISH_TIMEOUT_MS", default_value_t = 5000)]
     pub publish_timeout_ms: u64,
+    /// The model catalog (TOML): the served models, their bounds and defaults. Without it, the
+    /// built-in terrain model alone.
+    #[arg(long, env = "SLUICE_MODEL_CATALOG")]
+    pub model_catalog: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -3,6 +3,8 @@
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
+
+use sluice_schemas::Catalog;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -67,7 +69,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if !keys.enabled() {
         tracing::warn!("no SLUICE_API_KEYS: the API is open and every task belongs to tenant `default`");
     }
+    let catalog = Catalog::load(args.publish.model_catalog.as_deref())?;
+    tracing::info!(models = ?catalog.names(), "model catalog");
     let state = Arc::new(AppState {
+        catalog,
         publisher: publisher(&args.publish, &metrics)?,
         keys,
         metrics,
@@ -88,6 +93,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     let metrics = Metrics::new();
     let publisher = publisher(&args.publish, &metrics)?;
+    let catalog = Arc::new(Catalog::load(args.publish.model_catalog.as_deref())?);
     let timeout = Duration::from_millis(args.publish.publish_timeout_ms);
     let reader: Box<dyn tokio::io::AsyncRead + Unpin> = if args.input == Path::new("-") {
         Box::new(tokio::io::stdin())
@@ -113,11 +119,11 @@ async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     };
     let results: Vec<(usize, Result<String, String>)> = futures::stream::iter(numbered)
         .map(|(n, line)| {
-            let (publisher, submitter) = (publisher.clone(), submitter.clone());
+            let (publisher, submitter, catalog) = (publisher.clone(), submitter.clone(), catalog.clone());
             async move {
                 let result = async {
                     let value: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("not JSON: {e}"))?;
-                    let record = TaskPublisher::record(&value, &submitter).map_err(|e| e.to_string())?;
+                    let record = TaskPublisher::record(&catalog, &value, &submitter).map_err(|e| e.to_string())?;
                     publisher.publish(&record, timeout).await.map_err(|e| e.to_string())?;
                     Ok(record.task_id.to_string())
                 }

@@ -6,8 +6,8 @@ use chrono::Utc;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
-use sluice_schemas::models::{MAX_SEED, normalize};
-use sluice_schemas::{HEADER_SCHEMA_VERSION, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate};
+use sluice_schemas::models::MAX_SEED;
+use sluice_schemas::{Catalog, HEADER_SCHEMA_VERSION, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate};
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -43,9 +43,10 @@ impl TaskPublisher {
         TaskPublisher { producer, topic, metrics }
     }
 
-    /// Builds the record of a request: validated against `task-request.schema.json`, every
-    /// default filled in (a seed drawn if none was given), then checked as a task record too.
-    pub fn record(request: &Value, submitter: &Submitter) -> Result<TaskRecord, SubmitError> {
+    /// Builds the record of a request: validated against `task-request.schema.json` and the
+    /// model's catalog entry, every default filled in (a seed drawn if none was given), then
+    /// checked as a task record too.
+    pub fn record(catalog: &Catalog, request: &Value, submitter: &Submitter) -> Result<TaskRecord, SubmitError> {
         validate(RecordKind::TaskRequest, request).map_err(SubmitError::Invalid)?;
         let parsed: TaskRequest = serde_json::from_value(request.clone()).map_err(|e| {
             SubmitError::Invalid(vec![Violation {
@@ -53,12 +54,9 @@ impl TaskPublisher {
                 message: e.to_string(),
             }])
         })?;
-        let (model, generation) = normalize(parsed, || fastrand::u64(0..=MAX_SEED)).map_err(|e| {
-            SubmitError::Invalid(vec![Violation {
-                field: "model".into(),
-                message: e,
-            }])
-        })?;
+        let (model, generation) = catalog
+            .normalize(parsed, || fastrand::u64(0..=MAX_SEED))
+            .map_err(SubmitError::Invalid)?;
         let record = TaskRecord {
             version: SCHEMA_VERSION,
             task_id: Uuid::now_v7(),
@@ -116,7 +114,12 @@ mod tests {
 
     #[test]
     fn a_minimal_request_becomes_an_explicit_record() {
-        let record = TaskPublisher::record(&json!({"model": "terrain", "params": {"difficulty": 7}}), &submitter()).unwrap();
+        let record = TaskPublisher::record(
+            &Catalog::default(),
+            &json!({"model": "terrain", "params": {"difficulty": 7}}),
+            &submitter(),
+        )
+        .unwrap();
         assert_eq!(record.tenant, "acme");
         assert_eq!(record.request.width, 128);
         assert_eq!(record.request.params["difficulty"], 7);
@@ -126,13 +129,14 @@ mod tests {
 
     #[test]
     fn the_given_seed_is_kept() {
-        let record = TaskPublisher::record(&json!({"model": "terrain", "seed": 99}), &submitter()).unwrap();
+        let record = TaskPublisher::record(&Catalog::default(), &json!({"model": "terrain", "seed": 99}), &submitter()).unwrap();
         assert_eq!(record.request.seed, 99);
     }
 
     #[test]
     fn invalid_requests_name_their_fields() {
         match TaskPublisher::record(
+            &Catalog::default(),
             &json!({"model": "terrain", "width": 5, "params": {"difficulty": 500}}),
             &submitter(),
         ) {

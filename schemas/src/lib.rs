@@ -5,11 +5,13 @@
 //! check the two against each other (every example validates and round-trips through the types;
 //! a fully populated value of every type validates), so neither can drift alone.
 
+pub mod catalog;
 pub mod decode;
 pub mod models;
 pub mod records;
 pub mod validate;
 
+pub use catalog::{Catalog, CatalogError, CatalogModel, ModelKind};
 pub use decode::{DecodeError, decode_task};
 pub use records::*;
 pub use validate::{RecordKind, Violation, validate};

@@ -84,33 +84,26 @@ pub mod terrain {
     }
 }
 
-/// Fills every value the request left out with its model's default. `seed` is called only when
-/// the request has none, so that the record carries the seed it will be generated with.
-///
-/// The request must already have passed `task-request.schema.json`; an error here means a model
-/// the schema knows but this function doesn't, which is a bug.
-pub fn normalize(request: TaskRequest, seed: impl FnOnce() -> u64) -> Result<(String, Generation), String> {
-    match request.model.as_str() {
-        terrain::NAME => {
-            let params = terrain::Params::from_map(&request.params.clone().unwrap_or_default())?;
-            Ok((
-                request.model,
-                Generation {
-                    prompt: request.prompt.unwrap_or_default(),
-                    negative_prompt: request.negative_prompt.unwrap_or_default(),
-                    steps: request.steps.unwrap_or(1),
-                    guidance_scale: request.guidance_scale.unwrap_or(1.0),
-                    seed: request.seed.unwrap_or_else(seed),
-                    sampler: request.sampler.unwrap_or_else(|| "onestep".to_owned()),
-                    width: request.width.unwrap_or(terrain::NATIVE_SIZE),
-                    height: request.height.unwrap_or(terrain::NATIVE_SIZE),
-                    num_images: request.num_images.unwrap_or(1),
-                    params: params.to_map(),
-                },
-            ))
-        }
-        other => Err(format!("no defaults known for model {other:?}")),
-    }
+/// Fills every value a terrain request left out with the model's default. `seed` is called only
+/// when the request has none, so that the record carries the seed it will be generated with.
+/// (Requests of every kind go through [`crate::catalog::Catalog::normalize`].)
+pub(crate) fn normalize_terrain(request: TaskRequest, seed: impl FnOnce() -> u64) -> Result<(String, Generation), String> {
+    let params = terrain::Params::from_map(&request.params.clone().unwrap_or_default())?;
+    Ok((
+        request.model,
+        Generation {
+            prompt: request.prompt.unwrap_or_default(),
+            negative_prompt: request.negative_prompt.unwrap_or_default(),
+            steps: request.steps.unwrap_or(1),
+            guidance_scale: request.guidance_scale.unwrap_or(1.0),
+            seed: request.seed.unwrap_or_else(seed),
+            sampler: request.sampler.unwrap_or_else(|| "onestep".to_owned()),
+            width: request.width.unwrap_or(terrain::NATIVE_SIZE),
+            height: request.height.unwrap_or(terrain::NATIVE_SIZE),
+            num_images: request.num_images.unwrap_or(1),
+            params: params.to_map(),
+        },
+    ))
 }
 
 /// Largest seed the schema accepts (2^53-1), so that a drawn seed is always valid.

@@ -116,7 +116,7 @@ fn fully_populated_types_validate() {
     };
     must_validate(RecordKind::TaskRequest, &request);
 
-    let (model, generation) = models::normalize(request, || unreachable!()).unwrap();
+    let (model, generation) = sluice_schemas::Catalog::default().normalize(request, || unreachable!()).unwrap();
     let task = TaskRecord {
         version: SCHEMA_VERSION,
         task_id: Uuid::new_v4(),
@@ -205,7 +205,7 @@ fn fully_populated_types_validate() {
 #[test]
 fn normalized_minimal_request_is_a_valid_task() {
     let request: TaskRequest = serde_json::from_str(r#"{"model":"terrain"}"#).unwrap();
-    let (model, generation) = models::normalize(request, || 1234).unwrap();
+    let (model, generation) = sluice_schemas::Catalog::default().normalize(request, || 1234).unwrap();
     assert_eq!(generation.seed, 1234);
     assert_eq!((generation.width, generation.height, generation.steps), (128, 128, 1));
     let task = TaskRecord {

@@ -152,11 +152,16 @@ impl DeviceArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// Model repository: one directory per model name, each with a `model.onnx`.
+    /// Model repository: the catalog's relative paths start here (by default one directory per
+    /// model name).
     #[arg(long, env = "SLUICE_MODEL_DIR")]
     pub model_dir: PathBuf,
-    /// Models to serve, comma-separated.
-    #[arg(long, env = "SLUICE_MODELS", value_delimiter = ',', default_value = "terrain")]
+    /// The model catalog (TOML): each model's name, kind, path and bounds. Without it, the
+    /// built-in terrain model alone (at `<model dir>/terrain/model.onnx`).
+    #[arg(long, env = "SLUICE_MODEL_CATALOG")]
+    pub model_catalog: Option<PathBuf>,
+    /// Models of the catalog to serve, comma-separated; all of them when empty.
+    #[arg(long, env = "SLUICE_MODELS", value_delimiter = ',')]
     pub models: Vec<String>,
     #[command(flatten)]
     pub device: DeviceArgs,

@@ -48,6 +48,10 @@ pub enum StartError {
     #[error("loading models: {0}")]
     Models(#[from] ServingError),
     #[error(transparent)]
+    Catalog(#[from] sluice_schemas::CatalogError),
+    #[error("{0}")]
+    Model(String),
+    #[error(transparent)]
     Storage(#[from] SinkError),
     #[error("{what}: {source}")]
     Kafka {
@@ -98,10 +102,29 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     let metrics = Metrics::new();
     let e = &config.engine;
 
+    let catalog = sluice_schemas::Catalog::load(e.model_catalog.as_deref())?;
+    let names: Vec<String> = if e.models.is_empty() {
+        catalog.names().into_iter().map(str::to_owned).collect()
+    } else {
+        e.models.clone()
+    };
+    let mut served = Vec::new();
+    for name in names {
+        let entry = catalog.get(&name).ok_or_else(|| {
+            StartError::Model(format!(
+                "SLUICE_MODELS names {name}, which the model catalog does not list (it lists: {})",
+                catalog.names().join(", ")
+            ))
+        })?;
+        served.push((name, entry.dir(&e.model_dir)));
+    }
     let (registry, runtime) = match models {
         Models::Onnx => {
             let runtime = Arc::new(Runtime::init(&e.device.runtime_options())?);
-            (Registry::builtin(runtime.clone()), Some(runtime))
+            (
+                Registry::from_catalog(runtime.clone(), &catalog, &served).map_err(StartError::Model)?,
+                Some(runtime),
+            )
         }
         Models::Custom(registry) => (registry, None),
     };
@@ -119,8 +142,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
             engine.clone(),
             runtime,
             &registry,
-            &e.model_dir,
-            &e.models,
+            &served,
             e.device.session_options(),
             metrics.clone(),
             health_tx.clone(),

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -137,25 +137,24 @@ pub struct ModelGuard<'a> {
 }
 
 impl Serving {
-    /// Loads every model. Any failure is a startup error naming the model and the file.
+    /// Loads every model (name, directory). Any failure is a startup error naming the model
+    /// and the file.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn start(
         engine: Engine,
         runtime: Option<Arc<Runtime>>,
         registry: &Registry,
-        model_dir: &Path,
-        names: &[String],
+        served: &[(String, PathBuf)],
         options: SessionOptions,
         metrics: Metrics,
         health: watch::Sender<Health>,
         min_free_bytes: u64,
     ) -> Result<Serving, ServingError> {
         let mut models = HashMap::new();
-        for name in names {
+        for (name, dir) in served {
             let adapter = registry
                 .get(name)
                 .ok_or_else(|| ServingError::NoAdapter(name.clone(), registry.names()))?;
-            let dir = model_dir.join(name);
             let path = adapter.entry().map_or_else(|| dir.clone(), |entry| dir.join(entry));
             let file = File::open(&path).map_err(|_| ServingError::MissingFile {
                 name: name.clone(),

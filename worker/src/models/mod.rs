@@ -85,9 +85,26 @@ pub struct Registry {
 }
 
 impl Registry {
-    /// The models built into this worker, running on ONNX Runtime.
-    pub fn builtin(runtime: Arc<crate::engine::Runtime>) -> Registry {
-        Registry::default().with(terrain::NAME, Arc::new(terrain::Terrain::new(runtime)))
+    /// The adapters of `served` catalog models (name, directory), on ONNX Runtime. A Stable
+    /// Diffusion model's directory is read here (configs, tokenizer): a broken one is an error
+    /// naming the model and the file.
+    pub fn from_catalog(
+        runtime: Arc<crate::engine::Runtime>,
+        catalog: &sluice_schemas::Catalog,
+        served: &[(String, std::path::PathBuf)],
+    ) -> Result<Registry, String> {
+        let mut registry = Registry::default();
+        for (name, dir) in served {
+            let entry = catalog.get(name).ok_or_else(|| format!("model {name} is not in the catalog"))?;
+            let adapter: Arc<dyn ModelAdapter> = match entry.kind {
+                sluice_schemas::ModelKind::Terrain => Arc::new(terrain::Terrain::new(runtime.clone())),
+                sluice_schemas::ModelKind::StableDiffusion => {
+                    Arc::new(diffusion::StableDiffusion::open(runtime.clone(), name, dir).map_err(|e| format!("model {name}: {e}"))?)
+                }
+            };
+            registry = registry.with(name, adapter);
+        }
+        Ok(registry)
     }
 
     /// Adds (or replaces) the adapter of `name`.

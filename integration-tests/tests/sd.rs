@@ -1,0 +1,130 @@
+//! Stable Diffusion end to end: prompts submitted over HTTP to a producer and a worker that serve
+//! the demo catalog (terrain and the tiny random-weight SD model), through the real broker, to
+//! PNGs in the S3 server and completion events.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sluice_integration_tests::cluster::Cluster;
+use sluice_integration_tests::stack::repo_root;
+use sluice_integration_tests::{Outcomes, Topics, png_info, sha256_hex};
+use sluice_schemas::{CompletionEvent, CompletionStatus};
+use tokio::sync::OnceCell;
+
+static CLUSTER: OnceCell<Cluster> = OnceCell::const_new();
+
+async fn cluster() -> &'static Cluster {
+    CLUSTER
+        .get_or_init(|| async {
+            let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
+            Cluster::start_with("sd", 1, &[], &[("SLUICE_MODEL_CATALOG", catalog.as_str())])
+                .await
+                .expect("cluster starts")
+        })
+        .await
+}
+
+fn completions_for(brokers: &str, ids: &BTreeSet<String>) -> HashMap<String, CompletionEvent> {
+    Outcomes::wait(brokers, &Topics::default(), ids, Duration::from_secs(240))
+        .unwrap()
+        .completions
+        .into_iter()
+        .map(|(id, mut cs)| (id, cs.swap_remove(0)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prompts_with_every_sampler_become_pngs_in_s3_and_a_seed_repeats_its_bytes() {
+    let c = cluster().await;
+    let samplers = ["euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_karras", "lcm"];
+    let mut requested = HashMap::new();
+    for (i, sampler) in samplers.iter().enumerate() {
+        for (w, h, n) in [(64u32, 64u32, 1u32), (96, 64, 2)] {
+            let body = json!({"model": "sd-tiny", "prompt": format!("a lighthouse at dusk, style {i}"),
+                "negative_prompt": "blurry", "sampler": sampler, "steps": 4, "width": w, "height": h,
+                "num_images": n, "seed": 100 + i as u64});
+            requested.insert(c.submit_ok(&body).await.unwrap(), (w, h, n));
+        }
+    }
+    // The same record twice (a fixed seed): the same bytes.
+    let twin = json!({"model": "sd-tiny", "prompt": "a red bicycle", "seed": 42, "guidance_scale": 5.0});
+    let (a, b) = (c.submit_ok(&twin).await.unwrap(), c.submit_ok(&twin).await.unwrap());
+    requested.insert(a.clone(), (64, 64, 1));
+    requested.insert(b.clone(), (64, 64, 1));
+    // Defaults from the catalog: 64x64, 4 steps, euler.
+    let minimal = c.submit_ok(&json!({"model": "sd-tiny", "prompt": "a cat"})).await.unwrap();
+    requested.insert(minimal.clone(), (64, 64, 1));
+
+    let ids: BTreeSet<String> = requested.keys().cloned().collect();
+    let completions = completions_for(c.stack.brokers(), &ids);
+    let sink = c.stack.sink().unwrap();
+    for (id, (w, h, n)) in &requested {
+        let event = &completions[id];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{event:?}");
+        assert_eq!(event.model, "sd-tiny");
+        assert_eq!(event.outputs.len(), *n as usize);
+        for output in &event.outputs {
+            let bytes = sink.read(&output.key).await.unwrap();
+            assert_eq!(sha256_hex(&bytes), output.sha256);
+            let (pw, ph, color, depth) = png_info(&bytes).unwrap();
+            assert_eq!((pw, ph), (*w, *h), "PNG size of {id}");
+            assert_eq!((color, depth), (png::ColorType::Rgb, png::BitDepth::Eight));
+        }
+        if *n == 2 {
+            assert_ne!(event.outputs[0].sha256, event.outputs[1].sha256, "each image its own noise");
+        }
+    }
+    assert_eq!(
+        completions[&a].outputs[0].sha256, completions[&b].outputs[0].sha256,
+        "same record, same bytes"
+    );
+    let distinct: BTreeSet<&str> = completions.values().map(|e| e.outputs[0].sha256.as_str()).collect();
+    assert_eq!(distinct.len(), completions.len() - 1, "every other task its own image");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_catalog_bounds_requests_and_lists_the_models() {
+    let c = cluster().await;
+    let models: Value = reqwest::get(format!("{}/v1/models", c.producer_url))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let names: Vec<&str> = models["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["terrain", "sd-tiny"]);
+    let sd = &models["models"][1];
+    assert_eq!(sd["kind"], "stable-diffusion");
+    assert_eq!(sd["width"], json!({"min": 64, "max": 256, "default": 64}));
+    assert_eq!(sd["default_sampler"], "euler");
+
+    for (body, field) in [
+        (json!({"model": "sd-xl", "prompt": "x"}), "model"),
+        (json!({"model": "sd-tiny"}), "prompt"),
+        (json!({"model": "sd-tiny", "prompt": "x", "width": 1024}), "width"),
+        (json!({"model": "sd-tiny", "prompt": "x", "width": 100}), "width"),
+        (json!({"model": "sd-tiny", "prompt": "x", "steps": 21}), "steps"),
+        (json!({"model": "sd-tiny", "prompt": "x", "sampler": "lcm", "steps": 12}), "steps"),
+        (json!({"model": "sd-tiny", "prompt": "x", "sampler": "plms"}), "sampler"),
+        (json!({"model": "sd-tiny", "prompt": "x", "num_images": 5}), "num_images"),
+    ] {
+        let (status, reply) = c.submit(&body).await.unwrap();
+        assert_eq!(status, 400, "{body}: {reply}");
+        let fields: Vec<&str> = reply["fields"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["field"].as_str().unwrap())
+            .collect();
+        assert!(fields.contains(&field), "{body}: {reply}");
+        if field == "model" {
+            assert!(reply.to_string().contains("terrain, sd-tiny"), "lists the served models: {reply}");
+        }
+    }
+}

@@ -1,0 +1,475 @@
+//! The model catalog: which models a deployment serves, where their files are, and each one's
+//! bounds and defaults. One file (`SLUICE_MODEL_CATALOG`, TOML) read by the producer, which
+//! validates requests against it and writes fully explicit records, and by the worker, which
+//! loads what it lists.
+//!
+//! ```toml
+//! [[model]]
+//! name = "terrain"
+//! kind = "terrain"
+//!
+//! [[model]]
+//! name = "sd15"
+//! kind = "stable-diffusion"
+//! path = "sd15-onnx"            # relative to SLUICE_MODEL_DIR, or absolute; default: the name
+//! width = { min = 256, max = 768, default = 512 }
+//! height = { min = 256, max = 768, default = 512 }
+//! size_multiple = 8
+//! steps = { min = 1, max = 50, default = 25 }
+//! guidance_scale = { min = 0.0, max = 20.0, default = 7.5 }
+//! samplers = ["euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_karras"]
+//! default_sampler = "dpmpp_2m_karras"
+//! max_num_images = 4
+//! max_prompt_chars = 1000
+//! ```
+//!
+//! Without a file the catalog is the built-in terrain model alone, as before catalogs existed.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::models::{MAX_SEED, terrain};
+use crate::{Generation, TaskRequest, Violation};
+
+/// What kind of pipeline runs a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    Terrain,
+    StableDiffusion,
+}
+
+impl ModelKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelKind::Terrain => "terrain",
+            ModelKind::StableDiffusion => "stable-diffusion",
+        }
+    }
+}
+
+/// An inclusive range with a default inside it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bounded<T> {
+    pub min: T,
+    pub max: T,
+    pub default: T,
+}
+
+/// Every sampler a Stable Diffusion model can run.
+pub const SD_SAMPLERS: [&str; 6] = ["euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_karras", "lcm"];
+
+fn sd_width() -> Bounded<u32> {
+    Bounded {
+        min: 64,
+        max: 1024,
+        default: 512,
+    }
+}
+fn sd_steps() -> Bounded<u32> {
+    Bounded {
+        min: 1,
+        max: 50,
+        default: 25,
+    }
+}
+fn sd_guidance() -> Bounded<f64> {
+    Bounded {
+        min: 0.0,
+        max: 20.0,
+        default: 7.5,
+    }
+}
+fn sd_samplers() -> Vec<String> {
+    SD_SAMPLERS.map(str::to_owned).to_vec()
+}
+fn sd_default_sampler() -> String {
+    "euler".into()
+}
+fn eight() -> u32 {
+    8
+}
+fn four() -> u32 {
+    4
+}
+fn prompt_chars() -> usize {
+    2000
+}
+
+/// One served model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CatalogModel {
+    pub name: String,
+    pub kind: ModelKind,
+    /// Directory of the model's files, relative to the model directory or absolute; the name
+    /// when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default = "sd_width")]
+    pub width: Bounded<u32>,
+    #[serde(default = "sd_width")]
+    pub height: Bounded<u32>,
+    #[serde(default = "eight")]
+    pub size_multiple: u32,
+    #[serde(default = "sd_steps")]
+    pub steps: Bounded<u32>,
+    #[serde(default = "sd_guidance")]
+    pub guidance_scale: Bounded<f64>,
+    #[serde(default = "sd_samplers")]
+    pub samplers: Vec<String>,
+    #[serde(default = "sd_default_sampler")]
+    pub default_sampler: String,
+    #[serde(default = "four")]
+    pub max_num_images: u32,
+    #[serde(default = "prompt_chars")]
+    pub max_prompt_chars: usize,
+}
+
+impl CatalogModel {
+    /// The built-in terrain model, with the bounds its own rules impose.
+    pub fn terrain(name: &str) -> CatalogModel {
+        CatalogModel {
+            name: name.to_owned(),
+            kind: ModelKind::Terrain,
+            path: None,
+            width: Bounded {
+                min: 16,
+                max: 2048,
+                default: terrain::NATIVE_SIZE,
+            },
+            height: Bounded {
+                min: 16,
+                max: 2048,
+                default: terrain::NATIVE_SIZE,
+            },
+            size_multiple: 1,
+            steps: Bounded {
+                min: 1,
+                max: 1,
+                default: 1,
+            },
+            guidance_scale: Bounded {
+                min: 1.0,
+                max: 1.0,
+                default: 1.0,
+            },
+            samplers: vec!["onestep".into()],
+            default_sampler: "onestep".into(),
+            max_num_images: 8,
+            max_prompt_chars: 2000,
+        }
+    }
+
+    /// The model's directory.
+    pub fn dir(&self, model_dir: &Path) -> PathBuf {
+        model_dir.join(self.path.as_deref().unwrap_or(&self.name))
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let bad = |what: String| Err(format!("model {:?}: {what}", self.name));
+        if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
+            return bad("the name must be letters, digits, '.', '_' or '-'".into());
+        }
+        for (what, b) in [("width", self.width), ("height", self.height), ("steps", self.steps)] {
+            if !(b.min <= b.default && b.default <= b.max) || b.min == 0 {
+                return bad(format!("{what}: need 0 < min <= default <= max, got {b:?}"));
+            }
+        }
+        let g = self.guidance_scale;
+        if !(g.min <= g.default && g.default <= g.max) {
+            return bad(format!("guidance_scale: need min <= default <= max, got {g:?}"));
+        }
+        if self.kind == ModelKind::StableDiffusion {
+            if let Some(s) = self.samplers.iter().find(|s| !SD_SAMPLERS.contains(&s.as_str())) {
+                return bad(format!("sampler {s:?} is not one of {}", SD_SAMPLERS.join(", ")));
+            }
+            if self.size_multiple == 0 || !self.size_multiple.is_multiple_of(8) {
+                return bad(format!(
+                    "size_multiple must be a multiple of 8 (the VAE's factor), got {}",
+                    self.size_multiple
+                ));
+            }
+        }
+        if !self.samplers.contains(&self.default_sampler) {
+            return bad(format!("default_sampler {:?} is not among samplers", self.default_sampler));
+        }
+        if self.max_num_images == 0 {
+            return bad("max_num_images must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The catalog file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Catalog {
+    #[serde(rename = "model")]
+    pub models: Vec<CatalogModel>,
+}
+
+#[derive(Debug, Error)]
+pub enum CatalogError {
+    #[error("model catalog {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("model catalog: {0}")]
+    Invalid(String),
+}
+
+impl Default for Catalog {
+    fn default() -> Self {
+        Catalog {
+            models: vec![CatalogModel::terrain(terrain::NAME)],
+        }
+    }
+}
+
+impl Catalog {
+    /// Reads `path`, or the built-in catalog when there is none.
+    pub fn load(path: Option<&Path>) -> Result<Catalog, CatalogError> {
+        let Some(path) = path else { return Ok(Catalog::default()) };
+        let read = |reason: String| CatalogError::Read {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| read(e.to_string()))?;
+        Catalog::parse(&text).map_err(|e| match e {
+            CatalogError::Invalid(reason) => read(reason),
+            e => e,
+        })
+    }
+
+    pub fn parse(text: &str) -> Result<Catalog, CatalogError> {
+        let mut catalog: Catalog = toml::from_str(text).map_err(|e| CatalogError::Invalid(e.to_string()))?;
+        for m in &mut catalog.models {
+            if m.kind == ModelKind::Terrain {
+                // Terrain's bounds are its own; a path is all a catalog sets.
+                let path = m.path.take();
+                *m = CatalogModel {
+                    path,
+                    ..CatalogModel::terrain(&m.name)
+                };
+            }
+            m.check().map_err(CatalogError::Invalid)?;
+        }
+        let mut names: Vec<&str> = catalog.models.iter().map(|m| m.name.as_str()).collect();
+        names.sort();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(CatalogError::Invalid(format!("model {:?} is listed twice", w[0])));
+        }
+        if catalog.models.is_empty() {
+            return Err(CatalogError::Invalid("lists no model".into()));
+        }
+        Ok(catalog)
+    }
+
+    pub fn get(&self, name: &str) -> Option<&CatalogModel> {
+        self.models.iter().find(|m| m.name == name)
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        self.models.iter().map(|m| m.name.as_str()).collect()
+    }
+
+    /// Checks a request (already valid against `task-request.schema.json`) against its model's
+    /// entry and fills every default; `seed` is called only when the request has none. Every
+    /// violation names its field.
+    pub fn normalize(&self, request: TaskRequest, seed: impl FnOnce() -> u64) -> Result<(String, Generation), Vec<Violation>> {
+        let Some(model) = self.get(&request.model) else {
+            return Err(vec![violation(
+                "model",
+                format!(
+                    "unknown model {:?}; this deployment serves: {}",
+                    request.model,
+                    self.names().join(", ")
+                ),
+            )]);
+        };
+        if model.kind == ModelKind::Terrain {
+            let (_, generation) = crate::models::normalize_terrain(request, seed).map_err(|e| vec![violation("params", e)])?;
+            return Ok((model.name.clone(), generation));
+        }
+        let mut v = Vec::new();
+        let width = request.width.unwrap_or(model.width.default);
+        let height = request.height.unwrap_or(model.height.default);
+        for (field, value, b) in [("width", width, model.width), ("height", height, model.height)] {
+            if value < b.min || value > b.max {
+                v.push(violation(
+                    field,
+                    format!("must be {} to {} for model {}, got {value}", b.min, b.max, model.name),
+                ));
+            } else if !value.is_multiple_of(model.size_multiple) {
+                v.push(violation(
+                    field,
+                    format!("must be a multiple of {}, got {value}", model.size_multiple),
+                ));
+            }
+        }
+        let steps = request.steps.unwrap_or(model.steps.default);
+        if steps < model.steps.min || steps > model.steps.max {
+            v.push(violation(
+                "steps",
+                format!(
+                    "must be {} to {} for model {}, got {steps}",
+                    model.steps.min, model.steps.max, model.name
+                ),
+            ));
+        }
+        let guidance = request.guidance_scale.unwrap_or(model.guidance_scale.default);
+        let g = model.guidance_scale;
+        if guidance < g.min || guidance > g.max {
+            v.push(violation(
+                "guidance_scale",
+                format!("must be {} to {} for model {}, got {guidance}", g.min, g.max, model.name),
+            ));
+        }
+        let sampler = request.sampler.unwrap_or_else(|| model.default_sampler.clone());
+        if !model.samplers.contains(&sampler) {
+            v.push(violation(
+                "sampler",
+                format!(
+                    "must be one of {} for model {}, got {sampler:?}",
+                    model.samplers.join(", "),
+                    model.name
+                ),
+            ));
+        }
+        if sampler == "lcm" && steps > 8 {
+            v.push(violation("steps", format!("the lcm sampler takes 1 to 8 steps, got {steps}")));
+        }
+        let num_images = request.num_images.unwrap_or(1);
+        if num_images > model.max_num_images {
+            v.push(violation(
+                "num_images",
+                format!("at most {} for model {}, got {num_images}", model.max_num_images, model.name),
+            ));
+        }
+        let prompt = request.prompt.unwrap_or_default();
+        if prompt.trim().is_empty() {
+            v.push(violation("prompt", format!("is required for model {}", model.name)));
+        }
+        let negative_prompt = request.negative_prompt.unwrap_or_default();
+        for (field, text) in [("prompt", &prompt), ("negative_prompt", &negative_prompt)] {
+            let n = text.chars().count();
+            if n > model.max_prompt_chars {
+                v.push(violation(
+                    field,
+                    format!("at most {} characters for model {}, got {n}", model.max_prompt_chars, model.name),
+                ));
+            }
+        }
+        if request.params.as_ref().is_some_and(|p| !p.is_empty()) {
+            v.push(violation("params", format!("model {} takes no params", model.name)));
+        }
+        if !v.is_empty() {
+            return Err(v);
+        }
+        Ok((
+            model.name.clone(),
+            Generation {
+                prompt,
+                negative_prompt,
+                steps,
+                guidance_scale: guidance,
+                seed: request.seed.unwrap_or_else(|| seed().min(MAX_SEED)),
+                sampler,
+                width,
+                height,
+                num_images,
+                params: Default::default(),
+            },
+        ))
+    }
+}
+
+fn violation(field: &str, message: String) -> Violation {
+    Violation {
+        field: field.to_owned(),
+        message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SD: &str = r#"
+[[model]]
+name = "terrain"
+kind = "terrain"
+
+[[model]]
+name = "sd-tiny"
+kind = "stable-diffusion"
+width = { min = 64, max = 256, default = 64 }
+height = { min = 64, max = 256, default = 64 }
+steps = { min = 1, max = 20, default = 4 }
+"#;
+
+    fn request(json: serde_json::Value) -> TaskRequest {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn defaults_fill_a_minimal_request() {
+        let c = Catalog::parse(SD).unwrap();
+        let (name, g) = c
+            .normalize(request(serde_json::json!({"model": "sd-tiny", "prompt": "a cat"})), || 5)
+            .unwrap();
+        assert_eq!(name, "sd-tiny");
+        assert_eq!(
+            (g.width, g.height, g.steps, g.sampler.as_str(), g.guidance_scale, g.seed),
+            (64, 64, 4, "euler", 7.5, 5)
+        );
+    }
+
+    #[test]
+    fn each_bound_is_a_violation_naming_its_field() {
+        let c = Catalog::parse(SD).unwrap();
+        let e = c
+            .normalize(
+                request(
+                    serde_json::json!({"model": "sd-tiny", "prompt": "", "width": 72 + 3, "height": 512, "steps": 30,
+                    "sampler": "onestep", "num_images": 5, "guidance_scale": 25.0}),
+                ),
+                || 0,
+            )
+            .unwrap_err();
+        let fields: Vec<&str> = e.iter().map(|v| v.field.as_str()).collect();
+        for f in ["width", "height", "steps", "sampler", "num_images", "guidance_scale", "prompt"] {
+            assert!(fields.contains(&f), "{f} in {e:?}");
+        }
+        let e = c
+            .normalize(request(serde_json::json!({"model": "sd-xl", "prompt": "x"})), || 0)
+            .unwrap_err();
+        assert_eq!(e[0].field, "model");
+        assert!(e[0].message.contains("terrain, sd-tiny"), "{}", e[0].message);
+    }
+
+    #[test]
+    fn a_bad_catalog_is_refused_with_the_reason() {
+        for (text, want) in [
+            ("[[model]]\nname = \"a\"\nkind = \"unet\"", "unknown variant"),
+            (
+                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\nsamplers = [\"plms\"]",
+                "plms",
+            ),
+            (
+                "[[model]]\nname = \"a\"\nkind = \"terrain\"\n[[model]]\nname = \"a\"\nkind = \"terrain\"",
+                "twice",
+            ),
+            (
+                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\nsteps = { min = 5, max = 4, default = 4 }",
+                "steps",
+            ),
+        ] {
+            let e = Catalog::parse(text).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        assert_eq!(Catalog::load(None).unwrap().names(), vec!["terrain"]);
+    }
+}
