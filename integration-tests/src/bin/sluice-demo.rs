@@ -1,7 +1,8 @@
 //! `make demo`: the main job end to end on the local stack. Starts the producer and two workers
-//! on the stack in `.stack` (which `make demo` brings up), submits terrain tasks across
-//! difficulties over HTTP, waits for each completion on the completion topic, prints a table and
-//! writes a contact sheet of the results.
+//! on the stack in `.stack` (which `make demo` brings up) serving the demo catalog
+//! (`deploy/models.demo.toml`: terrain and the tiny random-weight Stable Diffusion model), submits
+//! terrain tasks across difficulties and text-to-image prompts over HTTP, waits for each
+//! completion on the completion topic, prints a table and writes a contact sheet of the results.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -17,6 +18,14 @@ use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
 
 const DIFFICULTIES: [u32; 8] = [1, 15, 30, 45, 60, 75, 90, 100];
 const SIZE: u32 = 256;
+/// Prompts for the tiny SD model (random weights: the images are noise-like patterns, but each
+/// prompt, sampler and seed gives its own).
+const PROMPTS: [(&str, &str); 4] = [
+    ("a lighthouse on a cliff at dusk", "euler"),
+    ("a red bicycle in the rain", "euler_a"),
+    ("an astronaut riding a horse on mars", "dpmpp_2m_karras"),
+    ("a bowl of ramen, studio photo", "lcm"),
+];
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -28,7 +37,9 @@ async fn main() -> anyhow::Result<()> {
     println!("stack: broker {}, S3 {}", stack.brokers(), stack.env["AWS_ENDPOINT_URL"]);
 
     let port = free_port();
+    let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
     let mut env = stack.vars();
+    env.push(("SLUICE_MODEL_CATALOG".into(), catalog.clone()));
     env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
     env.push(("SLUICE_API_KEYS".into(), format!("demo:{API_KEY}")));
     let mut producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &env, &logs)?;
@@ -36,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
     producer.wait_ready(&format!("{url}/healthz"), Duration::from_secs(30)).await?;
     let mut workers = Vec::new();
     for i in 0..2 {
-        workers.push(Worker::start(&stack, &format!("demo-worker-{i}"), &[]).await?);
+        workers.push(Worker::start(&stack, &format!("demo-worker-{i}"), &[("SLUICE_MODEL_CATALOG", catalog.as_str())]).await?);
     }
     println!(
         "producer {url}, workers {} and {} (logs in {})",
@@ -57,8 +68,20 @@ async fn main() -> anyhow::Result<()> {
     let client = reqwest::Client::new();
     let started = Instant::now();
     let mut submitted = Vec::new();
-    for (i, difficulty) in DIFFICULTIES.iter().enumerate() {
-        let body = json!({"model": "terrain", "width": SIZE, "height": SIZE, "seed": 1000 + i, "params": {"difficulty": difficulty}});
+    let mut bodies: Vec<(serde_json::Value, String)> = DIFFICULTIES
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let body = json!({"model": "terrain", "width": SIZE, "height": SIZE, "seed": 1000 + i, "params": {"difficulty": d}});
+            (body, format!("terrain d={d}"))
+        })
+        .collect();
+    for (i, (prompt, sampler)) in PROMPTS.iter().enumerate() {
+        let body = json!({"model": "sd-tiny", "prompt": prompt, "negative_prompt": "blurry", "sampler": sampler,
+            "steps": 8, "width": 128, "height": 128, "seed": 2000 + i});
+        bodies.push((body, format!("sd-tiny {sampler}")));
+    }
+    for (body, label) in bodies {
         let reply: serde_json::Value = client
             .post(format!("{url}/v1/tasks"))
             .bearer_auth(API_KEY)
@@ -68,12 +91,13 @@ async fn main() -> anyhow::Result<()> {
             .error_for_status()?
             .json()
             .await?;
-        submitted.push((reply["task_id"].as_str().context("task_id")?.to_owned(), *difficulty));
+        submitted.push((reply["task_id"].as_str().context("task_id")?.to_owned(), label));
     }
     println!(
-        "submitted {} tasks ({SIZE}x{SIZE}, {} tiles each) over HTTP; waiting for completions…",
-        submitted.len(),
-        tiles(SIZE)
+        "submitted {} terrain tasks ({SIZE}x{SIZE}, {} tiles each) and {} text-to-image tasks (128x128, 8 steps) over HTTP; waiting for completions…",
+        DIFFICULTIES.len(),
+        tiles(SIZE),
+        PROMPTS.len()
     );
 
     let ids: BTreeSet<String> = submitted.iter().map(|(id, _)| id.clone()).collect();
@@ -92,20 +116,22 @@ async fn main() -> anyhow::Result<()> {
 
     println!();
     println!(
-        "{:<38} {:>10} {:<64} {:>8} {:>14}",
-        "task", "difficulty", "object key", "ms", "worker"
+        "{:<38} {:<24} {:<64} {:>8} {:>14}",
+        "task", "model", "object key", "ms", "worker"
     );
     let sink = stack.sink()?;
     let mut images = Vec::new();
-    for (id, difficulty) in &submitted {
+    for (id, label) in &submitted {
         let c = &completions[id];
         anyhow::ensure!(c.status == CompletionStatus::Succeeded, "task {id} failed: {:?}", c.error);
         let output = &c.outputs[0];
         println!(
-            "{:<38} {:>10} {:<64} {:>8} {:>14}",
-            id, difficulty, output.key, c.timings.total_ms, c.worker_id
+            "{:<38} {:<24} {:<64} {:>8} {:>14}",
+            id, label, output.key, c.timings.total_ms, c.worker_id
         );
-        images.push((format!("d={difficulty}"), Rgb::decode(&sink.read(&output.key).await?)?));
+        // The sheet's font has digits, `d` and `=`: terrain cells are labelled by difficulty.
+        let cell = label.strip_prefix("terrain ").unwrap_or_default().to_owned();
+        images.push((cell, Rgb::decode(&sink.read(&output.key).await?)?));
     }
     let sheet_path = stack.dir.join("demo").join("contact-sheet.png");
     std::fs::write(&sheet_path, sheet(&images, 4).encode()?)?;
