@@ -128,3 +128,34 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_reports_its_start_and_steps_on_the_progress_topic() {
+    let c = cluster().await;
+    let id = c
+        .submit_ok(&json!({"model": "sd-tiny", "prompt": "a windmill", "steps": 6, "sampler": "ddim", "width": 128, "height": 128}))
+        .await
+        .unwrap();
+    let mut reader = sluice_integration_tests::TopicReader::new(c.stack.brokers(), sluice_schemas::topics::PROGRESS).unwrap();
+    let mine = |records: &[sluice_integration_tests::Consumed]| -> Vec<sluice_schemas::ProgressRecord> {
+        records
+            .iter()
+            .filter(|r| r.key.as_deref() == Some(id.as_bytes()))
+            .map(|r| {
+                let value: Value = serde_json::from_slice(&r.value).unwrap();
+                sluice_schemas::validate(sluice_schemas::RecordKind::Progress, &value).unwrap();
+                serde_json::from_value(value).unwrap()
+            })
+            .collect()
+    };
+    tokio::task::block_in_place(|| reader.read_until(Duration::from_secs(120), |r| mine(r).iter().any(|p| p.step == 6))).unwrap();
+    let records = mine(&reader.records);
+    assert_eq!(records[0].event, sluice_schemas::ProgressEvent::Started, "{records:?}");
+    let steps: Vec<u32> = records[1..].iter().map(|p| p.step).collect();
+    assert!(steps.windows(2).all(|w| w[0] < w[1]), "in order: {steps:?}");
+    assert_eq!(*steps.last().unwrap(), 6);
+    assert!(records.iter().all(|p| p.steps == 6 && p.model == "sd-tiny"));
+    // Throttled to one per 500 ms (plus the last): a run this short reports at most a few.
+    let span = records.last().unwrap().at - records[0].at;
+    assert!(steps.len() as i64 <= 2 + span.num_milliseconds() / 500, "{steps:?} over {span}");
+}

@@ -285,3 +285,82 @@ fn generate_cli_reproduces_a_reference_case_with_its_flags() {
     assert_ne!(y0, y1, "each image has its own noise");
     std::fs::remove_dir_all(out).ok();
 }
+
+/// Hooks of a test: cancels the task once `cancel_after` steps are done; records progress.
+struct CancelAfter {
+    cancel_after: usize,
+    seen: std::sync::Mutex<Vec<usize>>,
+}
+
+impl sluice_worker::engine::TaskHooks for CancelAfter {
+    fn cancelled(&self) -> bool {
+        self.seen.lock().unwrap().last().is_some_and(|&s| s >= self.cancel_after)
+    }
+    fn progress(&self, step: usize, _steps: usize) {
+        self.seen.lock().unwrap().push(step);
+    }
+}
+
+#[test]
+fn the_unet_loop_reports_each_step_and_stops_a_cancelled_task_between_steps() {
+    let dir = models().join("sd-tiny");
+    let model = StableDiffusion::open(runtime(), "sd", &dir).unwrap();
+    let request = |seed| SdRequest {
+        prompt: "a lighthouse".into(),
+        negative_prompt: String::new(),
+        steps: 8,
+        guidance_scale: 7.5,
+        sampler: Sampler::Euler,
+        width: 64,
+        height: 64,
+        num_images: 1,
+        seed,
+    };
+    let (bucket, a) = model.prepare_request(&request(1), None).unwrap();
+    let (_, b) = model.prepare_request(&request(2), None).unwrap();
+    let cancelled = Arc::new(CancelAfter {
+        cancel_after: 3,
+        seen: Default::default(),
+    });
+    let kept = Arc::new(CancelAfter {
+        cancel_after: usize::MAX,
+        seen: Default::default(),
+    });
+    let inputs = (0..a.inputs.len())
+        .map(|i| sluice_worker::engine::Tensor::concat(&[&a.inputs[i], &b.inputs[i]]))
+        .collect();
+    let call = Call {
+        key: bucket.key,
+        inputs,
+        tasks: vec![
+            CallTask {
+                id: "cancelled".into(),
+                rows: 1,
+                hooks: Some(cancelled.clone()),
+            },
+            CallTask {
+                id: "kept".into(),
+                rows: 1,
+                hooks: Some(kept.clone()),
+            },
+        ],
+    };
+    let mut backend = model.load(&dir, &SessionOptions::default()).unwrap();
+    let outputs = backend.run(&call).unwrap();
+    assert_eq!(*cancelled.seen.lock().unwrap(), vec![1, 2, 3], "no step after the cancellation");
+    assert_eq!(*kept.seen.lock().unwrap(), (1..=8).collect::<Vec<_>>(), "the other task runs on");
+    assert_eq!(a.render.render(&outputs, 0..1).unwrap_err(), "cancelled");
+    assert_eq!(b.render.render(&outputs, 1..2).unwrap().len(), 1);
+    // The batch mate's image is what it would have been alone.
+    let alone = Call {
+        key: call.key.clone(),
+        inputs: b.inputs.clone(),
+        tasks: vec![CallTask {
+            id: "b".into(),
+            rows: 1,
+            hooks: None,
+        }],
+    };
+    let alone = backend.run(&alone).unwrap();
+    assert_eq!(b.render.render(&outputs, 1..2).unwrap(), b.render.render(&alone, 0..1).unwrap());
+}

@@ -34,6 +34,7 @@ pub mod topics {
     pub const TASKS: &str = "sluice.tasks.v1";
     pub const COMPLETIONS: &str = "sluice.completions.v1";
     pub const DLQ: &str = "sluice.dlq.v1";
+    pub const PROGRESS: &str = "sluice.progress.v1";
 }
 
 /// Headers on every DLQ record; the same facts are fields of [`DlqRecord`].

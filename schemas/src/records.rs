@@ -282,3 +282,29 @@ pub struct ResultManifest {
     pub created_at: DateTime<Utc>,
     pub worker_id: String,
 }
+
+/// What a progress record reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProgressEvent {
+    /// A worker started running the task.
+    Started,
+    /// The task finished step `step` of `steps`.
+    Step,
+}
+
+/// A record on the progress topic (`progress.schema.json`), keyed by task id. At most one step
+/// record per 500 ms per task, plus the last step; nothing here is needed for correctness
+/// (completions and DLQ records are the outcomes), so workers publish them without waiting.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProgressRecord {
+    pub version: u32,
+    pub task_id: Uuid,
+    pub model: String,
+    pub worker_id: String,
+    pub event: ProgressEvent,
+    pub step: u32,
+    pub steps: u32,
+    pub at: DateTime<Utc>,
+}

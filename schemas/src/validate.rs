@@ -10,13 +10,14 @@ const BASE: &str = "https://schemas.sluice.dev/v1/";
 
 /// The schema files, embedded so that every binary validates against exactly the contract in
 /// this crate.
-pub const SCHEMA_FILES: [(&str, &str); 6] = [
+pub const SCHEMA_FILES: [(&str, &str); 7] = [
     ("generation.schema.json", include_str!("../v1/generation.schema.json")),
     ("task-request.schema.json", include_str!("../v1/task-request.schema.json")),
     ("task.schema.json", include_str!("../v1/task.schema.json")),
     ("completion.schema.json", include_str!("../v1/completion.schema.json")),
     ("dlq.schema.json", include_str!("../v1/dlq.schema.json")),
     ("manifest.schema.json", include_str!("../v1/manifest.schema.json")),
+    ("progress.schema.json", include_str!("../v1/progress.schema.json")),
 ];
 
 /// The records that have a schema.
@@ -27,15 +28,17 @@ pub enum RecordKind {
     Completion,
     Dlq,
     Manifest,
+    Progress,
 }
 
 impl RecordKind {
-    pub const ALL: [RecordKind; 5] = [
+    pub const ALL: [RecordKind; 6] = [
         RecordKind::TaskRequest,
         RecordKind::Task,
         RecordKind::Completion,
         RecordKind::Dlq,
         RecordKind::Manifest,
+        RecordKind::Progress,
     ];
 
     pub fn file_name(self) -> &'static str {
@@ -45,6 +48,7 @@ impl RecordKind {
             RecordKind::Completion => "completion.schema.json",
             RecordKind::Dlq => "dlq.schema.json",
             RecordKind::Manifest => "manifest.schema.json",
+            RecordKind::Progress => "progress.schema.json",
         }
     }
 }
@@ -70,7 +74,7 @@ impl std::fmt::Display for Violation {
 
 const UNKNOWN_FIELD: &str = "unknown field";
 
-struct Validators([Validator; 5]);
+struct Validators([Validator; 6]);
 
 static VALIDATORS: LazyLock<Validators> = LazyLock::new(|| {
     let resources: Vec<(String, Resource)> = SCHEMA_FILES

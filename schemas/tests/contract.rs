@@ -75,6 +75,12 @@ fn completions() {
 }
 
 #[test]
+fn progress_records() {
+    round_trip::<ProgressRecord>(RecordKind::Progress, "progress");
+    rejects(RecordKind::Progress, "progress");
+}
+
+#[test]
 fn dlq_records() {
     round_trip::<DlqRecord>(RecordKind::Dlq, "dlq");
     rejects(RecordKind::Dlq, "dlq");

@@ -64,6 +64,9 @@ pub struct KafkaArgs {
     pub completions_topic: String,
     #[arg(long, env = "SLUICE_DLQ_TOPIC", default_value = sluice_schemas::topics::DLQ)]
     pub dlq_topic: String,
+    /// Progress records of multi-step models (Stable Diffusion).
+    #[arg(long, env = "SLUICE_PROGRESS_TOPIC", default_value = sluice_schemas::topics::PROGRESS)]
+    pub progress_topic: String,
     /// Records larger than this go to the DLQ as `too_large` without being parsed.
     #[arg(long, env = "SLUICE_MAX_TASK_BYTES", default_value_t = 1 << 20)]
     pub max_task_bytes: usize,

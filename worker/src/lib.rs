@@ -19,6 +19,7 @@ mod offsets;
 mod outcome;
 mod panics;
 mod pipeline;
+mod progress;
 mod publish;
 mod redelivery;
 mod retry;

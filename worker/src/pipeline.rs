@@ -52,12 +52,15 @@ pub(crate) struct Shared {
     pub finishing: Semaphore,
     /// Every spawned per-task future, so shutdown can wait for them.
     pub tasks: TaskTracker,
+    /// Progress records of multi-step models (none in unit tests).
+    pub progress: Option<crate::progress::ProgressSink>,
 }
 
 /// A prepared task inside a batch.
 struct Item {
     job: Job,
     prepared: Prepared,
+    progress: Option<Arc<crate::progress::TaskProgress>>,
 }
 
 impl BatchItem for Item {
@@ -70,6 +73,9 @@ impl BatchItem for Item {
     fn dimensions(&self) -> String {
         let r = &self.job.task.request;
         format!("{}x{}x{}", r.width, r.height, r.num_images)
+    }
+    fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
+        self.progress.clone().map(|p| p as Arc<dyn crate::engine::TaskHooks>)
     }
 }
 
@@ -219,6 +225,7 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
     };
     // Prepare on the blocking pool (noise and tiling are CPU work), each task on its own: a
     // panic fails that task only.
+    let steps: Vec<Option<u32>> = jobs.iter().map(|j| adapter.steps(&j.task)).collect();
     let prepared = tokio::task::spawn_blocking(move || {
         jobs.into_iter()
             .map(|job| (panics::catch(|| adapter.prepare(&job.task)).and_then(|r| r), job))
@@ -229,9 +236,14 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
         return; // the runtime is shutting down: leave the tasks unacknowledged
     };
     let mut items = Vec::with_capacity(prepared.len());
-    for (result, job) in prepared {
+    for ((result, job), steps) in prepared.into_iter().zip(steps) {
         match result {
-            Ok(prepared) => items.push(Item { job, prepared }),
+            Ok(prepared) => {
+                let progress = steps
+                    .zip(shared.progress.as_ref())
+                    .map(|(steps, sink)| Arc::new(sink.start(job.task.task_id, &bucket.model, steps)));
+                items.push(Item { job, prepared, progress })
+            }
             Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e)),
         }
     }
@@ -304,7 +316,7 @@ struct Ran {
 /// Render, store, announce.
 async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
     let _permit = shared.finishing.acquire().await.expect("never closed");
-    let Item { job, prepared } = item;
+    let Item { job, prepared, .. } = item;
     let rendered = {
         let outputs = ran.outputs.clone();
         let rows = ran.rows.clone();
@@ -540,6 +552,7 @@ mod tests {
             abandon,
             finishing: Semaphore::new(8),
             tasks,
+            progress: None,
         });
         let (record_tx, record_rx) = mpsc::channel(256);
         let (job_tx, job_rx) = mpsc::channel(256);

@@ -253,6 +253,8 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         abandon: abandon.clone(),
         tasks: tasks.clone(),
     });
+    let (progress, progress_rx) = crate::progress::ProgressSink::new(worker_id.clone());
+    tokio::spawn(crate::progress::publish(progress_rx, producer.clone(), k.progress_topic.clone()));
     let shared = Arc::new(Shared {
         offsets: offsets.clone(),
         outcomes,
@@ -272,6 +274,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         abandon: abandon.clone(),
         finishing: Semaphore::new(config.storage.storage_concurrency.max(1) * 2),
         tasks,
+        progress: Some(progress),
     });
 
     // The stages.

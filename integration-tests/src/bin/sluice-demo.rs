@@ -115,10 +115,7 @@ async fn main() -> anyhow::Result<()> {
     let elapsed = started.elapsed();
 
     println!();
-    println!(
-        "{:<38} {:<24} {:<64} {:>8} {:>14}",
-        "task", "model", "object key", "ms", "worker"
-    );
+    println!("{:<38} {:<24} {:<64} {:>8} {:>14}", "task", "model", "object key", "ms", "worker");
     let sink = stack.sink()?;
     let mut images = Vec::new();
     for (id, label) in &submitted {

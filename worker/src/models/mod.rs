@@ -67,6 +67,11 @@ pub trait ModelAdapter: Send + Sync {
     /// Loads the model at `path` (see [`ModelAdapter::entry`]); called once on every engine
     /// thread.
     fn load(&self, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError>;
+    /// The sampler steps of a task, for models that report progress between steps (and read
+    /// its cancellation flag); `None` for single-call models.
+    fn steps(&self, _task: &TaskRecord) -> Option<u32> {
+        None
+    }
     /// Facts about a task for logs and the DLQ (its dimensions).
     fn describe(&self, task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {
         let r = &task.request;

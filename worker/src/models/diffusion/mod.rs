@@ -110,6 +110,10 @@ impl ModelAdapter for StableDiffusion {
         None
     }
 
+    fn steps(&self, task: &TaskRecord) -> Option<u32> {
+        Some(task.request.steps)
+    }
+
     fn load(&self, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
         // Read the directory again: a reload may bring a new scheduler config or VAE factor.
         let layout = SdLayout::open(path).map_err(|e| EngineError::Load(e.to_string()))?;

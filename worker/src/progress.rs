@@ -1,0 +1,129 @@
+//! Progress of multi-step tasks on `sluice.progress.v1`: `started` when a worker begins a task,
+//! then `step n/N` at most once per [`THROTTLE`] per task (and always the last step). The engine
+//! thread calls [`TaskProgress`] between sampler steps; it only puts a record on a channel, and
+//! one publisher task sends them without waiting for acknowledgements (progress is advisory; the
+//! completion or DLQ record is the outcome). The same object carries the task's cancellation
+//! flag, which the UNet loop reads between steps.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sluice_schemas::{ProgressEvent, ProgressRecord, SCHEMA_VERSION};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::engine::TaskHooks;
+
+/// At most one step record per task this often.
+pub(crate) const THROTTLE: Duration = Duration::from_millis(500);
+
+/// Where progress records go.
+#[derive(Clone)]
+pub(crate) struct ProgressSink {
+    tx: mpsc::UnboundedSender<ProgressRecord>,
+    worker_id: String,
+}
+
+impl ProgressSink {
+    pub(crate) fn new(worker_id: String) -> (ProgressSink, mpsc::UnboundedReceiver<ProgressRecord>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (ProgressSink { tx, worker_id }, rx)
+    }
+
+    /// A task's hooks; publishes its `started` record.
+    pub(crate) fn start(&self, task_id: Uuid, model: &str, steps: u32) -> TaskProgress {
+        let p = TaskProgress {
+            sink: self.clone(),
+            task_id,
+            model: model.to_owned(),
+            last: Mutex::new(None),
+            cancelled: AtomicBool::new(false),
+        };
+        p.send(ProgressEvent::Started, 0, steps);
+        p
+    }
+}
+
+/// One task's progress and cancellation flag.
+pub(crate) struct TaskProgress {
+    sink: ProgressSink,
+    task_id: Uuid,
+    model: String,
+    last: Mutex<Option<Instant>>,
+    cancelled: AtomicBool,
+}
+
+impl TaskProgress {
+    fn send(&self, event: ProgressEvent, step: u32, steps: u32) {
+        let _ = self.sink.tx.send(ProgressRecord {
+            version: SCHEMA_VERSION,
+            task_id: self.task_id,
+            model: self.model.clone(),
+            worker_id: self.sink.worker_id.clone(),
+            event,
+            step,
+            steps,
+            at: Utc::now(),
+        });
+    }
+
+    /// Asks the model to stop working on the task at its next step.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Relaxed);
+    }
+}
+
+impl TaskHooks for TaskProgress {
+    fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+
+    fn progress(&self, step: usize, steps: usize) {
+        let now = Instant::now();
+        let mut last = self.last.lock().expect("not poisoned");
+        if step < steps && last.is_some_and(|t| now.duration_since(t) < THROTTLE) {
+            return;
+        }
+        *last = Some(now);
+        self.send(ProgressEvent::Step, step as u32, steps as u32);
+    }
+}
+
+/// Sends progress records until every sink is dropped.
+pub(crate) async fn publish(mut rx: mpsc::UnboundedReceiver<ProgressRecord>, producer: FutureProducer, topic: String) {
+    while let Some(record) = rx.recv().await {
+        let payload = serde_json::to_vec(&record).expect("record serializes");
+        let key = record.task_id.to_string();
+        // Enqueue only: a full queue or an unreachable broker drops progress, never tasks.
+        if let Err((e, _)) = producer.send_result(FutureRecord::to(&topic).key(&key).payload(&payload)) {
+            tracing::debug!(error = %e, "progress record dropped");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_are_throttled_but_the_last_one_always_goes_out() {
+        let (sink, mut rx) = ProgressSink::new("w".into());
+        let p = sink.start(Uuid::nil(), "sd", 30);
+        for step in 1..=30 {
+            p.progress(step, 30);
+        }
+        let records: Vec<ProgressRecord> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        let events: Vec<(ProgressEvent, u32)> = records.iter().map(|r| (r.event, r.step)).collect();
+        assert_eq!(
+            events,
+            vec![(ProgressEvent::Started, 0), (ProgressEvent::Step, 1), (ProgressEvent::Step, 30)]
+        );
+        assert!(!p.cancelled());
+        p.cancel();
+        assert!(p.cancelled());
+    }
+}
