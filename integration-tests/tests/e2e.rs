@@ -112,6 +112,8 @@ async fn malformed_records_go_to_the_dlq_and_the_tasks_around_them_complete() {
     out_of_bounds["request"]["width"] = json!(1_000_000);
     let (unknown_model_id, mut unknown_model) = task(30);
     unknown_model["model"] = json!("stable-diffusion-9");
+    let (_, mut malformed_model) = task(30);
+    malformed_model["model"] = json!("not a model name!");
     let (_, mut v7) = task(30);
     v7["version"] = json!(7);
     let (_, mut missing) = task(30);
@@ -130,7 +132,10 @@ async fn malformed_records_go_to_the_dlq_and_the_tasks_around_them_complete() {
         (bytes(&missing), None, "schema_violation"),
         (bytes(&wrong_types), None, "schema_violation"),
         (bytes(&out_of_bounds), None, "schema_violation"),
-        (bytes(&unknown_model), None, "schema_violation"),
+        // Model names are the catalog's: a well-formed name this worker does not serve is
+        // unsupported; a name no catalog can hold is a schema violation.
+        (bytes(&unknown_model), None, "unsupported_model"),
+        (bytes(&malformed_model), None, "schema_violation"),
     ];
     produce_raw(
         &kafka,

@@ -20,7 +20,7 @@ use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::Stack;
 use sluice_integration_tests::{TopicReader, publish_tasks, terrain_task};
-use sluice_schemas::{CompletionEvent, CompletionStatus};
+use sluice_schemas::{CompletionEvent, CompletionStatus, TaskRecord};
 use sluice_worker::engine::{Backend, Call, CallTask, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
 
@@ -53,7 +53,7 @@ async fn main() -> anyhow::Result<()> {
         return adaptive::run(&stack).await;
     }
     anyhow::ensure!(which == "pipeline", "unknown benchmark {which:?}: all, pipeline or adaptive");
-    // `sluice-bench pipeline [terrain|tiny]`: one model only.
+    // `sluice-bench pipeline [terrain|tiny|sd]`: one model only.
     let only = std::env::args().nth(2);
     let mut rows = Vec::new();
     if only.as_deref().is_none_or(|o| o == "terrain") {
@@ -63,6 +63,10 @@ async fn main() -> anyhow::Result<()> {
     if only.as_deref().is_none_or(|o| o == "tiny") {
         let tiny = stack.tiny_models()?;
         rows.push(pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 2_000).await?);
+    }
+    if only.as_deref().is_none_or(|o| o == "sd") {
+        rows.push(sd_pipeline(&stack, 64, 4, 8, 400).await?);
+        rows.push(sd_pipeline(&stack, 256, 20, 2, 16).await?);
     }
     println!();
     println!("## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (tansu, sqlite) and S3 (s3s-fs), one worker, CPU");
@@ -145,43 +149,114 @@ async fn raw_images_per_second(stack: &Stack, model_dir: &Path, batch: usize, ba
     let runtime = runtime(stack)?;
     engine.load("terrain", ort_loader(&runtime, model_dir)).await?;
     let adapter = Terrain::new(runtime);
-    let tasks: Vec<_> = (0..batch).map(|i| serde_json::from_value(task_record(i)).unwrap()).collect();
+    let tasks: Vec<TaskRecord> = (0..batch).map(|i| serde_json::from_value(task_record(i)).unwrap()).collect();
+    images_per_second(&engine, "terrain", &adapter, &tasks, batches).await
+}
+
+/// Images per second of `batches` in-process calls of `tasks` as one batch (after two to warm up).
+async fn images_per_second(
+    engine: &Engine,
+    model: &str,
+    adapter: &dyn ModelAdapter,
+    tasks: &[TaskRecord],
+    batches: usize,
+) -> anyhow::Result<f64> {
     let prepared: Vec<_> = tasks
         .iter()
         .map(|t| adapter.prepare(t))
         .collect::<Result<_, _>>()
         .map_err(anyhow::Error::msg)?;
     let call = Call {
-        key: String::new(),
+        key: adapter.bucket(&tasks[0]).map_err(anyhow::Error::msg)?.key,
         inputs: concat_inputs(&prepared.iter().collect::<Vec<_>>()),
-        tasks: (0..batch)
-            .map(|i| CallTask {
+        tasks: prepared
+            .iter()
+            .enumerate()
+            .map(|(i, p)| CallTask {
                 id: i.to_string(),
-                rows: 1,
+                rows: p.rows,
                 hooks: None,
             })
             .collect(),
     };
     for _ in 0..2 {
-        engine.run("terrain", call.clone(), false).await?;
+        engine.run(model, call.clone(), false).await?;
     }
     let started = Instant::now();
     for _ in 0..batches {
-        engine.run("terrain", call.clone(), false).await?;
+        engine.run(model, call.clone(), false).await?;
     }
-    Ok((batches * batch) as f64 / started.elapsed().as_secs_f64())
+    Ok((batches * prepared.iter().map(|p| p.rows).sum::<usize>()) as f64 / started.elapsed().as_secs_f64())
 }
 
 async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize, tasks: usize, raw_images: usize) -> anyhow::Result<Row> {
     eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
     let raw = raw_images_per_second(stack, model_dir, batch, raw_images.div_ceil(batch)).await?;
+    let make = |i: usize| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32);
+    end_to_end(stack, scenario, model_dir, batch, tasks, raw, &make, &[]).await
+}
 
+/// The tiny Stable Diffusion model: raw in-process calls of the SD backend at `batch`, against
+/// the same tasks end to end (`size`×`size`, `steps` euler steps with guidance).
+async fn sd_pipeline(stack: &Stack, size: u32, steps: u32, batch: usize, tasks: usize) -> anyhow::Result<Row> {
+    use sluice_worker::models::diffusion::StableDiffusion;
+    let scenario = format!("sd-tiny {size}x{size}, {steps} steps");
+    let dir = stack.dir.join("models/sd-tiny");
+    let make = move |i: usize| {
+        let id = uuid::Uuid::now_v7().to_string();
+        let record = serde_json::json!({
+            "version": 1, "task_id": id, "submitted_at": Utc::now().to_rfc3339(), "tenant": "acme", "user": null, "model": "sd-tiny",
+            "request": {"prompt": format!("a lighthouse, variant {}", i % 7), "negative_prompt": "blurry", "steps": steps, "guidance_scale": 7.5,
+                        "seed": i, "sampler": "euler", "width": size, "height": size, "num_images": 1, "params": {}}
+        });
+        (id, record)
+    };
+    eprintln!("== {scenario}: raw ({} images at batch {batch})", tasks);
+    let runtime = runtime(stack)?;
+    let adapter = Arc::new(StableDiffusion::open(runtime, "sd-tiny", &dir)?);
+    let engine = Engine::start(1);
+    let (a, d) = (adapter.clone(), dir.clone());
+    engine
+        .load("sd-tiny", Arc::new(move || a.load(&d, &SessionOptions::default())))
+        .await?;
+    let records: Vec<TaskRecord> = (0..batch).map(|i| serde_json::from_value(make(i).1).unwrap()).collect();
+    let raw = images_per_second(&engine, "sd-tiny", adapter.as_ref(), &records, tasks.div_ceil(batch)).await?;
+    engine.unload("sd-tiny").await;
+    let catalog = sluice_integration_tests::stack::repo_root()
+        .join("deploy/models.demo.toml")
+        .display()
+        .to_string();
+    let models_dir = stack.dir.join("models");
+    end_to_end(
+        stack,
+        &scenario,
+        &models_dir,
+        batch,
+        tasks,
+        raw,
+        &make,
+        &[("SLUICE_MODEL_CATALOG", &catalog), ("SLUICE_MODELS", "sd-tiny")],
+    )
+    .await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn end_to_end(
+    stack: &Stack,
+    scenario: &str,
+    model_dir: &Path,
+    batch: usize,
+    tasks: usize,
+    raw: f64,
+    make: &dyn Fn(usize) -> (String, serde_json::Value),
+    extra_settings: &[(&str, &str)],
+) -> anyhow::Result<Row> {
     // Every task is on the topic before the worker starts, so the worker runs as fast as it
     // can and the rate measured is the pipeline's own, not the feeder's.
     eprintln!("== {scenario}: end to end ({tasks} tasks through one worker)");
     let topics = stack.topics(&format!("bench-{tasks}"), 8)?;
     let kafka = producer(stack.brokers())?;
-    let all: Vec<_> = (0..tasks).map(|i| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32)).collect();
+    let all: Vec<_> = (0..tasks).map(make).collect();
     for chunk in all.chunks(2000) {
         publish_tasks(&kafka, &topics.tasks, chunk).await?;
     }
@@ -197,6 +272,7 @@ async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize,
         ("SLUICE_MAX_WAIT_MS", "20"),
     ];
     settings.extend(topics.worker_env());
+    settings.extend_from_slice(extra_settings);
     // Extra worker settings, `NAME=value;NAME=value`, to compare configurations.
     let extra = std::env::var("SLUICE_BENCH_WORKER_ENV").unwrap_or_default();
     settings.extend(extra.split(';').filter_map(|kv| kv.split_once('=')));
