@@ -23,6 +23,19 @@ pub fn terrain_task(seed: u64, width: u32, height: u32, difficulty: u32) -> (Str
     (id, record)
 }
 
+/// A valid version-1 Stable Diffusion task record of tenant `acme` for the demo catalog's
+/// `sd-tiny` (euler, guidance 7.5): its task id and its JSON.
+pub fn sd_task(seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Value) {
+    let id = uuid::Uuid::now_v7().to_string();
+    let record = json!({
+        "version": 1, "task_id": id, "submitted_at": chrono::Utc::now().to_rfc3339(), "tenant": "acme", "user": null, "model": "sd-tiny",
+        "request": {"prompt": format!("a lighthouse, variant {}", seed % 7), "negative_prompt": "blurry", "steps": steps,
+                    "guidance_scale": 7.5, "seed": seed, "sampler": "euler", "width": size, "height": size,
+                    "num_images": num_images, "params": {}}
+    });
+    (id, record)
+}
+
 /// Publishes task records (key = task id, schema-version header), all awaiting their
 /// acknowledgement at once.
 pub async fn publish_tasks(producer: &FutureProducer, topic: &str, tasks: &[(String, Value)]) -> anyhow::Result<()> {

@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::Stack;
-use sluice_integration_tests::{TopicReader, publish_tasks, terrain_task};
+use sluice_integration_tests::{TopicReader, publish_tasks, sd_task, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus, TaskRecord};
 use sluice_worker::engine::{Backend, Call, CallTask, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
@@ -202,15 +202,7 @@ async fn sd_pipeline(stack: &Stack, size: u32, steps: u32, batch: usize, tasks: 
     use sluice_worker::models::diffusion::StableDiffusion;
     let scenario = format!("sd-tiny {size}x{size}, {steps} steps");
     let dir = stack.dir.join("models/sd-tiny");
-    let make = move |i: usize| {
-        let id = uuid::Uuid::now_v7().to_string();
-        let record = serde_json::json!({
-            "version": 1, "task_id": id, "submitted_at": Utc::now().to_rfc3339(), "tenant": "acme", "user": null, "model": "sd-tiny",
-            "request": {"prompt": format!("a lighthouse, variant {}", i % 7), "negative_prompt": "blurry", "steps": steps, "guidance_scale": 7.5,
-                        "seed": i, "sampler": "euler", "width": size, "height": size, "num_images": 1, "params": {}}
-        });
-        (id, record)
-    };
+    let make = move |i: usize| sd_task(i as u64, size, steps, 1);
     eprintln!("== {scenario}: raw ({} images at batch {batch})", tasks);
     let runtime = runtime(stack)?;
     let adapter = Arc::new(StableDiffusion::open(runtime, "sd-tiny", &dir)?);

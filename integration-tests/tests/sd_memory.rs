@@ -1,0 +1,152 @@
+//! Memory discipline of the Stable Diffusion pipeline on real out-of-memory errors and reloads,
+//! as `memory.rs` proves it for terrain: ONNX Runtime's CPU arena is capped, so a batch that
+//! needs more fails inside ORT as a CUDA allocation does on a GPU.
+//!
+//! Measured here (tiny SD, euler, guidance on): under a 400 MB arena cap two 256×256 images run
+//! in one call (UNet batch 4) but not four; one 512×512 image never fits (self-attention over
+//! 4,096 latent positions).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::Value;
+use sluice_integration_tests::cluster::{Worker, metric_value};
+use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::stack::repo_root;
+use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, sd_task};
+use sluice_schemas::CompletionStatus;
+use tokio::sync::OnceCell;
+
+static STACK: OnceCell<Stack> = OnceCell::const_new();
+
+async fn stack() -> &'static Stack {
+    STACK
+        .get_or_init(|| async { Stack::start("sd-memory").expect("stack starts") })
+        .await
+}
+
+/// A worker serving only `sd-tiny`, in a group of its own on its own topics.
+async fn worker(stack: &Stack, scenario: &str, topics: &Topics, extra: &[(&str, &str)]) -> Worker {
+    let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
+    let mut env = vec![("SLUICE_MODEL_CATALOG", catalog.as_str()), ("SLUICE_MODELS", "sd-tiny")];
+    env.extend_from_slice(extra);
+    Worker::on_topics(stack, scenario, &format!("sd-memory-{scenario}"), topics, &env)
+        .await
+        .expect("worker starts")
+}
+
+fn outcomes(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>) -> Outcomes {
+    Outcomes::wait(stack.brokers(), topics, ids, Duration::from_secs(300)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_sd_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone_goes_to_the_dlq() {
+    let stack = stack().await;
+    let topics = stack.topics("sd-oom", 4).unwrap();
+    let mut worker = worker(
+        stack,
+        "oom",
+        &topics,
+        &[
+            ("SLUICE_ORT_CPU_ARENA_MAX_BYTES", "400000000"),
+            ("SLUICE_MAX_BATCH", "8"),
+            ("SLUICE_MAX_WAIT_MS", "2000"),
+            ("SLUICE_LOG_FORMAT", "json"),
+        ],
+    )
+    .await;
+    let large: Vec<_> = (0..4).map(|i| sd_task(10 + i, 256, 2, 1)).collect();
+    let huge: Vec<_> = (0..2).map(|i| sd_task(20 + i, 512, 2, 1)).collect();
+    let small: Vec<_> = (0..4).map(|i| sd_task(30 + i, 64, 4, 1)).collect();
+    let kafka = producer(stack.brokers()).unwrap();
+    publish_tasks(&kafka, &topics.tasks, &large).await.unwrap();
+    publish_tasks(&kafka, &topics.tasks, &huge).await.unwrap();
+    publish_tasks(&kafka, &topics.tasks, &small).await.unwrap();
+
+    let all: Vec<_> = [large.clone(), huge.clone(), small.clone()].concat();
+    let done = outcomes(stack, &topics, &ids_of(&all));
+    let succeeded = done.with_status(CompletionStatus::Succeeded);
+    for (id, _) in large.iter().chain(&small) {
+        assert!(succeeded.contains(id), "{id} should have completed: {:?}", done.completions.get(id));
+    }
+    for (id, _) in &huge {
+        assert_eq!(done.dlq_reason(id), Some("resource_exhausted"), "{id}");
+        let message = &done.dlq[id][0].message;
+        assert!(message.contains("512x512x1"), "the DLQ names width x height x images: {message}");
+    }
+    assert!(worker.service.running(), "the worker is still up");
+
+    let events: Vec<Value> = worker
+        .service
+        .log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let bucket = "sd-tiny:256x256:euler:2:cfg:1";
+    let halvings: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["message"] == "out of memory; retrying with a smaller batch" && e["bucket"] == bucket)
+        .collect();
+    assert!(!halvings.is_empty(), "the 256x256 group halved");
+    assert_eq!(halvings[0]["level"], "WARN");
+    let metrics = worker.metrics().await.unwrap();
+    let ceiling = metric_value(&metrics, &format!("sluice_worker_batch_ceiling{{bucket=\"{bucket}\"}}")).unwrap();
+    assert!((1.0..=3.0).contains(&ceiling), "learned ceiling: {ceiling}");
+    assert!(metric_value(&metrics, "sluice_worker_oom_total{bucket=\"sd-tiny:512x512:euler:2:cfg:1\"}").unwrap() >= 1.0);
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// RSS bound after the warm-up reloads, above the warm baseline.
+const RSS_BOUND_BYTES: u64 = 100 << 20;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes_back() {
+    let stack = stack().await;
+    let topics = stack.topics("sd-reload", 4).unwrap();
+    let mut worker = worker(stack, "reload", &topics, &[("SLUICE_MAX_WAIT_MS", "20")]).await;
+    let kafka = producer(stack.brokers()).unwrap();
+    let client = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    let mut rss = Vec::new();
+    for i in 0..20u64 {
+        let wave: Vec<_> = (0..2).map(|j| sd_task(i * 2 + j, 64, 4, 1 + (j as u32))).collect();
+        publish_tasks(&kafka, &topics.tasks, &wave).await.unwrap();
+        tasks.extend(wave);
+        let response = client
+            .post(format!("{}/admin/reload", worker.url))
+            .json(&serde_json::json!({"model": "sd-tiny"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        let report: Value = response.json().await.unwrap();
+        let report = &report["reloads"][0];
+        assert_eq!(report["result"], "reloaded", "{report}");
+        rss.push((
+            report["after_unload"]["rss_bytes"].as_u64().unwrap(),
+            report["after"]["rss_bytes"].as_u64().unwrap(),
+        ));
+    }
+    let done = outcomes(stack, &topics, &ids_of(&tasks));
+    assert_eq!(
+        done.with_status(CompletionStatus::Succeeded).len(),
+        tasks.len(),
+        "every task completed across the reloads"
+    );
+    let baseline = rss[4].1;
+    let worst = rss[5..].iter().map(|r| r.1).max().unwrap();
+    eprintln!(
+        "SD reload RSS: first {} MB, warm baseline (after reload 5) {} MB, worst after reload 6..20 {} MB, last {} MB, lowest after an unload {} MB; bound baseline + {} MB",
+        rss[0].1 >> 20,
+        baseline >> 20,
+        worst >> 20,
+        rss[19].1 >> 20,
+        rss.iter().map(|r| r.0).min().unwrap() >> 20,
+        RSS_BOUND_BYTES >> 20
+    );
+    assert!(
+        worst <= baseline + RSS_BOUND_BYTES,
+        "RSS after reloads grew from {baseline} to {worst} bytes"
+    );
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
