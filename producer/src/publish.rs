@@ -54,6 +54,9 @@ impl TaskPublisher {
                 message: e.to_string(),
             }])
         })?;
+        if let Some(entry) = catalog.get(&parsed.model) {
+            validate(RecordKind::request_of(entry.kind), request).map_err(SubmitError::Invalid)?;
+        }
         let (model, generation) = catalog
             .normalize(parsed, || fastrand::u64(0..=MAX_SEED))
             .map_err(SubmitError::Invalid)?;

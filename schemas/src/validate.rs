@@ -10,7 +10,7 @@ const BASE: &str = "https://schemas.sluice.dev/v1/";
 
 /// The schema files, embedded so that every binary validates against exactly the contract in
 /// this crate.
-pub const SCHEMA_FILES: [(&str, &str); 7] = [
+pub const SCHEMA_FILES: [(&str, &str); 9] = [
     ("generation.schema.json", include_str!("../v1/generation.schema.json")),
     ("task-request.schema.json", include_str!("../v1/task-request.schema.json")),
     ("task.schema.json", include_str!("../v1/task.schema.json")),
@@ -18,6 +18,11 @@ pub const SCHEMA_FILES: [(&str, &str); 7] = [
     ("dlq.schema.json", include_str!("../v1/dlq.schema.json")),
     ("manifest.schema.json", include_str!("../v1/manifest.schema.json")),
     ("progress.schema.json", include_str!("../v1/progress.schema.json")),
+    ("terrain-request.schema.json", include_str!("../v1/terrain-request.schema.json")),
+    (
+        "stable-diffusion-request.schema.json",
+        include_str!("../v1/stable-diffusion-request.schema.json"),
+    ),
 ];
 
 /// The records that have a schema.
@@ -29,17 +34,30 @@ pub enum RecordKind {
     Dlq,
     Manifest,
     Progress,
+    /// The request rules of a model kind (after `TaskRequest`, once the catalog named the kind).
+    TerrainRequest,
+    StableDiffusionRequest,
 }
 
 impl RecordKind {
-    pub const ALL: [RecordKind; 6] = [
+    pub const ALL: [RecordKind; 8] = [
         RecordKind::TaskRequest,
         RecordKind::Task,
         RecordKind::Completion,
         RecordKind::Dlq,
         RecordKind::Manifest,
         RecordKind::Progress,
+        RecordKind::TerrainRequest,
+        RecordKind::StableDiffusionRequest,
     ];
+
+    /// The request schema of a model kind.
+    pub fn request_of(kind: crate::ModelKind) -> RecordKind {
+        match kind {
+            crate::ModelKind::Terrain => RecordKind::TerrainRequest,
+            crate::ModelKind::StableDiffusion => RecordKind::StableDiffusionRequest,
+        }
+    }
 
     pub fn file_name(self) -> &'static str {
         match self {
@@ -49,6 +67,8 @@ impl RecordKind {
             RecordKind::Dlq => "dlq.schema.json",
             RecordKind::Manifest => "manifest.schema.json",
             RecordKind::Progress => "progress.schema.json",
+            RecordKind::TerrainRequest => "terrain-request.schema.json",
+            RecordKind::StableDiffusionRequest => "stable-diffusion-request.schema.json",
         }
     }
 }
@@ -74,7 +94,7 @@ impl std::fmt::Display for Violation {
 
 const UNKNOWN_FIELD: &str = "unknown field";
 
-struct Validators([Validator; 6]);
+struct Validators([Validator; 8]);
 
 static VALIDATORS: LazyLock<Validators> = LazyLock::new(|| {
     let resources: Vec<(String, Resource)> = SCHEMA_FILES

@@ -63,6 +63,20 @@ fn task_requests() {
 }
 
 #[test]
+fn per_kind_requests() {
+    round_trip::<TaskRequest>(RecordKind::TerrainRequest, "terrain-request");
+    rejects(RecordKind::TerrainRequest, "terrain-request");
+    round_trip::<TaskRequest>(RecordKind::StableDiffusionRequest, "stable-diffusion-request");
+    rejects(RecordKind::StableDiffusionRequest, "stable-diffusion-request");
+    // Every valid example of a kind is a valid generic request too.
+    for kind in ["terrain-request", "stable-diffusion-request"] {
+        for (path, value) in examples(kind, "valid") {
+            assert!(validate(RecordKind::TaskRequest, &value).is_ok(), "{}", path.display());
+        }
+    }
+}
+
+#[test]
 fn tasks() {
     round_trip::<TaskRecord>(RecordKind::Task, "task");
     rejects(RecordKind::Task, "task");
