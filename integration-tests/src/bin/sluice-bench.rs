@@ -42,7 +42,7 @@ async fn main() -> anyhow::Result<()> {
     if which == "all" {
         // One process per benchmark: ONNX Runtime has one environment per process, and the
         // adaptive benchmark caps its CPU arena.
-        for which in ["pipeline", "adaptive"] {
+        for which in ["pipeline", "adaptive", "adaptive-sd"] {
             let status = std::process::Command::new(std::env::current_exe()?).arg(which).status()?;
             anyhow::ensure!(status.success(), "benchmark {which} failed");
         }
@@ -52,7 +52,10 @@ async fn main() -> anyhow::Result<()> {
     if which == "adaptive" {
         return adaptive::run(&stack).await;
     }
-    anyhow::ensure!(which == "pipeline", "unknown benchmark {which:?}: all, pipeline or adaptive");
+    if which == "adaptive-sd" {
+        return adaptive::run_sd(&stack).await;
+    }
+    anyhow::ensure!(which == "pipeline", "unknown benchmark {which:?}: all, pipeline, adaptive or adaptive-sd");
     // `sluice-bench pipeline [terrain|tiny|sd]`: one model only.
     let only = std::env::args().nth(2);
     let mut rows = Vec::new();
@@ -323,7 +326,7 @@ mod adaptive {
     use sluice_worker::metrics::Metrics;
     use sluice_worker::models::{Bucket, Prepared};
 
-    struct Item(Prepared, usize);
+    struct Item(Prepared, usize, String);
 
     impl BatchItem for Item {
         fn prepared(&self) -> &Prepared {
@@ -333,8 +336,16 @@ mod adaptive {
             self.1.to_string()
         }
         fn dimensions(&self) -> String {
-            "128x128x1".into()
+            self.2.clone()
         }
+    }
+
+    /// What one table measures: a model, its loader and adapter, and its tasks.
+    struct Subject<'a> {
+        model: &'a str,
+        loader: Loader,
+        adapter: &'a dyn ModelAdapter,
+        task: &'a dyn Fn(usize) -> TaskRecord,
     }
 
     struct Outcome {
@@ -348,8 +359,8 @@ mod adaptive {
 
     /// Runs `tasks` tasks in calls of at most `max`, as the batcher hands them over: each batch
     /// as large as the bucket's current limit.
-    async fn measure(engine: &Engine, runtime: &Arc<Runtime>, model_dir: &Path, max: usize, tasks: usize) -> anyhow::Result<Outcome> {
-        engine.load("terrain", ort_loader(runtime, model_dir)).await?;
+    async fn measure(engine: &Engine, subject: &Subject<'_>, max: usize, tasks: usize) -> anyhow::Result<Outcome> {
+        engine.load(subject.model, subject.loader.clone()).await?;
         let metrics = Metrics::new();
         let adaptive = Adaptive::new(
             engine.clone(),
@@ -361,18 +372,15 @@ mod adaptive {
             true,
             metrics.clone(),
         );
-        let bucket = Bucket {
-            key: String::new(),
-            model: "terrain".into(),
-            rows_per_task: 1,
-        };
+        let bucket: Bucket = subject.adapter.bucket(&(subject.task)(0)).map_err(anyhow::Error::msg)?;
         // Inputs prepared beforehand: the table compares batching, not input preparation.
-        let adapter = Terrain::new(runtime.clone());
         // A pool of prepared inputs, recycled as runs finish.
         let mut pending: std::collections::VecDeque<Item> = (0..tasks.min(1024))
             .map(|i| {
-                let task = serde_json::from_value(task_record(i)).expect("task");
-                Item(adapter.prepare(&task).expect("prepared"), i)
+                let task = (subject.task)(i);
+                let r = &task.request;
+                let dims = format!("{}x{}x{}", r.width, r.height, r.num_images);
+                Item(subject.adapter.prepare(&task).expect("prepared"), i, dims)
             })
             .collect();
         let (mut issued, mut done, mut failed, mut batches) = (0usize, 0usize, 0usize, 0usize);
@@ -390,7 +398,10 @@ mod adaptive {
                         done += items.len();
                         returned.extend(items);
                     }
-                    Done::Failed { item, .. } => {
+                    Done::Failed { item, error } => {
+                        if failed == 0 {
+                            eprintln!("first failed task: {error}");
+                        }
                         failed += 1;
                         returned.push(item);
                     }
@@ -412,7 +423,7 @@ mod adaptive {
             .map(|c| (c.0, c.1))
             .expect("the last one matches");
         let elapsed = started.elapsed().as_secs_f64();
-        engine.unload("terrain").await;
+        engine.unload(subject.model).await;
         let ooms = metrics.ooms(&bucket);
         Ok(Outcome {
             images_per_s: done as f64 / elapsed,
@@ -423,31 +434,58 @@ mod adaptive {
         })
     }
 
+    fn env_or(name: &str, default: usize) -> usize {
+        std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    }
+
+    /// terrain-tiny (~1 ms per 128x128 image) under a 64 MiB CPU arena cap.
     pub async fn run(stack: &Stack) -> anyhow::Result<()> {
-        let cap: usize = std::env::var("SLUICE_BENCH_ARENA_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(64 << 20);
-        let tasks: usize = std::env::var("SLUICE_BENCH_ADAPTIVE_TASKS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(32_768);
+        let cap = env_or("SLUICE_BENCH_ARENA_BYTES", 64 << 20);
+        let tasks = env_or("SLUICE_BENCH_ADAPTIVE_TASKS", 32_768);
         let runtime = runtime_with(stack, Some(cap))?;
-        let engine = Engine::start(1);
         let tiny = stack.tiny_models()?;
+        let adapter = Terrain::new(runtime.clone());
+        let task = |i: usize| -> TaskRecord { serde_json::from_value(task_record(i)).expect("task") };
+        let subject = Subject {
+            model: "terrain",
+            loader: ort_loader(&runtime, &tiny),
+            adapter: &adapter,
+            task: &task,
+        };
+        let sizes = [256, 1, 4, 16, 32, 64, 128, 256];
+        let title = format!("terrain-tiny, CPU arena capped at {} MiB, {tasks} tasks of 128x128, one engine thread", cap >> 20);
+        table(&subject, &sizes, tasks, cap, &title).await
+    }
+
+    /// The tiny Stable Diffusion model, 256x256 at 2 euler steps with guidance, under a 400 MB
+    /// CPU arena cap (two images fit in one call, four do not).
+    pub async fn run_sd(stack: &Stack) -> anyhow::Result<()> {
+        let cap = env_or("SLUICE_BENCH_SD_ARENA_BYTES", 400_000_000);
+        let tasks = env_or("SLUICE_BENCH_SD_ADAPTIVE_TASKS", 48);
+        let runtime = runtime_with(stack, Some(cap))?;
+        let dir = stack.dir.join("models/sd-tiny");
+        let adapter = Arc::new(sluice_worker::models::diffusion::StableDiffusion::open(runtime, "sd-tiny", &dir)?);
+        let (a, d) = (adapter.clone(), dir.clone());
+        let task = |i: usize| -> TaskRecord { serde_json::from_value(sd_task(i as u64, 256, 2, 1).1).expect("task") };
+        let subject = Subject {
+            model: "sd-tiny",
+            loader: Arc::new(move || a.load(&d, &SessionOptions::default())),
+            adapter: adapter.as_ref(),
+            task: &task,
+        };
+        let sizes = [16, 1, 2, 4, 8, 16];
+        let title = format!("sd-tiny, CPU arena capped at {} MB, {tasks} tasks of 256x256 at 2 steps, one engine thread", cap / 1_000_000);
+        table(&subject, &sizes, tasks, cap, &title).await
+    }
+
+    /// Adaptive (at `sizes[0]` at most) against each fixed size of `sizes[1..]`, as a table.
+    async fn table(subject: &Subject<'_>, sizes: &[usize], tasks: usize, cap: usize, title: &str) -> anyhow::Result<()> {
+        let engine = Engine::start(1);
         let mut rows = Vec::new();
-        for (label, max) in [
-            ("adaptive (max 256)", 256),
-            ("fixed 1", 1),
-            ("fixed 4", 4),
-            ("fixed 16", 16),
-            ("fixed 32", 32),
-            ("fixed 64", 64),
-            ("fixed 128", 128),
-            ("fixed 256", 256),
-        ] {
+        for (i, &max) in sizes.iter().enumerate() {
+            let label = if i == 0 { format!("adaptive (max {max})") } else { format!("fixed {max}") };
             eprintln!("== adaptive: {label}, {tasks} tasks, CPU arena capped at {} MiB", cap >> 20);
-            rows.push((label, max, measure(&engine, &runtime, &tiny, max, tasks).await?));
+            rows.push((label, max, measure(&engine, subject, max, tasks).await?));
         }
         let best_fixed = rows
             .iter()
@@ -456,14 +494,11 @@ mod adaptive {
             .fold(0.0, f64::max);
         let single = rows
             .iter()
-            .find(|(l, _, _)| *l == "fixed 1")
+            .find(|(l, _, _)| l == "fixed 1")
             .map(|r| r.2.images_per_s)
             .unwrap_or(f64::NAN);
         println!();
-        println!(
-            "## adaptive batching under a memory cap (terrain-tiny, CPU arena capped at {} MiB, {tasks} tasks of 128x128, one engine thread)",
-            cap >> 20
-        );
+        println!("## adaptive batching under a memory cap ({title})");
         println!();
         println!(
             "| strategy | images/s | vs best fixed that fits | vs batch 1 | OOMs handled | tasks failed | steady batch size | first reached after |"
