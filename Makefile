@@ -11,6 +11,8 @@ CARGO ?= cargo
 BIN := $(CARGO_TARGET_DIR)/release
 STACK ?= .stack
 
+
+.PHONY: assets-cuda gpu-check
 .PHONY: help setup tools assets build demo test unit-test integration-test chaos bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
@@ -21,6 +23,8 @@ help:
 	@echo "make stack-up    start the broker and the S3 server; settings in $(STACK)/env"
 	@echo "make stack-down  stop them"
 	@echo "make lint        rustfmt and clippy"
+	@echo "make assets-cuda ONNX Runtime's CUDA flavour with its CUDA/cuDNN libraries (PyPI)"
+	@echo "make gpu-check   the CUDA path on a GPU node"
 
 setup: tools assets build
 
@@ -29,6 +33,14 @@ tools:
 
 assets:
 	@scripts/fetch-assets.sh >/dev/null
+
+# ONNX Runtime's CUDA flavour and the CUDA/cuDNN libraries it needs, from PyPI (~1.9 GB).
+assets-cuda:
+	@SLUICE_ORT_FLAVOUR=cuda scripts/fetch-assets.sh >/dev/null
+
+# The CUDA path on a GPU node (see scripts/gpu-check.sh).
+gpu-check: setup
+	scripts/gpu-check.sh
 
 build:
 	$(CARGO) build --release --locked --bins

@@ -5,7 +5,12 @@
 #     that is not reachable here, so the library comes from the registry instead);
 #   - the pretrained one-step consistency UNet from `adaptive-terrain-diffusion`, served as model
 #     `terrain`;
-#   - a Python venv with the pinned `onnx` package, used to generate the small test models.
+#   - a Python venv with the pinned `onnx` package, used to generate the small test models;
+#   - the tiny Stable Diffusion test models (unpacked from integration-tests/fixtures);
+#   - with SLUICE_ORT_FLAVOUR=cuda (or `make assets-cuda`), the CUDA flavour: `onnxruntime-gpu`
+#     and the CUDA 12 / cuDNN 9 runtime wheels it links against, all from PyPI (~1.9 GB), so a GPU
+#     node needs nothing but its driver. Its ORT_DYLIB_PATH replaces the CPU one, and
+#     LD_LIBRARY_PATH names the CUDA libraries.
 # Idempotent: a second run only re-checks what is there. Prints the asset paths as `export` lines.
 set -euo pipefail
 
@@ -91,6 +96,48 @@ if [ ! -f "$SD_DIR/sd-tiny/unet/model.onnx" ]; then
   rm -rf "$SD_DIR.partial" && mkdir -p "$SD_DIR.partial"
   tar -xJf "$SD_FIXTURE" -C "$SD_DIR.partial"
   rm -rf "$SD_DIR" && mv "$SD_DIR.partial" "$SD_DIR"
+fi
+
+# The CUDA flavour.
+if [ "${SLUICE_ORT_FLAVOUR:-cpu}" = cuda ]; then
+  CUDA_DIR="$CACHE/ort/$ORT_VERSION-cuda"
+  CUDA_WHEELS=(
+    "onnxruntime-gpu==$ORT_VERSION onnxruntime_gpu-1.24.1-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl ac4bfc90c376516b13d709764ab257e4e3d78639bf6a2ccfc826e9db4a5c7ddf"
+    "nvidia-cublas-cu12==12.9.3.13 nvidia_cublas_cu12-12.9.3.13-py3-none-manylinux_2_27_x86_64.whl d7d51055f161b317c7105ddaae90e71eda059026074ffef93cf7cde2886bfe72"
+    "nvidia-cuda-nvrtc-cu12==12.9.86 nvidia_cuda_nvrtc_cu12-12.9.86-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl 210cf05005a447e29214e9ce50851e83fc5f4358df8b453155d5e1918094dcb4"
+    "nvidia-cuda-runtime-cu12==12.9.79 nvidia_cuda_runtime_cu12-12.9.79-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl 25bba2dfb01d48a9b59ca474a1ac43c6ebf7011f1b0b8cc44f54eb6ac48a96c3"
+    "nvidia-cudnn-cu12==9.28.0.42 nvidia_cudnn_cu12-9.28.0.42-py3-none-manylinux_2_27_x86_64.whl 9ff58b7f36dacd0a93e89f8f2957b52466889217963701daa15e577317cfa375"
+    "nvidia-cufft-cu12==11.4.1.4 nvidia_cufft_cu12-11.4.1.4-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl c67884f2a7d276b4b80eb56a79322a95df592ae5e765cf1243693365ccab4e28"
+    "nvidia-curand-cu12==10.3.10.19 nvidia_curand_cu12-10.3.10.19-py3-none-manylinux_2_27_x86_64.whl 49b274db4780d421bd2ccd362e1415c13887c53c214f0d4b761752b8f9f6aa1e"
+  )
+  if [ ! -f "$CUDA_DIR/lib/libonnxruntime_providers_cuda.so" ]; then
+    rm -rf "$CUDA_DIR.partial" && mkdir -p "$CUDA_DIR.partial/lib"
+    for spec in "${CUDA_WHEELS[@]}"; do
+      read -r req file sha <<<"$spec"
+      fetch_wheel "$req" "$file" "$sha" --python-version 3.11 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_12_x86_64
+      # Every shared library of the wheel, flat in one directory.
+      "$PY" - "$CACHE/wheels/$file" "$CUDA_DIR.partial/lib" <<'PYEOF'
+import os, re, shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in z.namelist():
+        base = os.path.basename(name)
+        if re.search(r"\.so(\.\d+)*$", base) and "pybind11" not in base:
+            with z.open(name) as src, open(os.path.join(sys.argv[2], base), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+PYEOF
+    done
+    # Every library the CUDA provider needs resolves inside the flavour (the driver's
+    # libcuda.so.1 is loaded at run time by the CUDA runtime, not linked).
+    missing=$(LD_LIBRARY_PATH="$CUDA_DIR.partial/lib" ldd "$CUDA_DIR.partial/lib/libonnxruntime_providers_cuda.so" | grep "not found" || true)
+    if [ -n "$missing" ]; then
+      echo "the CUDA flavour is incomplete: $missing" >&2
+      exit 1
+    fi
+    rm -rf "$CUDA_DIR" && mv "$CUDA_DIR.partial" "$CUDA_DIR"
+  fi
+  ORT_LIB="$CUDA_DIR/lib/libonnxruntime.so.$ORT_VERSION"
+  echo "export LD_LIBRARY_PATH=$CUDA_DIR/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 fi
 
 echo "export ORT_DYLIB_PATH=$ORT_LIB"
