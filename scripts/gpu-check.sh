@@ -3,7 +3,9 @@
 # CUDA flavour of ONNX Runtime and its CUDA/cuDNN libraries come from PyPI (fetch-assets.sh).
 #   1. the tiny SD model on the CUDA execution provider (required, no CPU fallback) reproduces
 #      the diffusers reference case `euler` within 1e-2 (GPU kernels round differently);
-#   2. the end-to-end suites (terrain and SD over Kafka and S3) with every worker on CUDA.
+#   2. the end-to-end suites (terrain and SD over Kafka and S3) with every worker on CUDA, and
+#      the SD memory suite with the cap as `gpu_mem_limit`: a batch that does not fit halves
+#      and completes on a real CUDA OOM, 20 reloads bring free device memory back to baseline.
 # Written without a GPU to run it on (none was lent to the session that wrote it): treat a
 # failure here as this script's bug until proven otherwise.
 set -euo pipefail
@@ -26,4 +28,4 @@ err = float(np.abs(got - want).max())
 print(f"CUDA vs diffusers (CPU) final latents: max |d| {err:.2e}")
 sys.exit(0 if err <= 1e-2 else 1)
 PYEOF
-SLUICE_DEVICE=cuda SLUICE_REQUIRE_GPU=true cargo test --release --locked -p sluice-integration-tests --test e2e --test sd
+SLUICE_DEVICE=cuda SLUICE_REQUIRE_GPU=true cargo test --release --locked -p sluice-integration-tests --test e2e --test sd --test sd_memory

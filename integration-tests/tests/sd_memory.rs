@@ -35,6 +35,20 @@ async fn worker(stack: &Stack, scenario: &str, topics: &Topics, extra: &[(&str, 
         .expect("worker starts")
 }
 
+/// On a GPU node (`SLUICE_DEVICE=cuda`, `make gpu-check`) the cap is the CUDA arena's
+/// `gpu_mem_limit`; elsewhere the shared CPU arena's.
+fn on_cuda() -> bool {
+    std::env::var("SLUICE_DEVICE").is_ok_and(|d| d == "cuda")
+}
+
+fn memory_cap(bytes: &'static str) -> (&'static str, &'static str) {
+    if on_cuda() {
+        ("SLUICE_GPU_MEM_LIMIT", bytes)
+    } else {
+        ("SLUICE_ORT_CPU_ARENA_MAX_BYTES", bytes)
+    }
+}
+
 fn outcomes(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>) -> Outcomes {
     Outcomes::wait(stack.brokers(), topics, ids, Duration::from_secs(300)).unwrap()
 }
@@ -48,7 +62,7 @@ async fn a_large_sd_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone_g
         "oom",
         &topics,
         &[
-            ("SLUICE_ORT_CPU_ARENA_MAX_BYTES", "400000000"),
+            memory_cap("400000000"),
             ("SLUICE_MAX_BATCH", "8"),
             ("SLUICE_MAX_WAIT_MS", "2000"),
             ("SLUICE_LOG_FORMAT", "json"),
@@ -108,6 +122,7 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
     let client = reqwest::Client::new();
     let mut tasks = Vec::new();
     let mut rss = Vec::new();
+    let mut device_free = Vec::new();
     for i in 0..20u64 {
         let wave: Vec<_> = (0..2).map(|j| sd_task(i * 2 + j, 64, 4, 1 + (j as u32))).collect();
         publish_tasks(&kafka, &topics.tasks, &wave).await.unwrap();
@@ -126,6 +141,7 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
             report["after_unload"]["rss_bytes"].as_u64().unwrap(),
             report["after"]["rss_bytes"].as_u64().unwrap(),
         ));
+        device_free.push(report["after"]["device_free_bytes"].as_u64());
     }
     let done = outcomes(stack, &topics, &ids_of(&tasks));
     assert_eq!(

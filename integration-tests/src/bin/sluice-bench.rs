@@ -55,7 +55,10 @@ async fn main() -> anyhow::Result<()> {
     if which == "adaptive-sd" {
         return adaptive::run_sd(&stack).await;
     }
-    anyhow::ensure!(which == "pipeline", "unknown benchmark {which:?}: all, pipeline, adaptive or adaptive-sd");
+    anyhow::ensure!(
+        which == "pipeline",
+        "unknown benchmark {which:?}: all, pipeline, adaptive or adaptive-sd"
+    );
     // `sluice-bench pipeline [terrain|tiny|sd]`: one model only.
     let only = std::env::args().nth(2);
     let mut rows = Vec::new();
@@ -453,7 +456,10 @@ mod adaptive {
             task: &task,
         };
         let sizes = [256, 1, 4, 16, 32, 64, 128, 256];
-        let title = format!("terrain-tiny, CPU arena capped at {} MiB, {tasks} tasks of 128x128, one engine thread", cap >> 20);
+        let title = format!(
+            "terrain-tiny, CPU arena capped at {} MiB, {tasks} tasks of 128x128, one engine thread",
+            cap >> 20
+        );
         table(&subject, &sizes, tasks, cap, &title).await
     }
 
@@ -474,7 +480,10 @@ mod adaptive {
             task: &task,
         };
         let sizes = [16, 1, 2, 4, 8, 16];
-        let title = format!("sd-tiny, CPU arena capped at {} MB, {tasks} tasks of 256x256 at 2 steps, one engine thread", cap / 1_000_000);
+        let title = format!(
+            "sd-tiny, CPU arena capped at {} MB, {tasks} tasks of 256x256 at 2 steps, one engine thread",
+            cap / 1_000_000
+        );
         table(&subject, &sizes, tasks, cap, &title).await
     }
 
@@ -483,7 +492,11 @@ mod adaptive {
         let engine = Engine::start(1);
         let mut rows = Vec::new();
         for (i, &max) in sizes.iter().enumerate() {
-            let label = if i == 0 { format!("adaptive (max {max})") } else { format!("fixed {max}") };
+            let label = if i == 0 {
+                format!("adaptive (max {max})")
+            } else {
+                format!("fixed {max}")
+            };
             eprintln!("== adaptive: {label}, {tasks} tasks, CPU arena capped at {} MiB", cap >> 20);
             rows.push((label, max, measure(&engine, subject, max, tasks).await?));
         }
