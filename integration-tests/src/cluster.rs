@@ -11,6 +11,8 @@ use crate::stack::{Stack, Topics};
 
 /// The API key the test producer accepts, for tenant `acme`.
 pub const API_KEY: &str = "test-key";
+/// The API key of a second tenant, `rival`.
+pub const RIVAL_KEY: &str = "rival-key";
 
 pub struct Cluster {
     pub stack: Stack,
@@ -110,7 +112,11 @@ impl Cluster {
         let mut env = stack.vars();
         env.extend(common.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
-        env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
+        env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY},rival:{RIVAL_KEY}")));
+        env.push((
+            "SLUICE_STATUS_PATH".into(),
+            stack.dir.join("status/view.redb").display().to_string(),
+        ));
         let mut producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &env, &stack.dir.join("logs"))?;
         let producer_url = format!("http://127.0.0.1:{port}");
         producer

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{API_KEY, Cluster};
+use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::{
     Consumed, Outcomes, Service, Stack, TopicReader, Topics, bin, png_info, produce_raw, sha256_hex, terrain_task,
@@ -391,10 +391,28 @@ async fn every_http_error_of_both_services_is_json() {
     let cases: Vec<(reqwest::RequestBuilder, u16, &str)> = vec![
         (client.get(format!("{producer}/nowhere")), 404, "not_found"),
         (
-            client.get(format!("{producer}/v1/tasks")).bearer_auth(API_KEY),
+            client.put(format!("{producer}/v1/tasks")).bearer_auth(API_KEY),
             405,
             "method_not_allowed",
         ),
+        (
+            client
+                .get(format!("{producer}/v1/tasks/{}", uuid::Uuid::new_v4()))
+                .bearer_auth(API_KEY),
+            404,
+            "not_found",
+        ),
+        (
+            client.get(format!("{producer}/v1/tasks/not-a-task")).bearer_auth(API_KEY),
+            404,
+            "not_found",
+        ),
+        (
+            client.get(format!("{producer}/v1/tasks?limit=0")).bearer_auth(API_KEY),
+            400,
+            "invalid_request",
+        ),
+        (client.get(format!("{producer}/v1/tasks")), 401, "unauthorized"),
         (client.delete(format!("{producer}/healthz")), 405, "method_not_allowed"),
         (
             client.post(format!("{producer}/v1/tasks")).bearer_auth(API_KEY).body(huge),
@@ -446,4 +464,109 @@ async fn every_http_error_of_both_services_is_json() {
         assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{url}: {body}");
         assert!(body["fields"].is_array(), "{url}: {body}");
     }
+}
+
+/// `GET` with a key; the status and the JSON body.
+async fn get_json(url: &str, key: &str) -> (u16, Value) {
+    let response = reqwest::Client::new().get(url).bearer_auth(key).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// The 202's `Location` answers: queued at once (written through), then the result with the
+/// same outputs as the completion event; another tenant gets a 404 for it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_status_follows_the_task_to_its_result_and_only_its_tenant_sees_it() {
+    let c = cluster().await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/tasks", c.producer_url))
+        .bearer_auth(API_KEY)
+        .json(&json!({"model": "terrain", "width": 96, "height": 64, "num_images": 2, "seed": 77}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 202);
+    let location = response.headers()["location"].to_str().unwrap().to_owned();
+    let id = response.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned();
+    assert_eq!(location, format!("/v1/tasks/{id}"));
+    let url = format!("{}{location}", c.producer_url);
+    let (status, first) = get_json(&url, API_KEY).await;
+    assert_eq!(status, 200, "{first}");
+    assert!(
+        ["queued", "running", "succeeded"].contains(&first["status"].as_str().unwrap()),
+        "{first}"
+    );
+    assert_eq!(first["model"], "terrain");
+
+    let done = sluice_integration_tests::wait_for("the task to succeed in the status view", Duration::from_secs(120), async || {
+        let (_, body) = get_json(&url, API_KEY).await;
+        (body["status"] == "succeeded").then_some(body)
+    })
+    .await
+    .unwrap();
+    let completion = &completions_for(c.stack.brokers(), &BTreeSet::from([id.clone()]), Duration::from_secs(60))[&id];
+    let outputs: Vec<&str> = done["outputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["sha256"].as_str().unwrap())
+        .collect();
+    let expected: Vec<&str> = completion.outputs.iter().map(|o| o.sha256.as_str()).collect();
+    assert_eq!(outputs, expected);
+    assert_eq!(done["outputs"][0]["key"], completion.outputs[0].key.as_str());
+    assert!(done["timings"]["total_ms"].as_u64().is_some(), "{done}");
+    assert!(done["updated_at"].as_str().unwrap() >= done["created_at"].as_str().unwrap());
+
+    let (status, body) = get_json(&url, RIVAL_KEY).await;
+    assert_eq!(status, 404, "another tenant's task does not exist for it: {body}");
+    assert_eq!(body["error"], "not_found");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_lists_its_own_tasks_newest_first_page_by_page() {
+    let c = cluster().await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let response = reqwest::Client::new()
+            .post(format!("{}/v1/tasks", c.producer_url))
+            .bearer_auth(RIVAL_KEY)
+            .json(&json!({"model": "terrain", "seed": 500 + i}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 202);
+        ids.push(response.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let url = match &cursor {
+            Some(c2) => format!("{}/v1/tasks?limit=2&cursor={c2}", c.producer_url),
+            None => format!("{}/v1/tasks?limit=2", c.producer_url),
+        };
+        let (status, page) = get_json(&url, RIVAL_KEY).await;
+        assert_eq!(status, 200, "{page}");
+        let tasks = page["tasks"].as_array().unwrap();
+        assert!(tasks.len() <= 2);
+        seen.extend(tasks.iter().map(|t| t["task_id"].as_str().unwrap().to_owned()));
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    ids.reverse();
+    assert_eq!(seen, ids, "every task of the tenant, newest first, each once");
+    // Another tenant's list holds none of them; a status filter narrows.
+    let (_, acme) = get_json(&format!("{}/v1/tasks?limit=500", c.producer_url), API_KEY).await;
+    assert!(
+        acme["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| !ids.contains(&t["task_id"].as_str().unwrap().to_owned()))
+    );
+    let (status, failed) = get_json(&format!("{}/v1/tasks?status=failed", c.producer_url), RIVAL_KEY).await;
+    assert_eq!(status, 200);
+    assert!(failed["tasks"].as_array().unwrap().is_empty(), "{failed}");
 }

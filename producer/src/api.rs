@@ -1,4 +1,5 @@
-//! The HTTP API: `POST /v1/tasks`, `GET /metrics`, `GET /healthz`.
+//! The HTTP API: `POST /v1/tasks`, `GET /v1/tasks/{id}`, `GET /v1/tasks`, `GET /v1/models`,
+//! `GET /metrics`, `GET /healthz`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +19,10 @@ use crate::publish::{SubmitError, Submitter, TaskPublisher};
 
 pub struct AppState {
     pub catalog: sluice_schemas::Catalog,
+    /// The status view (`None`: the API answers no status, e.g. in unit tests).
+    pub status: Option<Arc<crate::status::StatusStore>>,
+    /// Whether the status view has read what its topics held at start.
+    pub view_caught_up: Option<crate::view::CaughtUp>,
     pub publisher: TaskPublisher,
     pub keys: ApiKeys,
     pub metrics: Metrics,
@@ -29,11 +34,23 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         Router::new()
             .route("/v1/tasks", post(submit))
             .route("/v1/models", get(models))
+            .route("/v1/tasks", get(list_tasks))
+            .route("/v1/tasks/{id}", get(task_status))
             .route(
                 "/metrics",
                 get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
             )
-            .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+            .route(
+                "/healthz",
+                get(|State(s): State<Arc<AppState>>| async move {
+                    let view = match &s.view_caught_up {
+                        Some(c) if c.get() => "caught_up",
+                        Some(_) => "catching_up",
+                        None => "none",
+                    };
+                    Json(json!({"status": "ok", "status_view": view}))
+                }),
+            )
             .layer(DefaultBodyLimit::max(max_body_bytes)),
     )
     .with_state(state)
@@ -119,10 +136,117 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
         let retry = s.publish_timeout.as_secs().max(1).to_string();
         return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry));
     }
-    Ok((
+    if let Some(store) = &s.status {
+        // Written through: the task is `queued` here at once, before the view reads it back.
+        let task_id = record.task_id;
+        if let Err(e) = store.apply(&[crate::status::Change::Queued(record)]) {
+            tracing::warn!(error = %e, %task_id, "status view write-through failed; the view will read the task from its topic");
+        }
+        return Ok(accepted(task_id));
+    }
+    Ok(accepted(record.task_id))
+}
+
+fn accepted(task_id: uuid::Uuid) -> Response {
+    (
         StatusCode::ACCEPTED,
-        [(header::LOCATION, format!("/v1/tasks/{}", record.task_id))],
-        Json(json!({"task_id": record.task_id, "status": "queued"})),
+        [(header::LOCATION, format!("/v1/tasks/{task_id}"))],
+        Json(json!({"task_id": task_id, "status": "queued"})),
     )
-        .into_response())
+        .into_response()
+}
+
+/// The caller's tenant, or a 401.
+fn tenant_of(s: &AppState, headers: &HeaderMap) -> Result<String, ApiError> {
+    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    s.keys
+        .tenant(authorization)
+        .map_err(|e| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()).with_header(header::WWW_AUTHENTICATE, "Bearer"))
+}
+
+fn status_store(s: &AppState) -> Result<&crate::status::StatusStore, ApiError> {
+    s.status
+        .as_deref()
+        .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "this producer keeps no status view"))
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}"))
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+}
+
+/// `GET /v1/tasks/{id}`: the task's status. Another tenant's task is a 404, as an unknown one.
+async fn task_status(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    let tenant = tenant_of(&s, &headers)?;
+    let store = status_store(&s)?;
+    let task_id = uuid::Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    match store.get(&tenant, task_id).map_err(internal)? {
+        Some(status) => Ok(Json(status).into_response()),
+        None => Err(not_found(&id)),
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    status: Option<String>,
+    since: Option<String>,
+    limit: Option<String>,
+    cursor: Option<String>,
+}
+
+/// `GET /v1/tasks?status=&since=&limit=&cursor=`: the caller's tasks, newest first.
+async fn list_tasks(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    query: Result<axum::extract::Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let tenant = tenant_of(&s, &headers)?;
+    let store = status_store(&s)?;
+    let bad = |name: &str, message: String| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("invalid query parameter {name}"),
+        )
+        .with_fields([field(name, message)])
+    };
+    let axum::extract::Query(q) = query.map_err(|e| bad("(query)", e.body_text()))?;
+    let status = match q.status.as_deref() {
+        None => None,
+        Some(v) => Some(
+            crate::status::Status::parse(v)
+                .ok_or_else(|| bad("status", format!("one of queued, running, succeeded, failed; got {v:?}")))?,
+        ),
+    };
+    let since = match q.since.as_deref() {
+        None => None,
+        Some(v) => Some(
+            chrono::DateTime::parse_from_rfc3339(v)
+                .map_err(|e| bad("since", format!("an RFC 3339 time: {e}")))?
+                .with_timezone(&chrono::Utc),
+        ),
+    };
+    let limit = match q.limit.as_deref() {
+        None => 50,
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=500).contains(n))
+            .ok_or_else(|| bad("limit", format!("1 to 500, got {v:?}")))?,
+    };
+    if let Some(c) = q.cursor.as_deref()
+        && crate::status::cursor_key(c).is_none()
+    {
+        return Err(bad("cursor", "not a cursor this API returned".into()));
+    }
+    let page = store.list(&tenant, status, since, limit, q.cursor.as_deref()).map_err(internal)?;
+    Ok(Json(page).into_response())
 }

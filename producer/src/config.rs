@@ -140,6 +140,16 @@ pub struct ServeArgs {
     /// Largest accepted request body, bytes.
     #[arg(long, env = "SLUICE_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
     pub max_body_bytes: usize,
+    /// The status view's file on local disk (rebuilt from the topics on start).
+    #[arg(long, env = "SLUICE_STATUS_PATH", default_value = "sluice-status/view.redb")]
+    pub status_path: PathBuf,
+    /// How long the status view keeps a task after its last change, hours.
+    #[arg(long, env = "SLUICE_STATUS_RETENTION_HOURS", default_value_t = 168)]
+    pub status_retention_hours: u64,
+    #[arg(long, env = "SLUICE_COMPLETIONS_TOPIC", default_value = sluice_schemas::topics::COMPLETIONS)]
+    pub completions_topic: String,
+    #[arg(long, env = "SLUICE_PROGRESS_TOPIC", default_value = sluice_schemas::topics::PROGRESS)]
+    pub progress_topic: String,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -8,3 +8,5 @@ pub mod config;
 pub mod metrics;
 pub mod publish;
 pub mod replay;
+pub mod status;
+pub mod view;

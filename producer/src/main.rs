@@ -71,8 +71,25 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     let catalog = Catalog::load(args.publish.model_catalog.as_deref())?;
     tracing::info!(models = ?catalog.names(), "model catalog");
+    let store = Arc::new(
+        sluice_producer::status::StatusStore::create(&args.status_path)
+            .with_context(|| format!("creating the status view at {}", args.status_path.display()))?,
+    );
+    let caught_up = sluice_producer::view::start(
+        &args.publish.kafka,
+        sluice_producer::view::ViewTopics {
+            tasks: args.publish.tasks_topic.clone(),
+            progress: args.progress_topic.clone(),
+            completions: args.completions_topic.clone(),
+        },
+        store.clone(),
+        metrics.clone(),
+        Duration::from_secs(args.status_retention_hours * 3600),
+    )?;
     let state = Arc::new(AppState {
         catalog,
+        status: Some(store),
+        view_caught_up: Some(caught_up),
         publisher: publisher(&args.publish, &metrics)?,
         keys,
         metrics,

@@ -9,6 +9,8 @@ pub struct Metrics {
     pub requests: IntCounterVec,
     pub published: IntCounterVec,
     pub publish_seconds: Histogram,
+    /// How far behind its topics the status view applies a record.
+    pub view_lag_seconds: Histogram,
 }
 
 impl Metrics {
@@ -42,6 +44,17 @@ impl Metrics {
                         "Time until the broker acknowledged a task record",
                     )
                     .buckets(exponential_buckets(0.0005, 2.0, 16).unwrap()),
+                )
+                .unwrap(),
+            ),
+            view_lag_seconds: register(
+                &r,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "sluice_producer_status_view_lag_seconds",
+                        "Time from a record's own timestamp (submitted, progress, completed) to the status view applying it",
+                    )
+                    .buckets(exponential_buckets(0.001, 2.0, 20).unwrap()),
                 )
                 .unwrap(),
             ),

@@ -1,0 +1,508 @@
+//! The status view: every task's state, materialized from the topics into an embedded store
+//! (redb, one file on local disk) so that HTTP clients can ask for it.
+//!
+//! Every state change is a Kafka record — the task record (queued), progress records (running,
+//! step n/N), the completion (succeeded, failed) — and every producer replica reads every
+//! partition of those topics itself (no consumer group), so any replica answers for any task.
+//! The store is rebuilt from the topics on start and keeps tasks for a retention period. The
+//! 202 path writes its task through, so a task accepted a moment ago is `queued`, never a 404.
+
+use std::ops::Bound;
+use std::path::Path;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use redb::{Database, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use sluice_schemas::{CompletionError, CompletionEvent, CompletionStatus, OutputRef, ProgressRecord, TaskRecord, Timings};
+use thiserror::Error;
+use uuid::Uuid;
+
+/// task id → the stored [`Stored`] JSON.
+const TASKS: TableDefinition<&str, &[u8]> = TableDefinition::new("tasks");
+/// `tenant \0 inverted created-at millis \0 task id` → (): a tenant's tasks, newest first.
+const BY_TENANT: TableDefinition<&str, ()> = TableDefinition::new("by_tenant");
+
+#[derive(Debug, Error)]
+pub enum StatusError {
+    #[error("status store: {0}")]
+    Store(String),
+    #[error("not a cursor of this API: {0:?}")]
+    Cursor(String),
+}
+
+fn store_error(e: impl std::fmt::Display) -> StatusError {
+    StatusError::Store(e.to_string())
+}
+
+/// Where a task is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+}
+
+impl Status {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Status::Succeeded | Status::Failed)
+    }
+
+    pub fn parse(s: &str) -> Option<Status> {
+        match s {
+            "queued" => Some(Status::Queued),
+            "running" => Some(Status::Running),
+            "succeeded" => Some(Status::Succeeded),
+            "failed" => Some(Status::Failed),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    pub step: u32,
+    pub steps: u32,
+}
+
+/// The body of `GET /v1/tasks/{id}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskStatus {
+    pub task_id: Uuid,
+    pub status: Status,
+    pub model: String,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub progress: Option<Progress>,
+    pub outputs: Vec<OutputRef>,
+    pub error: Option<CompletionError>,
+    pub timings: Option<Timings>,
+    pub attempt: u32,
+}
+
+/// What the store keeps of a task: its status and whose it is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Stored {
+    tenant: String,
+    status: TaskStatus,
+}
+
+/// One state change, from a record of one of the topics.
+#[derive(Debug, Clone)]
+pub enum Change {
+    Queued(TaskRecord),
+    Progress(ProgressRecord),
+    Completed(CompletionEvent),
+}
+
+impl Change {
+    fn task_id(&self) -> Uuid {
+        match self {
+            Change::Queued(r) => r.task_id,
+            Change::Progress(p) => p.task_id,
+            Change::Completed(c) => c.task_id,
+        }
+    }
+
+    fn tenant(&self) -> Option<&str> {
+        match self {
+            Change::Queued(r) => Some(&r.tenant),
+            Change::Completed(c) => Some(&c.tenant),
+            Change::Progress(_) => None,
+        }
+    }
+
+    /// A status for a task seen first through this change.
+    fn first(&self) -> Option<Stored> {
+        let (model, at) = match self {
+            Change::Queued(r) => (r.model.clone(), r.submitted_at),
+            Change::Completed(c) => (c.model.clone(), c.completed_at),
+            // Progress carries no tenant: it waits for the task record (the topics are read
+            // from their beginning, so it comes).
+            Change::Progress(_) => return None,
+        };
+        Some(Stored {
+            tenant: self.tenant().unwrap_or_default().to_owned(),
+            status: TaskStatus {
+                task_id: self.task_id(),
+                status: Status::Queued,
+                model,
+                created_at: at,
+                updated_at: at,
+                progress: None,
+                outputs: Vec::new(),
+                error: None,
+                timings: None,
+                attempt: 1,
+            },
+        })
+    }
+}
+
+impl Stored {
+    /// Applies a change. Topics are read independently, so changes of one task can arrive in
+    /// any order: a terminal state is never undone, and a later attempt's completion replaces
+    /// an earlier one.
+    fn apply(&mut self, change: &Change) {
+        let s = &mut self.status;
+        match change {
+            Change::Queued(r) => {
+                s.created_at = r.submitted_at;
+                s.model = r.model.clone();
+                self.tenant = r.tenant.clone();
+            }
+            Change::Progress(p) => {
+                if !s.status.is_terminal() {
+                    s.status = Status::Running;
+                    if s.progress.is_none_or(|old| p.step >= old.step) {
+                        s.progress = Some(Progress {
+                            step: p.step,
+                            steps: p.steps,
+                        });
+                    }
+                    s.updated_at = s.updated_at.max(p.at);
+                }
+            }
+            Change::Completed(c) => {
+                if s.status.is_terminal() && c.attempt < s.attempt {
+                    return;
+                }
+                s.status = match c.status {
+                    CompletionStatus::Succeeded => Status::Succeeded,
+                    CompletionStatus::Failed => Status::Failed,
+                };
+                s.outputs = c.outputs.clone();
+                s.error = c.error.clone();
+                s.timings = Some(c.timings);
+                s.attempt = c.attempt;
+                s.updated_at = s.updated_at.max(c.completed_at);
+                if let Some(p) = &mut s.progress {
+                    p.step = p.steps;
+                }
+            }
+        }
+    }
+}
+
+fn tenant_key(tenant: &str, created_at: DateTime<Utc>, id: Uuid) -> String {
+    let inverted = u64::MAX - created_at.timestamp_millis().max(0) as u64;
+    format!("{tenant}\0{inverted:020}\0{id}")
+}
+
+/// A page of a tenant's tasks.
+#[derive(Debug, Clone, Serialize)]
+pub struct Page {
+    pub tasks: Vec<TaskStatus>,
+    /// Pass as `cursor` for the next page; absent on the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// The embedded store.
+pub struct StatusStore {
+    db: Database,
+}
+
+impl StatusStore {
+    /// Creates the store at `path`, empty: the view is rebuilt from the topics.
+    pub fn create(path: &Path) -> Result<StatusStore, StatusError> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(store_error)?;
+        }
+        let _ = std::fs::remove_file(path);
+        let db = Database::create(path).map_err(store_error)?;
+        let tx = db.begin_write().map_err(store_error)?;
+        tx.open_table(TASKS).map_err(store_error)?;
+        tx.open_table(BY_TENANT).map_err(store_error)?;
+        tx.commit().map_err(store_error)?;
+        Ok(StatusStore { db })
+    }
+
+    /// Applies changes in one transaction.
+    pub fn apply(&self, changes: &[Change]) -> Result<(), StatusError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let tx = self.db.begin_write().map_err(store_error)?;
+        {
+            let mut tasks = tx.open_table(TASKS).map_err(store_error)?;
+            let mut by_tenant = tx.open_table(BY_TENANT).map_err(store_error)?;
+            for change in changes {
+                let id = change.task_id().to_string();
+                let existing: Option<Stored> = tasks
+                    .get(id.as_str())
+                    .map_err(store_error)?
+                    .and_then(|v| serde_json::from_slice(v.value()).ok());
+                let before = existing.as_ref().map(|s| (s.tenant.clone(), s.status.created_at));
+                let Some(mut stored) = existing.or_else(|| change.first()) else {
+                    continue;
+                };
+                stored.apply(change);
+                let after = (stored.tenant.clone(), stored.status.created_at);
+                if before.as_ref() != Some(&after) {
+                    if let Some((tenant, created)) = before {
+                        by_tenant
+                            .remove(tenant_key(&tenant, created, stored.status.task_id).as_str())
+                            .map_err(store_error)?;
+                    }
+                    by_tenant
+                        .insert(tenant_key(&after.0, after.1, stored.status.task_id).as_str(), ())
+                        .map_err(store_error)?;
+                }
+                let bytes = serde_json::to_vec(&stored).expect("status serializes");
+                tasks.insert(id.as_str(), bytes.as_slice()).map_err(store_error)?;
+            }
+        }
+        tx.commit().map_err(store_error)
+    }
+
+    /// The status of `id` if it belongs to `tenant` (another tenant's task is as unknown as a
+    /// task that does not exist).
+    pub fn get(&self, tenant: &str, id: Uuid) -> Result<Option<TaskStatus>, StatusError> {
+        let tx = self.db.begin_read().map_err(store_error)?;
+        let tasks = tx.open_table(TASKS).map_err(store_error)?;
+        let stored: Option<Stored> = tasks
+            .get(id.to_string().as_str())
+            .map_err(store_error)?
+            .and_then(|v| serde_json::from_slice(v.value()).ok());
+        Ok(stored.filter(|s| s.tenant == tenant).map(|s| s.status))
+    }
+
+    /// A tenant's tasks, newest first, `limit` at most, after `cursor`, optionally only those
+    /// with `status` or created at or after `since`.
+    pub fn list(
+        &self,
+        tenant: &str,
+        status: Option<Status>,
+        since: Option<DateTime<Utc>>,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> Result<Page, StatusError> {
+        let tx = self.db.begin_read().map_err(store_error)?;
+        let tasks = tx.open_table(TASKS).map_err(store_error)?;
+        let by_tenant = tx.open_table(BY_TENANT).map_err(store_error)?;
+        let prefix = format!("{tenant}\0");
+        let end = format!("{tenant}\u{1}");
+        let after = match cursor {
+            Some(c) => Some(format!(
+                "{prefix}{}",
+                cursor_key(c).ok_or_else(|| StatusError::Cursor(c.to_owned()))?
+            )),
+            None => None,
+        };
+        let start = match &after {
+            Some(key) => Bound::Excluded(key.as_str()),
+            None => Bound::Included(prefix.as_str()),
+        };
+        let mut page: Vec<TaskStatus> = Vec::new();
+        let mut more = false;
+        for entry in by_tenant
+            .range::<&str>((start, Bound::Excluded(end.as_str())))
+            .map_err(store_error)?
+        {
+            let (key, _) = entry.map_err(store_error)?;
+            let id = key.value().rsplit('\0').next().unwrap_or_default().to_owned();
+            let Some(stored) = tasks
+                .get(id.as_str())
+                .map_err(store_error)?
+                .and_then(|v| serde_json::from_slice::<Stored>(v.value()).ok())
+            else {
+                continue;
+            };
+            if since.is_some_and(|s| stored.status.created_at < s) {
+                break; // newest first: everything after is older
+            }
+            if status.is_some_and(|s| stored.status.status != s) {
+                continue;
+            }
+            if page.len() == limit {
+                more = true;
+                break;
+            }
+            page.push(stored.status);
+        }
+        let next_cursor = page.last().filter(|_| more).map(|last| {
+            format!(
+                "{:020}.{}",
+                u64::MAX - last.created_at.timestamp_millis().max(0) as u64,
+                last.task_id
+            )
+        });
+        Ok(Page { tasks: page, next_cursor })
+    }
+
+    /// Drops tasks last updated before `before`.
+    pub fn prune(&self, before: DateTime<Utc>) -> Result<usize, StatusError> {
+        let tx = self.db.begin_write().map_err(store_error)?;
+        let mut removed = 0;
+        {
+            let mut tasks = tx.open_table(TASKS).map_err(store_error)?;
+            let mut by_tenant = tx.open_table(BY_TENANT).map_err(store_error)?;
+            let old: Vec<Stored> = tasks
+                .iter()
+                .map_err(store_error)?
+                .filter_map(|e| e.ok())
+                .filter_map(|(_, v)| serde_json::from_slice::<Stored>(v.value()).ok())
+                .filter(|s| s.status.updated_at < before)
+                .collect();
+            for s in old {
+                tasks.remove(s.status.task_id.to_string().as_str()).map_err(store_error)?;
+                by_tenant
+                    .remove(tenant_key(&s.tenant, s.status.created_at, s.status.task_id).as_str())
+                    .map_err(store_error)?;
+                removed += 1;
+            }
+        }
+        tx.commit().map_err(store_error)?;
+        Ok(removed)
+    }
+}
+
+/// Cursor text → the key suffix it stands for.
+pub fn cursor_key(cursor: &str) -> Option<String> {
+    let (inverted, id) = cursor.split_once('.')?;
+    if inverted.len() != 20 || !inverted.bytes().all(|b| b.is_ascii_digit()) || Uuid::parse_str(id).is_err() {
+        return None;
+    }
+    Some(format!("{inverted}\0{id}"))
+}
+
+/// How long a view record may wait behind its topic before it counts as lag: for the metric.
+pub fn lag_of(record_time: DateTime<Utc>) -> Duration {
+    (Utc::now() - record_time).to_std().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_schemas::{Generation, ProgressEvent, SourceRef};
+
+    fn record(id: Uuid, tenant: &str, at: DateTime<Utc>) -> TaskRecord {
+        TaskRecord {
+            version: 1,
+            task_id: id,
+            submitted_at: at,
+            tenant: tenant.into(),
+            user: None,
+            model: "sd".into(),
+            request: Generation {
+                prompt: "p".into(),
+                negative_prompt: String::new(),
+                steps: 4,
+                guidance_scale: 7.5,
+                seed: 1,
+                sampler: "euler".into(),
+                width: 64,
+                height: 64,
+                num_images: 1,
+                params: Default::default(),
+            },
+        }
+    }
+
+    fn progress(id: Uuid, step: u32) -> ProgressRecord {
+        ProgressRecord {
+            version: 1,
+            task_id: id,
+            model: "sd".into(),
+            worker_id: "w".into(),
+            event: ProgressEvent::Step,
+            step,
+            steps: 4,
+            at: Utc::now(),
+        }
+    }
+
+    fn completion(id: Uuid, tenant: &str, status: CompletionStatus, attempt: u32) -> CompletionEvent {
+        CompletionEvent {
+            version: 1,
+            task_id: id,
+            status,
+            model: "sd".into(),
+            tenant: tenant.into(),
+            user: None,
+            outputs: Vec::new(),
+            error: None,
+            timings: Timings::default(),
+            worker_id: "w".into(),
+            attempt,
+            completed_at: Utc::now(),
+            source: SourceRef {
+                topic: "t".into(),
+                partition: 0,
+                offset: 0,
+            },
+        }
+    }
+
+    fn store() -> (StatusStore, std::path::PathBuf) {
+        let path = std::env::temp_dir().join(format!("sluice-status-{}-{}.redb", std::process::id(), Uuid::new_v4()));
+        (StatusStore::create(&path).unwrap(), path)
+    }
+
+    #[test]
+    fn changes_in_any_order_end_in_the_same_state_and_a_result_is_never_undone() {
+        let (s, path) = store();
+        let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+        let at = Utc::now();
+        // a: in order. b: the completion first, then a late progress record, then the task.
+        s.apply(&[Change::Queued(record(a, "t", at)), Change::Progress(progress(a, 2))])
+            .unwrap();
+        assert_eq!(s.get("t", a).unwrap().unwrap().status, Status::Running);
+        assert_eq!(s.get("t", a).unwrap().unwrap().progress, Some(Progress { step: 2, steps: 4 }));
+        s.apply(&[Change::Completed(completion(a, "t", CompletionStatus::Succeeded, 1))])
+            .unwrap();
+        s.apply(&[
+            Change::Completed(completion(b, "t", CompletionStatus::Failed, 1)),
+            Change::Progress(progress(b, 3)),
+            Change::Queued(record(b, "t", at)),
+        ])
+        .unwrap();
+        assert_eq!(s.get("t", a).unwrap().unwrap().status, Status::Succeeded);
+        let b_status = s.get("t", b).unwrap().unwrap();
+        assert_eq!(b_status.status, Status::Failed, "a late progress record does not undo the result");
+        assert_eq!(b_status.created_at, at, "the task record sets the creation time");
+        // A second attempt's completion replaces the first; a stale one does not.
+        s.apply(&[Change::Completed(completion(b, "t", CompletionStatus::Succeeded, 2))])
+            .unwrap();
+        s.apply(&[Change::Completed(completion(b, "t", CompletionStatus::Failed, 1))])
+            .unwrap();
+        assert_eq!(s.get("t", b).unwrap().unwrap().status, Status::Succeeded);
+        assert_eq!(s.get("t", b).unwrap().unwrap().attempt, 2);
+        // Another tenant sees nothing.
+        assert!(s.get("other", a).unwrap().is_none());
+        std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn a_tenant_pages_through_its_tasks_newest_first_and_pruning_drops_old_ones() {
+        let (s, path) = store();
+        let base = Utc::now() - chrono::Duration::hours(1);
+        let ids: Vec<Uuid> = (0..7).map(|_| Uuid::now_v7()).collect();
+        for (i, id) in ids.iter().enumerate() {
+            let tenant = if i == 3 { "other" } else { "t" };
+            s.apply(&[Change::Queued(record(*id, tenant, base + chrono::Duration::seconds(i as i64)))])
+                .unwrap();
+        }
+        let mut seen = Vec::new();
+        let mut cursor = None;
+        loop {
+            let page = s.list("t", None, None, 2, cursor.as_deref()).unwrap();
+            seen.extend(page.tasks.iter().map(|t| t.task_id));
+            match page.next_cursor {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+        }
+        let want: Vec<Uuid> = ids.iter().enumerate().rev().filter(|(i, _)| *i != 3).map(|(_, id)| *id).collect();
+        assert_eq!(seen, want);
+        let since = s.list("t", None, Some(base + chrono::Duration::seconds(5)), 10, None).unwrap();
+        assert_eq!(since.tasks.len(), 2);
+        assert!(s.list("t", None, None, 2, Some("garbage")).is_err());
+        assert_eq!(s.prune(base + chrono::Duration::seconds(2)).unwrap(), 2);
+        assert_eq!(s.list("t", None, None, 10, None).unwrap().tasks.len(), 4);
+        std::fs::remove_file(path).ok();
+    }
+}

@@ -1,0 +1,168 @@
+//! Feeds the status view ([`crate::status`]) from the topics: one consumer that is assigned every
+//! partition of the tasks, progress and completion topics from their beginning (no consumer
+//! group: every replica reads everything), on a thread of its own. New partitions are picked up
+//! by re-reading the metadata every few seconds.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
+use sluice_service::kafka::KafkaClientArgs;
+
+use crate::metrics::Metrics;
+use crate::status::{Change, StatusStore};
+
+/// The topics the view reads.
+#[derive(Debug, Clone)]
+pub struct ViewTopics {
+    pub tasks: String,
+    pub progress: String,
+    pub completions: String,
+}
+
+/// Whether the view has read everything that was on its topics when it started.
+#[derive(Clone, Default)]
+pub struct CaughtUp(Arc<AtomicBool>);
+
+impl CaughtUp {
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+fn decode(topics: &ViewTopics, topic: &str, payload: &[u8]) -> Option<(Change, DateTime<Utc>)> {
+    if topic == topics.tasks {
+        let r: sluice_schemas::TaskRecord = serde_json::from_slice(payload).ok()?;
+        let at = r.submitted_at;
+        Some((Change::Queued(r), at))
+    } else if topic == topics.progress {
+        let p: sluice_schemas::ProgressRecord = serde_json::from_slice(payload).ok()?;
+        let at = p.at;
+        Some((Change::Progress(p), at))
+    } else if topic == topics.completions {
+        let c: sluice_schemas::CompletionEvent = serde_json::from_slice(payload).ok()?;
+        let at = c.completed_at;
+        Some((Change::Completed(c), at))
+    } else {
+        None
+    }
+}
+
+/// Starts the view thread. It runs until the process exits; store errors are logged and the
+/// batch retried.
+pub fn start(
+    kafka: &KafkaClientArgs,
+    topics: ViewTopics,
+    store: Arc<StatusStore>,
+    metrics: Metrics,
+    retention: Duration,
+) -> anyhow::Result<CaughtUp> {
+    let group = format!("sluice-status-view-{}", uuid::Uuid::new_v4());
+    let consumer: BaseConsumer = kafka
+        .config(&[
+            ("group.id", group.as_str()),
+            ("enable.auto.commit", "false"),
+            ("enable.partition.eof", "false"),
+            ("auto.offset.reset", "earliest"),
+        ])
+        .create()?;
+    let caught_up = CaughtUp::default();
+    let flag = caught_up.clone();
+    std::thread::Builder::new().name("status-view".into()).spawn(move || {
+        let names = [topics.tasks.clone(), topics.progress.clone(), topics.completions.clone()];
+        let mut assigned: BTreeSet<(String, i32)> = BTreeSet::new();
+        let mut assigned_count = 0;
+        // High watermarks at the start: reaching them all is "caught up".
+        let mut targets: Option<Vec<(String, i32, i64)>> = None;
+        let mut last_metadata = Instant::now() - Duration::from_secs(60);
+        let mut last_prune = Instant::now();
+        loop {
+            if last_metadata.elapsed() >= Duration::from_secs(5) {
+                last_metadata = Instant::now();
+                let mut tpl = TopicPartitionList::new();
+                for name in &names {
+                    if let Ok(md) = consumer.fetch_metadata(Some(name), Duration::from_secs(5)) {
+                        for t in md.topics() {
+                            for p in t.partitions() {
+                                assigned.insert((t.name().to_owned(), p.id()));
+                            }
+                        }
+                    }
+                }
+                if assigned.len() != assigned_count {
+                    assigned_count = assigned.len();
+                    for (t, p) in &assigned {
+                        let position = consumer
+                            .position()
+                            .ok()
+                            .and_then(|pos| pos.find_partition(t, *p).map(|e| e.offset()))
+                            .filter(|o| matches!(o, Offset::Offset(_)))
+                            .unwrap_or(Offset::Beginning);
+                        let _ = tpl.add_partition_offset(t, *p, position);
+                    }
+                    if let Err(e) = consumer.assign(&tpl) {
+                        tracing::warn!(error = %e, "status view: assigning partitions failed");
+                    }
+                }
+                if targets.is_none() && !assigned.is_empty() {
+                    let t: Vec<(String, i32, i64)> = assigned
+                        .iter()
+                        .filter_map(|(t, p)| {
+                            consumer
+                                .fetch_watermarks(t, *p, Duration::from_secs(5))
+                                .ok()
+                                .map(|(low, high)| (t.clone(), *p, if low == high { 0 } else { high }))
+                        })
+                        .collect();
+                    targets = Some(t);
+                }
+            }
+            let mut changes = Vec::new();
+            let deadline = Instant::now() + Duration::from_millis(50);
+            while changes.len() < 1024 && Instant::now() < deadline {
+                match consumer.poll(Duration::from_millis(20)) {
+                    Some(Ok(m)) => {
+                        if let Some((change, at)) = m.payload().and_then(|p| decode(&topics, m.topic(), p)) {
+                            metrics.view_lag_seconds.observe(crate::status::lag_of(at).as_secs_f64());
+                            changes.push(change);
+                        }
+                    }
+                    Some(Err(e)) => tracing::debug!(error = %e, "status view: poll"),
+                    None => break,
+                }
+            }
+            while let Err(e) = store.apply(&changes) {
+                tracing::warn!(error = %e, "status view: store write failed; retrying");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            if !flag.get()
+                && let Some(t) = &targets
+                && let Ok(pos) = consumer.position()
+                && t.iter().all(|(topic, p, high)| {
+                    *high == 0
+                        || pos
+                            .find_partition(topic, *p)
+                            .is_some_and(|e| matches!(e.offset(), Offset::Offset(o) if o >= *high))
+                })
+            {
+                flag.0.store(true, Ordering::Relaxed);
+                tracing::info!("status view caught up with its topics");
+            }
+            if last_prune.elapsed() >= Duration::from_secs(600) {
+                last_prune = Instant::now();
+                let before = Utc::now() - chrono::Duration::from_std(retention).unwrap_or_default();
+                match store.prune(before) {
+                    Ok(n) if n > 0 => tracing::info!(removed = n, "status view: pruned tasks past retention"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "status view: pruning failed"),
+                }
+            }
+        }
+    })?;
+    Ok(caught_up)
+}
