@@ -159,3 +159,91 @@ async fn a_task_reports_its_start_and_steps_on_the_progress_topic() {
     let span = records.last().unwrap().at - records[0].at;
     assert!(steps.len() as i64 <= 2 + span.num_milliseconds() / 500, "{steps:?} over {span}");
 }
+
+/// Reads a Server-Sent Events response to its end: (event, id, data) of each event.
+async fn read_events(response: reqwest::Response) -> Vec<(String, String, Value)> {
+    let text = response.text().await.unwrap();
+    text.split("\n\n")
+        .filter_map(|block| {
+            let mut event = String::from("message");
+            let (mut id, mut data) = (String::new(), String::new());
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("event:") {
+                    event = v.trim().to_owned();
+                } else if let Some(v) = line.strip_prefix("id:") {
+                    id = v.trim().to_owned();
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data.push_str(v.trim());
+                }
+            }
+            (!data.is_empty()).then(|| (event, id, serde_json::from_str(&data).unwrap()))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
+    let c = cluster().await;
+    let id = c
+        .submit_ok(
+            &json!({"model": "sd-tiny", "prompt": "a harbour at night", "steps": 20, "sampler": "dpmpp_2m", "width": 256, "height": 256}),
+        )
+        .await
+        .unwrap();
+    let url = format!("{}/v1/tasks/{id}/events", c.producer_url);
+    let key = sluice_integration_tests::cluster::API_KEY;
+    let response = reqwest::Client::new().get(&url).bearer_auth(key).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = tokio::time::timeout(Duration::from_secs(180), read_events(response))
+        .await
+        .expect("the stream ends at the result");
+    let names: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+    assert!(["status", "progress"].contains(&names[0]), "the current state first: {names:?}");
+    assert_eq!(*names.last().unwrap(), "completed", "{names:?}");
+    assert_eq!(names.iter().filter(|n| **n == "completed").count(), 1);
+    let last = &events.last().unwrap().2;
+    assert_eq!(last["status"], "succeeded", "{last}");
+    assert_eq!(last["task_id"], id.as_str());
+    assert_eq!(last["outputs"].as_array().unwrap().len(), 1);
+    // The same body as GET.
+    let get: Value = reqwest::Client::new()
+        .get(format!("{}/v1/tasks/{id}", c.producer_url))
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(&get, last);
+    // A 256x256, 20-step image runs for seconds: the stream saw it running, step by step.
+    assert!(events.iter().any(|e| e.2["status"] == "running"), "{names:?}");
+    // Resuming after the last event: nothing more, the stream ends at once.
+    let resumed = reqwest::Client::new()
+        .get(&url)
+        .bearer_auth(key)
+        .header("last-event-id", events.last().unwrap().1.as_str())
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(10), read_events(resumed))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Another tenant cannot watch it.
+    let rival = reqwest::Client::new()
+        .get(&url)
+        .bearer_auth(sluice_integration_tests::cluster::RIVAL_KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rival.status().as_u16(), 404);
+}

@@ -36,6 +36,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
             .route("/v1/models", get(models))
             .route("/v1/tasks", get(list_tasks))
             .route("/v1/tasks/{id}", get(task_status))
+            .route("/v1/tasks/{id}/events", get(task_events))
             .route(
                 "/metrics",
                 get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
@@ -249,4 +250,85 @@ async fn list_tasks(
     }
     let page = store.list(&tenant, status, since, limit, q.cursor.as_deref()).map_err(internal)?;
     Ok(Json(page).into_response())
+}
+
+/// How often an event stream looks at the status view.
+const EVENTS_POLL: Duration = Duration::from_millis(200);
+
+/// The id of a state, for `Last-Event-ID`: the same state always has the same id.
+fn event_id(status: &crate::status::TaskStatus) -> String {
+    let step = status.progress.map_or(0, |p| p.step);
+    format!(
+        "{}-{}-{step}",
+        status.updated_at.timestamp_millis(),
+        serde_json::to_value(status.status).unwrap_or_default().as_str().unwrap_or("")
+    )
+}
+
+/// `GET /v1/tasks/{id}/events`: Server-Sent Events. The current state at once (unless the
+/// client's `Last-Event-ID` is that state), then each change — `status` when the state changes,
+/// `progress` when only the step does — and a terminal `completed` event with the same body as
+/// `GET /v1/tasks/{id}`, after which the stream ends. A comment every 15 s keeps idle connections
+/// open. Each connection reads the view itself and holds one state: nothing queues up behind a
+/// slow client (the stream is produced only as fast as it is read).
+async fn task_events(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    let tenant = tenant_of(&s, &headers)?;
+    let task_id = uuid::Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let first = status_store(&s)?
+        .get(&tenant, task_id)
+        .map_err(internal)?
+        .ok_or_else(|| not_found(&id))?;
+    let last_seen = headers.get("last-event-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let state = (s.clone(), tenant, task_id, Some(first), last_seen, false);
+    let stream = futures::stream::unfold(state, |(s, tenant, task_id, mut pending, mut last_seen, done)| async move {
+        if done {
+            return None;
+        }
+        loop {
+            let current = match pending.take() {
+                Some(c) => c,
+                None => {
+                    tokio::time::sleep(EVENTS_POLL).await;
+                    match s.status.as_ref()?.get(&tenant, task_id) {
+                        Ok(Some(c)) => c,
+                        _ => return None,
+                    }
+                }
+            };
+            let id = event_id(&current);
+            if last_seen.as_deref() == Some(id.as_str()) {
+                if current.status.is_terminal() {
+                    return None; // resumed after the end: nothing more will come
+                }
+                continue;
+            }
+            let previous_status = last_seen.as_deref().and_then(|l| l.split('-').nth(1)).map(str::to_owned);
+            last_seen = Some(id.clone());
+            let terminal = current.status.is_terminal();
+            let name = if terminal {
+                "completed"
+            } else if previous_status.as_deref() == serde_json::to_value(current.status).ok().as_ref().and_then(|v| v.as_str()) {
+                "progress"
+            } else {
+                "status"
+            };
+            let event = Event::default()
+                .event(name)
+                .id(id)
+                .json_data(&current)
+                .unwrap_or_else(|_| Event::default().comment("unserializable"));
+            return Some((
+                Ok::<_, std::convert::Infallible>(event),
+                (s, tenant, task_id, None, last_seen, terminal),
+            ));
+        }
+    });
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
 }
