@@ -570,3 +570,43 @@ async fn a_tenant_lists_its_own_tasks_newest_first_page_by_page() {
     assert_eq!(status, 200);
     assert!(failed["tasks"].as_array().unwrap().is_empty(), "{failed}");
 }
+
+/// POST with an `Idempotency-Key`: a retry with the same body is the same 202 and task id and
+/// creates no second task; the same key with another body is a 422 naming the header.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retried_request_with_its_idempotency_key_is_one_task() {
+    let c = cluster().await;
+    let key = format!("order-{}", uuid::Uuid::new_v4());
+    let post = |body: Value, key: String| async move {
+        let response = reqwest::Client::new()
+            .post(format!("{}/v1/tasks", c.producer_url))
+            .bearer_auth(API_KEY)
+            .header("idempotency-key", key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        (status, response.json::<Value>().await.unwrap())
+    };
+    let body = json!({"model": "terrain", "seed": 4242, "params": {"difficulty": 33}});
+    let (s1, first) = post(body.clone(), key.clone()).await;
+    let (s2, second) = post(body.clone(), key.clone()).await;
+    assert_eq!((s1, s2), (202, 202), "{first} {second}");
+    assert_eq!(first["task_id"], second["task_id"]);
+    let id = first["task_id"].as_str().unwrap().to_owned();
+    let (s3, conflict) = post(json!({"model": "terrain", "seed": 4243}), key.clone()).await;
+    assert_eq!(s3, 422, "{conflict}");
+    assert_eq!(conflict["error"], "idempotency_conflict");
+    assert_eq!(conflict["fields"][0]["field"], "Idempotency-Key");
+    let (s4, bad) = post(body.clone(), "has spaces in it".into()).await;
+    assert_eq!(s4, 400, "{bad}");
+
+    completions_for(c.stack.brokers(), &BTreeSet::from([id.clone()]), Duration::from_secs(120));
+    // One task record with that id on the tasks topic, one completion.
+    let tasks = TopicReader::snapshot(c.stack.brokers(), topics::TASKS, Duration::from_secs(2)).unwrap();
+    let records = tasks.iter().filter(|r| r.key.as_deref() == Some(id.as_bytes())).count();
+    assert_eq!(records, 1, "the retry published nothing");
+    let completions = TopicReader::snapshot(c.stack.brokers(), topics::COMPLETIONS, Duration::from_secs(2)).unwrap();
+    assert_eq!(completions.iter().filter(|r| r.key.as_deref() == Some(id.as_bytes())).count(), 1);
+}

@@ -116,7 +116,17 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
     let request: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not JSON: {e}")).with_fields([field("", e.to_string())])
     })?;
-    let record = TaskPublisher::record(&s.catalog, &request, &Submitter { tenant, user }).map_err(|e| match e {
+    let key = idempotency_key(headers)?;
+    let record = TaskPublisher::record_with_key(
+        &s.catalog,
+        &request,
+        &Submitter {
+            tenant: tenant.clone(),
+            user,
+        },
+        key.as_deref(),
+    )
+    .map_err(|e| match e {
         SubmitError::Invalid(violations) => {
             let mut names: Vec<&str> = violations
                 .iter()
@@ -132,6 +142,20 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
         }
         e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()),
     })?;
+    if let (Some(key), Some(store), Some(idem)) = (&key, &s.status, &record.idempotency) {
+        // A retry of a task the view already knows: the same answer, nothing published.
+        match store.request_hash(&tenant, record.task_id).map_err(internal)? {
+            Some(Some(hash)) if hash == idem.request_sha256 => return Ok(accepted(record.task_id)),
+            Some(_) => {
+                let message = format!("Idempotency-Key {key:?} was used for another request");
+                return Err(
+                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_conflict", message.clone())
+                        .with_fields([field("Idempotency-Key", message)]),
+                );
+            }
+            None => {}
+        }
+    }
     if let Err(e) = s.publisher.publish(&record, s.publish_timeout).await {
         tracing::warn!(error = %e, "broker unavailable; task refused");
         let retry = s.publish_timeout.as_secs().max(1).to_string();
@@ -155,6 +179,18 @@ fn accepted(task_id: uuid::Uuid) -> Response {
         Json(json!({"task_id": task_id, "status": "queued"})),
     )
         .into_response()
+}
+
+/// The `Idempotency-Key` header: at most 255 visible ASCII characters.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let message = "Idempotency-Key must be 1 to 255 visible ASCII characters";
+    match value.to_str() {
+        Ok(k) if !k.is_empty() && k.len() <= 255 && k.bytes().all(|b| (0x21..=0x7e).contains(&b)) => Ok(Some(k.to_owned())),
+        _ => Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("Idempotency-Key", message)])),
+    }
 }
 
 /// The caller's tenant, or a 401.

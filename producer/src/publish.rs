@@ -7,7 +7,9 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
 use sluice_schemas::models::MAX_SEED;
-use sluice_schemas::{Catalog, HEADER_SCHEMA_VERSION, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate};
+use sluice_schemas::{
+    Catalog, HEADER_SCHEMA_VERSION, Idempotency, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate,
+};
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -21,6 +23,24 @@ pub enum SubmitError {
     /// The broker did not acknowledge the record in time. Nothing was accepted.
     #[error("the task could not be queued: {0}")]
     Unavailable(String),
+}
+
+/// The task id of a tenant's idempotency key: the same on every replica and after restarts, so
+/// that even a race between replicas publishes one task id (UUID version 8, from SHA-256).
+pub fn idempotent_task_id(tenant: &str, key: &str) -> Uuid {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(format!("sluice-idempotency\0{tenant}\0{key}").as_bytes());
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
+/// SHA-256 (hex) of a request as parsed: object keys sorted, no insignificant spaces, so that
+/// the same JSON sent with other formatting is the same request.
+pub fn request_sha256(request: &Value) -> String {
+    use sha2::Digest;
+    let canonical = serde_json::to_vec(request).expect("JSON serializes");
+    sha2::Sha256::digest(&canonical).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Who submits.
@@ -47,6 +67,17 @@ impl TaskPublisher {
     /// model's catalog entry, every default filled in (a seed drawn if none was given), then
     /// checked as a task record too.
     pub fn record(catalog: &Catalog, request: &Value, submitter: &Submitter) -> Result<TaskRecord, SubmitError> {
+        Self::record_with_key(catalog, request, submitter, None)
+    }
+
+    /// [`TaskPublisher::record`] with the client's `Idempotency-Key`: the task id is derived
+    /// from the tenant and the key, and the record carries the request's hash.
+    pub fn record_with_key(
+        catalog: &Catalog,
+        request: &Value,
+        submitter: &Submitter,
+        key: Option<&str>,
+    ) -> Result<TaskRecord, SubmitError> {
         validate(RecordKind::TaskRequest, request).map_err(SubmitError::Invalid)?;
         let parsed: TaskRequest = serde_json::from_value(request.clone()).map_err(|e| {
             SubmitError::Invalid(vec![Violation {
@@ -62,12 +93,16 @@ impl TaskPublisher {
             .map_err(SubmitError::Invalid)?;
         let record = TaskRecord {
             version: SCHEMA_VERSION,
-            task_id: Uuid::now_v7(),
+            task_id: key.map_or_else(Uuid::now_v7, |k| idempotent_task_id(&submitter.tenant, k)),
             submitted_at: Utc::now(),
             tenant: submitter.tenant.clone(),
             user: submitter.user.clone(),
             model,
             request: generation,
+            idempotency: key.map(|k| Idempotency {
+                key: k.to_owned(),
+                request_sha256: request_sha256(request),
+            }),
         };
         let value = serde_json::to_value(&record).expect("record serializes");
         validate(RecordKind::Task, &value).map_err(SubmitError::Invalid)?;
@@ -149,5 +184,24 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_idempotency_key_fixes_the_task_id_per_tenant_and_the_hash_ignores_formatting() {
+        let a: Value = serde_json::from_str(r#"{"model": "terrain", "seed": 5, "params": {"difficulty": 7, "colormap": "grey"}}"#).unwrap();
+        let b: Value = serde_json::from_str(r#"{"params":{"colormap":"grey","difficulty":7},"seed":5,"model":"terrain"}"#).unwrap();
+        assert_eq!(request_sha256(&a), request_sha256(&b));
+        assert_ne!(request_sha256(&a), request_sha256(&json!({"model": "terrain", "seed": 6})));
+        assert_eq!(idempotent_task_id("acme", "k1"), idempotent_task_id("acme", "k1"));
+        assert_ne!(idempotent_task_id("acme", "k1"), idempotent_task_id("rival", "k1"));
+        assert_ne!(idempotent_task_id("acme", "k1"), idempotent_task_id("acme", "k2"));
+        let record = TaskPublisher::record_with_key(&Catalog::default(), &a, &submitter(), Some("k1")).unwrap();
+        assert_eq!(record.task_id, idempotent_task_id("acme", "k1"));
+        assert_eq!(record.idempotency.as_ref().unwrap().request_sha256, request_sha256(&a));
+        let value = serde_json::to_value(&record).unwrap();
+        assert!(
+            sluice_schemas::validate(RecordKind::Task, &value).is_ok(),
+            "the record with its key is a valid task record"
+        );
     }
 }

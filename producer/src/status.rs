@@ -87,6 +87,9 @@ pub struct TaskStatus {
 struct Stored {
     tenant: String,
     status: TaskStatus,
+    /// The request hash of a task submitted with an `Idempotency-Key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    request_sha256: Option<String>,
 }
 
 /// One state change, from a record of one of the topics.
@@ -124,6 +127,7 @@ impl Change {
             Change::Progress(_) => return None,
         };
         Some(Stored {
+            request_sha256: None,
             tenant: self.tenant().unwrap_or_default().to_owned(),
             status: TaskStatus {
                 task_id: self.task_id(),
@@ -152,6 +156,7 @@ impl Stored {
                 s.created_at = r.submitted_at;
                 s.model = r.model.clone();
                 self.tenant = r.tenant.clone();
+                self.request_sha256 = r.idempotency.as_ref().map(|i| i.request_sha256.clone());
             }
             Change::Progress(p) => {
                 if !s.status.is_terminal() {
@@ -268,6 +273,18 @@ impl StatusStore {
             .map_err(store_error)?
             .and_then(|v| serde_json::from_slice(v.value()).ok());
         Ok(stored.filter(|s| s.tenant == tenant).map(|s| s.status))
+    }
+
+    /// For a task of `tenant`: `Some(request hash)` (`Some(None)` when it was submitted without
+    /// an idempotency key); `None` when the view does not know it.
+    pub fn request_hash(&self, tenant: &str, id: Uuid) -> Result<Option<Option<String>>, StatusError> {
+        let tx = self.db.begin_read().map_err(store_error)?;
+        let tasks = tx.open_table(TASKS).map_err(store_error)?;
+        let stored: Option<Stored> = tasks
+            .get(id.to_string().as_str())
+            .map_err(store_error)?
+            .and_then(|v| serde_json::from_slice(v.value()).ok());
+        Ok(stored.filter(|s| s.tenant == tenant).map(|s| s.request_sha256))
     }
 
     /// A tenant's tasks, newest first, `limit` at most, after `cursor`, optionally only those
@@ -399,6 +416,7 @@ mod tests {
                 num_images: 1,
                 params: Default::default(),
             },
+            idempotency: None,
         }
     }
 

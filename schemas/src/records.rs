@@ -61,6 +61,19 @@ pub struct TaskRecord {
     pub user: Option<String>,
     pub model: String,
     pub request: Generation,
+    /// The client's `Idempotency-Key`, when it sent one: the task id is derived from the tenant
+    /// and the key, and the request's hash tells a retry from a conflicting reuse of the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency: Option<Idempotency>,
+}
+
+/// How a task was made idempotent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Idempotency {
+    pub key: String,
+    /// SHA-256 (hex) of the request body as the producer parsed it (keys sorted, no spaces).
+    pub request_sha256: String,
 }
 
 /// Where a record was read from.

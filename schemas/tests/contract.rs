@@ -145,6 +145,7 @@ fn fully_populated_types_validate() {
         user: Some("u".into()),
         model,
         request: generation,
+        idempotency: None,
     };
     must_validate(RecordKind::Task, &task);
 
@@ -236,6 +237,7 @@ fn normalized_minimal_request_is_a_valid_task() {
         user: None,
         model,
         request: generation,
+        idempotency: None,
     };
     must_validate(RecordKind::Task, &task);
 }

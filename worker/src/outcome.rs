@@ -34,6 +34,8 @@ pub(crate) struct TaskIdentity {
 }
 
 /// What failed: a decoded task, or a record that never became one.
+// Moved once per failed task, never stored in bulk: boxing would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Failed {
     Task(Job),
     Record { record: Record, identity: TaskIdentity },
