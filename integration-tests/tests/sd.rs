@@ -247,3 +247,104 @@ async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
         .unwrap();
     assert_eq!(rival.status().as_u16(), 404);
 }
+
+/// Cancels over HTTP: a queued task is never run, a running diffusion task stops between steps;
+/// both end with a `cancelled` completion and no image; a finished task is a 409.
+#[tokio::test(flavor = "multi_thread")]
+async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
+    let c = cluster().await;
+    let key = sluice_integration_tests::cluster::API_KEY;
+    let client = reqwest::Client::new();
+    let cancel = |id: String| {
+        let client = client.clone();
+        let url = format!("{}/v1/tasks/{id}/cancel", c.producer_url);
+        async move {
+            let r = client.post(url).bearer_auth(key).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    // Work ahead of the queued task: three long tasks of different buckets.
+    let mut blockers = Vec::new();
+    for sampler in ["euler", "ddim", "dpmpp_2m"] {
+        let body = json!({"model": "sd-tiny", "prompt": "a busy street", "steps": 20, "sampler": sampler, "width": 256, "height": 256});
+        blockers.push(c.submit_ok(&body).await.unwrap());
+    }
+    let queued = c
+        .submit_ok(&json!({"model": "sd-tiny", "prompt": "never drawn", "width": 64, "height": 64}))
+        .await
+        .unwrap();
+    let (status, reply) = cancel(queued.clone()).await;
+    assert_eq!(status, 202, "{reply}");
+    assert_eq!(reply["status"], "cancelling");
+
+    // The first blocker, once it runs, is cancelled between steps.
+    let running = blockers[0].clone();
+    sluice_integration_tests::wait_for("the first blocker to run", Duration::from_secs(60), async || {
+        let v: Value = client
+            .get(format!("{}/v1/tasks/{running}", c.producer_url))
+            .bearer_auth(key)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        (v["status"] == "running").then_some(())
+    })
+    .await
+    .unwrap();
+    let (status, _) = cancel(running.clone()).await;
+    assert_eq!(status, 202);
+
+    let ids: BTreeSet<String> = [queued.clone(), running.clone(), blockers[1].clone(), blockers[2].clone()].into();
+    let done = completions_for(c.stack.brokers(), &ids);
+    for id in [&queued, &running] {
+        let event = &done[id];
+        assert_eq!(event.status, CompletionStatus::Cancelled, "{event:?}");
+        assert!(event.outputs.is_empty() && event.error.is_none());
+    }
+    for id in &blockers[1..] {
+        assert_eq!(done[id].status, CompletionStatus::Succeeded);
+    }
+    // No image for either; the queued one never started.
+    let sink = c.stack.sink().unwrap();
+    for id in [&queued, &running] {
+        assert!(sink.read(&format!("outputs/{id}/0.png")).await.is_err(), "no image stored for {id}");
+    }
+    let progress =
+        sluice_integration_tests::TopicReader::snapshot(c.stack.brokers(), sluice_schemas::topics::PROGRESS, Duration::from_secs(2))
+            .unwrap();
+    assert!(
+        !progress.iter().any(|r| r.key.as_deref() == Some(queued.as_bytes())),
+        "the queued task never ran"
+    );
+    let steps: Vec<u64> = progress
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(running.as_bytes()))
+        .map(|r| r.json()["step"].as_u64().unwrap())
+        .collect();
+    assert!(
+        steps.iter().all(|s| *s < 20),
+        "the running task stopped before its last step: {steps:?}"
+    );
+    // Finished: a 409; the view says cancelled.
+    sluice_integration_tests::wait_for("the view to show the cancel", Duration::from_secs(10), async || {
+        let v: Value = client
+            .get(format!("{}/v1/tasks/{queued}", c.producer_url))
+            .bearer_auth(key)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        (v["status"] == "cancelled").then_some(())
+    })
+    .await
+    .unwrap();
+    let (status, reply) = cancel(queued.clone()).await;
+    assert_eq!(status, 409, "{reply}");
+    assert!(reply["message"].as_str().unwrap().contains("cancelled"), "{reply}");
+    let (status, _) = cancel(uuid::Uuid::new_v4().to_string()).await;
+    assert_eq!(status, 404);
+}

@@ -21,6 +21,8 @@ pub struct AppState {
     pub catalog: sluice_schemas::Catalog,
     /// The status view (`None`: the API answers no status, e.g. in unit tests).
     pub status: Option<Arc<crate::status::StatusStore>>,
+    /// The topic cancels are published to.
+    pub control_topic: String,
     /// Whether the status view has read what its topics held at start.
     pub view_caught_up: Option<crate::view::CaughtUp>,
     pub publisher: TaskPublisher,
@@ -37,6 +39,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
             .route("/v1/tasks", get(list_tasks))
             .route("/v1/tasks/{id}", get(task_status))
             .route("/v1/tasks/{id}/events", get(task_events))
+            .route("/v1/tasks/{id}/cancel", post(cancel_task))
             .route(
                 "/metrics",
                 get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
@@ -260,7 +263,7 @@ async fn list_tasks(
         None => None,
         Some(v) => Some(
             crate::status::Status::parse(v)
-                .ok_or_else(|| bad("status", format!("one of queued, running, succeeded, failed; got {v:?}")))?,
+                .ok_or_else(|| bad("status", format!("one of queued, running, succeeded, failed, cancelled; got {v:?}")))?,
         ),
     };
     let since = match q.since.as_deref() {
@@ -367,4 +370,38 @@ async fn task_events(
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
+}
+
+/// `POST /v1/tasks/{id}/cancel`: 202 while the task is not finished (a queued task is never
+/// run; a running diffusion task stops between steps; either way its completion says
+/// `cancelled`), 409 with its status once it is, 404 for an unknown or another tenant's task.
+async fn cancel_task(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    let tenant = tenant_of(&s, &headers)?;
+    let store = status_store(&s)?;
+    let task_id = uuid::Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
+    let status = store.get(&tenant, task_id).map_err(internal)?.ok_or_else(|| not_found(&id))?;
+    if status.status.is_terminal() {
+        let state = serde_json::to_value(status.status).unwrap_or_default();
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "already_finished",
+            format!("task {id} already finished: {}", state.as_str().unwrap_or("")),
+        ));
+    }
+    let record = sluice_schemas::ControlRecord {
+        version: sluice_schemas::SCHEMA_VERSION,
+        task_id,
+        tenant,
+        action: sluice_schemas::ControlAction::Cancel,
+        at: chrono::Utc::now(),
+    };
+    if let Err(e) = s.publisher.publish_control(&s.control_topic, &record, s.publish_timeout).await {
+        let retry = s.publish_timeout.as_secs().max(1).to_string();
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry));
+    }
+    Ok((StatusCode::ACCEPTED, Json(json!({"task_id": task_id, "status": "cancelling"}))).into_response())
 }

@@ -150,6 +150,9 @@ pub struct ServeArgs {
     pub completions_topic: String,
     #[arg(long, env = "SLUICE_PROGRESS_TOPIC", default_value = sluice_schemas::topics::PROGRESS)]
     pub progress_topic: String,
+    /// Where cancels go; every worker reads it whole.
+    #[arg(long, env = "SLUICE_CONTROL_TOPIC", default_value = sluice_schemas::topics::CONTROL)]
+    pub control_topic: String,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -89,6 +89,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let state = Arc::new(AppState {
         catalog,
         status: Some(store),
+        control_topic: args.control_topic.clone(),
         view_caught_up: Some(caught_up),
         publisher: publisher(&args.publish, &metrics)?,
         keys,

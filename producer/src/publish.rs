@@ -109,6 +109,25 @@ impl TaskPublisher {
         Ok(record)
     }
 
+    /// Publishes a control record (a cancel) to `topic`, keyed by task id, and waits for the
+    /// broker's acknowledgement, at most `timeout`.
+    pub async fn publish_control(&self, topic: &str, record: &sluice_schemas::ControlRecord, timeout: Duration) -> Result<(), SubmitError> {
+        let payload = serde_json::to_vec(record).expect("record serializes");
+        let key = record.task_id.to_string();
+        let headers = OwnedHeaders::new().insert(Header {
+            key: HEADER_SCHEMA_VERSION,
+            value: Some(SCHEMA_VERSION.to_string().as_bytes()),
+        });
+        let send = self
+            .producer
+            .send(FutureRecord::to(topic).key(&key).payload(&payload).headers(headers), timeout);
+        match tokio::time::timeout(timeout + Duration::from_millis(500), send).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(SubmitError::Unavailable(e.to_string())),
+            Err(_) => Err(SubmitError::Unavailable(format!("no acknowledgement within {timeout:?}"))),
+        }
+    }
+
     /// Publishes a record and waits for the broker's acknowledgement, at most `timeout`.
     pub async fn publish(&self, record: &TaskRecord, timeout: Duration) -> Result<(), SubmitError> {
         let payload = serde_json::to_vec(record).expect("record serializes");

@@ -43,11 +43,12 @@ pub enum Status {
     Running,
     Succeeded,
     Failed,
+    Cancelled,
 }
 
 impl Status {
     pub fn is_terminal(self) -> bool {
-        matches!(self, Status::Succeeded | Status::Failed)
+        matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled)
     }
 
     pub fn parse(s: &str) -> Option<Status> {
@@ -56,6 +57,7 @@ impl Status {
             "running" => Some(Status::Running),
             "succeeded" => Some(Status::Succeeded),
             "failed" => Some(Status::Failed),
+            "cancelled" => Some(Status::Cancelled),
             _ => None,
         }
     }
@@ -177,6 +179,7 @@ impl Stored {
                 s.status = match c.status {
                     CompletionStatus::Succeeded => Status::Succeeded,
                     CompletionStatus::Failed => Status::Failed,
+                    CompletionStatus::Cancelled => Status::Cancelled,
                 };
                 s.outputs = c.outputs.clone();
                 s.error = c.error.clone();

@@ -35,6 +35,7 @@ pub mod topics {
     pub const COMPLETIONS: &str = "sluice.completions.v1";
     pub const DLQ: &str = "sluice.dlq.v1";
     pub const PROGRESS: &str = "sluice.progress.v1";
+    pub const CONTROL: &str = "sluice.control.v1";
 }
 
 /// Headers on every DLQ record; the same facts are fields of [`DlqRecord`].

@@ -90,6 +90,9 @@ pub struct SourceRef {
 pub enum CompletionStatus {
     Succeeded,
     Failed,
+    /// Cancelled by its client before it finished: never run, or stopped between steps. No
+    /// images are stored and nothing goes to the DLQ.
+    Cancelled,
 }
 
 /// One stored image of a completed task.
@@ -319,5 +322,24 @@ pub struct ProgressRecord {
     pub event: ProgressEvent,
     pub step: u32,
     pub steps: u32,
+    pub at: DateTime<Utc>,
+}
+
+/// What a control record asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlAction {
+    Cancel,
+}
+
+/// A record on the control topic (`control.schema.json`), keyed by task id. Every worker reads
+/// the whole topic (not as a group member), so whoever holds the task sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlRecord {
+    pub version: u32,
+    pub task_id: Uuid,
+    pub tenant: String,
+    pub action: ControlAction,
     pub at: DateTime<Utc>,
 }

@@ -10,7 +10,7 @@ const BASE: &str = "https://schemas.sluice.dev/v1/";
 
 /// The schema files, embedded so that every binary validates against exactly the contract in
 /// this crate.
-pub const SCHEMA_FILES: [(&str, &str); 9] = [
+pub const SCHEMA_FILES: [(&str, &str); 10] = [
     ("generation.schema.json", include_str!("../v1/generation.schema.json")),
     ("task-request.schema.json", include_str!("../v1/task-request.schema.json")),
     ("task.schema.json", include_str!("../v1/task.schema.json")),
@@ -23,6 +23,7 @@ pub const SCHEMA_FILES: [(&str, &str); 9] = [
         "stable-diffusion-request.schema.json",
         include_str!("../v1/stable-diffusion-request.schema.json"),
     ),
+    ("control.schema.json", include_str!("../v1/control.schema.json")),
 ];
 
 /// The records that have a schema.
@@ -37,10 +38,11 @@ pub enum RecordKind {
     /// The request rules of a model kind (after `TaskRequest`, once the catalog named the kind).
     TerrainRequest,
     StableDiffusionRequest,
+    Control,
 }
 
 impl RecordKind {
-    pub const ALL: [RecordKind; 8] = [
+    pub const ALL: [RecordKind; 9] = [
         RecordKind::TaskRequest,
         RecordKind::Task,
         RecordKind::Completion,
@@ -49,6 +51,7 @@ impl RecordKind {
         RecordKind::Progress,
         RecordKind::TerrainRequest,
         RecordKind::StableDiffusionRequest,
+        RecordKind::Control,
     ];
 
     /// The request schema of a model kind.
@@ -69,6 +72,7 @@ impl RecordKind {
             RecordKind::Progress => "progress.schema.json",
             RecordKind::TerrainRequest => "terrain-request.schema.json",
             RecordKind::StableDiffusionRequest => "stable-diffusion-request.schema.json",
+            RecordKind::Control => "control.schema.json",
         }
     }
 }
@@ -94,7 +98,7 @@ impl std::fmt::Display for Violation {
 
 const UNKNOWN_FIELD: &str = "unknown field";
 
-struct Validators([Validator; 8]);
+struct Validators([Validator; 9]);
 
 static VALIDATORS: LazyLock<Validators> = LazyLock::new(|| {
     let resources: Vec<(String, Resource)> = SCHEMA_FILES

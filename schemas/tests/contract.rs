@@ -95,6 +95,12 @@ fn progress_records() {
 }
 
 #[test]
+fn control_records() {
+    round_trip::<ControlRecord>(RecordKind::Control, "control");
+    rejects(RecordKind::Control, "control");
+}
+
+#[test]
 fn dlq_records() {
     round_trip::<DlqRecord>(RecordKind::Dlq, "dlq");
     rejects(RecordKind::Dlq, "dlq");

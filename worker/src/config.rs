@@ -67,6 +67,9 @@ pub struct KafkaArgs {
     /// Progress records of multi-step models (Stable Diffusion).
     #[arg(long, env = "SLUICE_PROGRESS_TOPIC", default_value = sluice_schemas::topics::PROGRESS)]
     pub progress_topic: String,
+    /// Cancels; every worker reads it whole.
+    #[arg(long, env = "SLUICE_CONTROL_TOPIC", default_value = sluice_schemas::topics::CONTROL)]
+    pub control_topic: String,
     /// Records larger than this go to the DLQ as `too_large` without being parsed.
     #[arg(long, env = "SLUICE_MAX_TASK_BYTES", default_value_t = 1 << 20)]
     pub max_task_bytes: usize,

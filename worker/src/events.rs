@@ -177,6 +177,15 @@ impl Emit for TaskSucceeded<'_> {
     }
 }
 
+/// A task ended cancelled by its client (its completion was acknowledged).
+pub(crate) struct TaskCancelled;
+
+impl Emit for TaskCancelled {
+    fn emit(self, m: &Metrics) {
+        m.tasks_finished.with_label_values(&["cancelled"]).inc();
+    }
+}
+
 /// A transient failure will be retried after `delay`.
 pub(crate) struct RetryScheduled<'a> {
     pub operation: &'static str,

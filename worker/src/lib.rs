@@ -5,6 +5,7 @@
 pub mod adaptive;
 mod batcher;
 pub mod config;
+mod control;
 mod encode;
 pub mod engine;
 mod events;

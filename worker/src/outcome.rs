@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
-use crate::events::{DeadLettered, Emit, TaskSucceeded};
+use crate::events::{DeadLettered, Emit, TaskCancelled, TaskSucceeded};
 use crate::metrics::Metrics;
 use crate::offsets::Offsets;
 use crate::publish::Publish;
@@ -196,6 +196,30 @@ impl Outcomes {
             duplicate,
         }
         .emit(&self.inner.metrics);
+        self.inner.offsets.ack(&job.record.origin);
+        true
+    }
+
+    /// A task its client cancelled (before it ran, or between steps): a `cancelled`
+    /// completion, no images, no DLQ record; then its offset.
+    pub(crate) async fn cancelled(&self, job: &Job) -> bool {
+        let timings = Timings {
+            total_ms: job.age_ms(Utc::now()),
+            ..Timings::default()
+        };
+        let event = self.completion(
+            TaskIdentity::of(&job.task),
+            &job.record,
+            CompletionStatus::Cancelled,
+            Vec::new(),
+            timings,
+            None,
+        );
+        if !self.publish(&event).await {
+            return false;
+        }
+        tracing::info!(task_id = %job.task.task_id, "task cancelled");
+        TaskCancelled.emit(&self.inner.metrics);
         self.inner.offsets.ack(&job.record.origin);
         true
     }

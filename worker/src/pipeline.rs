@@ -54,6 +54,8 @@ pub(crate) struct Shared {
     pub tasks: TaskTracker,
     /// Progress records of multi-step models (none in unit tests).
     pub progress: Option<crate::progress::ProgressSink>,
+    /// Tasks cancelled by their clients (the control topic).
+    pub cancellations: crate::control::Cancellations,
 }
 
 /// A prepared task inside a batch.
@@ -216,6 +218,16 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
     let jobs: Vec<Job> = items
         .into_iter()
         .filter(|j| shared.offsets.should_start(&j.record.origin))
+        .filter_map(|j| {
+            if shared.cancellations.contains(&j.task.task_id) {
+                // Cancelled while queued: never run.
+                let outcomes = shared.outcomes.clone();
+                shared.tasks.spawn(async move { outcomes.cancelled(&j).await });
+                None
+            } else {
+                Some(j)
+            }
+        })
         .collect();
     if jobs.is_empty() {
         return;
@@ -324,6 +336,11 @@ async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
     };
     let images = match rendered {
         Ok(Ok(images)) => images,
+        Ok(Err(e)) if e == crate::models::diffusion::request::CANCELLED => {
+            // Stopped between steps: nothing is stored.
+            shared.outcomes.cancelled(&job).await;
+            return;
+        }
         Ok(Err(e)) => {
             shared
                 .outcomes
@@ -439,6 +456,7 @@ mod tests {
             let kind = match event.status {
                 CompletionStatus::Succeeded => "succeeded",
                 CompletionStatus::Failed => "failed",
+                CompletionStatus::Cancelled => "cancelled",
             };
             let tp = TopicPartition {
                 topic: event.source.topic.as_str().into(),
@@ -553,6 +571,7 @@ mod tests {
             finishing: Semaphore::new(8),
             tasks,
             progress: None,
+            cancellations: Default::default(),
         });
         let (record_tx, record_rx) = mpsc::channel(256);
         let (job_tx, job_rx) = mpsc::channel(256);

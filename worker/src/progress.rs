@@ -15,6 +15,7 @@ use sluice_schemas::{ProgressEvent, ProgressRecord, SCHEMA_VERSION};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use crate::control::Cancellations;
 use crate::engine::TaskHooks;
 
 /// At most one step record per task this often.
@@ -25,12 +26,20 @@ pub(crate) const THROTTLE: Duration = Duration::from_millis(500);
 pub(crate) struct ProgressSink {
     tx: mpsc::UnboundedSender<ProgressRecord>,
     worker_id: String,
+    cancellations: Cancellations,
 }
 
 impl ProgressSink {
-    pub(crate) fn new(worker_id: String) -> (ProgressSink, mpsc::UnboundedReceiver<ProgressRecord>) {
+    pub(crate) fn new(worker_id: String, cancellations: Cancellations) -> (ProgressSink, mpsc::UnboundedReceiver<ProgressRecord>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (ProgressSink { tx, worker_id }, rx)
+        (
+            ProgressSink {
+                tx,
+                worker_id,
+                cancellations,
+            },
+            rx,
+        )
     }
 
     /// A task's hooks; publishes its `started` record.
@@ -81,7 +90,7 @@ impl TaskProgress {
 
 impl TaskHooks for TaskProgress {
     fn cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::Relaxed)
+        self.cancelled.load(Ordering::Relaxed) || self.sink.cancellations.contains(&self.task_id)
     }
 
     fn progress(&self, step: usize, steps: usize) {
@@ -113,7 +122,8 @@ mod tests {
 
     #[test]
     fn steps_are_throttled_but_the_last_one_always_goes_out() {
-        let (sink, mut rx) = ProgressSink::new("w".into());
+        let cancellations = Cancellations::default();
+        let (sink, mut rx) = ProgressSink::new("w".into(), cancellations.clone());
         let p = sink.start(Uuid::nil(), "sd", 30);
         for step in 1..=10 {
             p.progress(step, 30);
@@ -132,5 +142,10 @@ mod tests {
         assert!(!p.cancelled());
         p.cancel();
         assert!(p.cancelled());
+        // A cancel from the control topic reaches the task's hooks too.
+        let other = sink.start(Uuid::now_v7(), "sd", 4);
+        assert!(!other.cancelled());
+        cancellations.insert(other.task_id);
+        assert!(other.cancelled());
     }
 }

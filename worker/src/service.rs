@@ -253,7 +253,21 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         abandon: abandon.clone(),
         tasks: tasks.clone(),
     });
-    let (progress, progress_rx) = crate::progress::ProgressSink::new(worker_id.clone());
+    let cancellations = crate::control::Cancellations::default();
+    let control_group = format!("{worker_id}-control-{}", uuid::Uuid::new_v4());
+    let control_consumer: rdkafka::consumer::BaseConsumer = k
+        .client
+        .config(&[
+            ("group.id", control_group.as_str()),
+            ("enable.auto.commit", "false"),
+            ("fetch.wait.max.ms", "100"),
+        ])
+        .create()
+        .map_err(kafka("creating the control-topic consumer"))?;
+    cancellations
+        .follow(control_consumer, k.control_topic.clone())
+        .map_err(|e| StartError::Model(format!("starting the control-topic reader: {e}")))?;
+    let (progress, progress_rx) = crate::progress::ProgressSink::new(worker_id.clone(), cancellations.clone());
     tokio::spawn(crate::progress::publish(progress_rx, producer.clone(), k.progress_topic.clone()));
     let shared = Arc::new(Shared {
         offsets: offsets.clone(),
@@ -275,6 +289,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         finishing: Semaphore::new(config.storage.storage_concurrency.max(1) * 2),
         tasks,
         progress: Some(progress),
+        cancellations,
     });
 
     // The stages.
