@@ -610,3 +610,54 @@ async fn a_retried_request_with_its_idempotency_key_is_one_task() {
     let completions = TopicReader::snapshot(c.stack.brokers(), topics::COMPLETIONS, Duration::from_secs(2)).unwrap();
     assert_eq!(completions.iter().filter(|r| r.key.as_deref() == Some(id.as_bytes())).count(), 1);
 }
+
+/// Deadlines: a task dequeued after its deadline is not run and completes `expired` (no DLQ
+/// record); a request with a deadline in the past, or with both forms, is a 400.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_past_its_deadline_expires_unrun_and_bad_deadlines_are_refused() {
+    let c = cluster().await;
+    for (body, field) in [
+        (json!({"model": "terrain", "deadline": "2020-01-01T00:00:00Z"}), "deadline"),
+        (json!({"model": "terrain", "deadline": "2999-01-01T00:00:00Z"}), "deadline"),
+        (
+            json!({"model": "terrain", "deadline": "2030-01-01T00:00:00Z", "ttl_seconds": 60}),
+            "deadline",
+        ),
+        (json!({"model": "terrain", "ttl_seconds": 0}), "ttl_seconds"),
+    ] {
+        let (status, reply) = c.submit(&body).await.unwrap();
+        assert_eq!(status, 400, "{body}: {reply}");
+        assert!(
+            reply["fields"].as_array().unwrap().iter().any(|f| f["field"] == field),
+            "{body}: {reply}"
+        );
+    }
+    // A task with a comfortable ttl runs.
+    let fine = c
+        .submit_ok(&json!({"model": "terrain", "ttl_seconds": 3600, "seed": 9}))
+        .await
+        .unwrap();
+    // A record whose deadline passed while it waited (written to the topic directly, as a
+    // producer would have an hour ago).
+    let (late, mut record) = sluice_integration_tests::terrain_task(10, 128, 128, 20);
+    record["deadline"] = json!((chrono::Utc::now() - chrono::Duration::seconds(5)).to_rfc3339());
+    let kafka = producer(c.stack.brokers()).unwrap();
+    sluice_integration_tests::publish_tasks(&kafka, topics::TASKS, &[(late.clone(), record)])
+        .await
+        .unwrap();
+
+    let done = completions_for(
+        c.stack.brokers(),
+        &BTreeSet::from([fine.clone(), late.clone()]),
+        Duration::from_secs(120),
+    );
+    assert_eq!(done[&fine].status, CompletionStatus::Succeeded);
+    assert_eq!(done[&late].status, CompletionStatus::Expired, "{:?}", done[&late]);
+    assert!(done[&late].outputs.is_empty() && done[&late].error.is_none());
+    let dlq = TopicReader::snapshot(c.stack.brokers(), topics::DLQ, Duration::from_secs(2)).unwrap();
+    assert!(
+        !dlq.iter().any(|r| r.key.as_deref() == Some(late.as_bytes())),
+        "expiry is not a DLQ record"
+    );
+    assert!(c.stack.sink().unwrap().read(&format!("outputs/{late}/0.png")).await.is_err());
+}

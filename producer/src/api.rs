@@ -261,10 +261,12 @@ async fn list_tasks(
     let axum::extract::Query(q) = query.map_err(|e| bad("(query)", e.body_text()))?;
     let status = match q.status.as_deref() {
         None => None,
-        Some(v) => Some(
-            crate::status::Status::parse(v)
-                .ok_or_else(|| bad("status", format!("one of queued, running, succeeded, failed, cancelled; got {v:?}")))?,
-        ),
+        Some(v) => Some(crate::status::Status::parse(v).ok_or_else(|| {
+            bad(
+                "status",
+                format!("one of queued, running, succeeded, failed, cancelled, expired; got {v:?}"),
+            )
+        })?),
     };
     let since = match q.since.as_deref() {
         None => None,

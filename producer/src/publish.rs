@@ -43,6 +43,21 @@ pub fn request_sha256(request: &Value) -> String {
     sha2::Sha256::digest(&canonical).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The longest a task may wait for a worker: 30 days (the schema's `ttl_seconds` maximum).
+pub const MAX_TTL: chrono::TimeDelta = chrono::TimeDelta::days(30);
+
+/// The record's deadline from `deadline` or `ttl_seconds`: in the future, within [`MAX_TTL`].
+fn deadline_of(request: &TaskRequest, now: chrono::DateTime<Utc>) -> Result<Option<chrono::DateTime<Utc>>, (&'static str, String)> {
+    match (request.deadline, request.ttl_seconds) {
+        (Some(_), Some(_)) => Err(("deadline", "give deadline or ttl_seconds, not both".into())),
+        (Some(d), None) if d <= now => Err(("deadline", format!("{d} is not in the future"))),
+        (Some(d), None) if d - now > MAX_TTL => Err(("deadline", "at most 30 days ahead".into())),
+        (Some(d), None) => Ok(Some(d)),
+        (None, Some(ttl)) => Ok(Some(now + chrono::TimeDelta::seconds(ttl.min(MAX_TTL.num_seconds() as u64) as i64))),
+        (None, None) => Ok(None),
+    }
+}
+
 /// Who submits.
 #[derive(Debug, Clone)]
 pub struct Submitter {
@@ -88,13 +103,20 @@ impl TaskPublisher {
         if let Some(entry) = catalog.get(&parsed.model) {
             validate(RecordKind::request_of(entry.kind), request).map_err(SubmitError::Invalid)?;
         }
+        let now = Utc::now();
+        let deadline = deadline_of(&parsed, now).map_err(|(field, message)| {
+            SubmitError::Invalid(vec![Violation {
+                field: field.into(),
+                message,
+            }])
+        })?;
         let (model, generation) = catalog
             .normalize(parsed, || fastrand::u64(0..=MAX_SEED))
             .map_err(SubmitError::Invalid)?;
         let record = TaskRecord {
             version: SCHEMA_VERSION,
             task_id: key.map_or_else(Uuid::now_v7, |k| idempotent_task_id(&submitter.tenant, k)),
-            submitted_at: Utc::now(),
+            submitted_at: now,
             tenant: submitter.tenant.clone(),
             user: submitter.user.clone(),
             model,
@@ -103,6 +125,7 @@ impl TaskPublisher {
                 key: k.to_owned(),
                 request_sha256: request_sha256(request),
             }),
+            deadline,
         };
         let value = serde_json::to_value(&record).expect("record serializes");
         validate(RecordKind::Task, &value).map_err(SubmitError::Invalid)?;

@@ -44,11 +44,12 @@ pub enum Status {
     Succeeded,
     Failed,
     Cancelled,
+    Expired,
 }
 
 impl Status {
     pub fn is_terminal(self) -> bool {
-        matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled)
+        matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled | Status::Expired)
     }
 
     pub fn parse(s: &str) -> Option<Status> {
@@ -58,6 +59,7 @@ impl Status {
             "succeeded" => Some(Status::Succeeded),
             "failed" => Some(Status::Failed),
             "cancelled" => Some(Status::Cancelled),
+            "expired" => Some(Status::Expired),
             _ => None,
         }
     }
@@ -180,6 +182,7 @@ impl Stored {
                     CompletionStatus::Succeeded => Status::Succeeded,
                     CompletionStatus::Failed => Status::Failed,
                     CompletionStatus::Cancelled => Status::Cancelled,
+                    CompletionStatus::Expired => Status::Expired,
                 };
                 s.outputs = c.outputs.clone();
                 s.error = c.error.clone();
@@ -420,6 +423,7 @@ mod tests {
                 params: Default::default(),
             },
             idempotency: None,
+            deadline: None,
         }
     }
 

@@ -31,6 +31,12 @@ pub struct TaskRequest {
     pub num_images: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<Map<String, Value>>,
+    /// Run by then or not at all (RFC 3339); exclusive with `ttl_seconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<DateTime<Utc>>,
+    /// Run within this many seconds of submission or not at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
 }
 
 /// Fully explicit generation parameters, as carried by a [`TaskRecord`].
@@ -65,6 +71,10 @@ pub struct TaskRecord {
     /// and the key, and the request's hash tells a retry from a conflicting reuse of the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency: Option<Idempotency>,
+    /// A worker that dequeues the task after this does not run it: its completion says
+    /// `expired`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<DateTime<Utc>>,
 }
 
 /// How a task was made idempotent.
@@ -93,6 +103,8 @@ pub enum CompletionStatus {
     /// Cancelled by its client before it finished: never run, or stopped between steps. No
     /// images are stored and nothing goes to the DLQ.
     Cancelled,
+    /// Dequeued after its deadline: not run, no images, no DLQ record.
+    Expired,
 }
 
 /// One stored image of a completed task.

@@ -139,6 +139,8 @@ fn fully_populated_types_validate() {
         height: Some(16),
         num_images: Some(8),
         params: Some(models::terrain::Params::default().to_map()),
+        deadline: None,
+        ttl_seconds: Some(3600),
     };
     must_validate(RecordKind::TaskRequest, &request);
 
@@ -152,6 +154,7 @@ fn fully_populated_types_validate() {
         model,
         request: generation,
         idempotency: None,
+        deadline: None,
     };
     must_validate(RecordKind::Task, &task);
 
@@ -244,6 +247,7 @@ fn normalized_minimal_request_is_a_valid_task() {
         model,
         request: generation,
         idempotency: None,
+        deadline: None,
     };
     must_validate(RecordKind::Task, &task);
 }

@@ -177,12 +177,20 @@ impl Emit for TaskSucceeded<'_> {
     }
 }
 
-/// A task ended cancelled by its client (its completion was acknowledged).
-pub(crate) struct TaskCancelled;
+/// A task ended without a result, cancelled or expired (its completion was acknowledged).
+pub(crate) struct TaskEnded<'a> {
+    pub task_id: &'a str,
+    pub status: sluice_schemas::CompletionStatus,
+}
 
-impl Emit for TaskCancelled {
+impl Emit for TaskEnded<'_> {
     fn emit(self, m: &Metrics) {
-        m.tasks_finished.with_label_values(&["cancelled"]).inc();
+        let outcome = match self.status {
+            sluice_schemas::CompletionStatus::Expired => "expired",
+            _ => "cancelled",
+        };
+        m.tasks_finished.with_label_values(&[outcome]).inc();
+        tracing::info!(task_id = self.task_id, outcome, "task ended without running to its result");
     }
 }
 

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
-use crate::events::{DeadLettered, Emit, TaskCancelled, TaskSucceeded};
+use crate::events::{DeadLettered, Emit, TaskEnded, TaskSucceeded};
 use crate::metrics::Metrics;
 use crate::offsets::Offsets;
 use crate::publish::Publish;
@@ -200,26 +200,23 @@ impl Outcomes {
         true
     }
 
-    /// A task its client cancelled (before it ran, or between steps): a `cancelled`
-    /// completion, no images, no DLQ record; then its offset.
-    pub(crate) async fn cancelled(&self, job: &Job) -> bool {
+    /// A task that ends without a result: cancelled by its client (before it ran, or between
+    /// steps) or expired (dequeued past its deadline). Its completion says so; no images, no
+    /// DLQ record; then its offset.
+    pub(crate) async fn ended(&self, job: &Job, status: CompletionStatus) -> bool {
         let timings = Timings {
             total_ms: job.age_ms(Utc::now()),
             ..Timings::default()
         };
-        let event = self.completion(
-            TaskIdentity::of(&job.task),
-            &job.record,
-            CompletionStatus::Cancelled,
-            Vec::new(),
-            timings,
-            None,
-        );
+        let event = self.completion(TaskIdentity::of(&job.task), &job.record, status, Vec::new(), timings, None);
         if !self.publish(&event).await {
             return false;
         }
-        tracing::info!(task_id = %job.task.task_id, "task cancelled");
-        TaskCancelled.emit(&self.inner.metrics);
+        TaskEnded {
+            task_id: &job.task.task_id.to_string(),
+            status,
+        }
+        .emit(&self.inner.metrics);
         self.inner.offsets.ack(&job.record.origin);
         true
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use sluice_schemas::{DlqReason, OutputRef, Timings, decode_task};
+use sluice_schemas::{CompletionStatus, DlqReason, OutputRef, Timings, decode_task};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -219,13 +219,22 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
         .into_iter()
         .filter(|j| shared.offsets.should_start(&j.record.origin))
         .filter_map(|j| {
-            if shared.cancellations.contains(&j.task.task_id) {
+            let ended = if shared.cancellations.contains(&j.task.task_id) {
                 // Cancelled while queued: never run.
-                let outcomes = shared.outcomes.clone();
-                shared.tasks.spawn(async move { outcomes.cancelled(&j).await });
-                None
+                Some(CompletionStatus::Cancelled)
+            } else if j.task.deadline.is_some_and(|d| d < Utc::now()) {
+                // Dequeued past its deadline: not run.
+                Some(CompletionStatus::Expired)
             } else {
-                Some(j)
+                None
+            };
+            match ended {
+                Some(status) => {
+                    let outcomes = shared.outcomes.clone();
+                    shared.tasks.spawn(async move { outcomes.ended(&j, status).await });
+                    None
+                }
+                None => Some(j),
             }
         })
         .collect();
@@ -338,7 +347,7 @@ async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
         Ok(Ok(images)) => images,
         Ok(Err(e)) if e == crate::models::diffusion::request::CANCELLED => {
             // Stopped between steps: nothing is stored.
-            shared.outcomes.cancelled(&job).await;
+            shared.outcomes.ended(&job, CompletionStatus::Cancelled).await;
             return;
         }
         Ok(Err(e)) => {
@@ -457,6 +466,7 @@ mod tests {
                 CompletionStatus::Succeeded => "succeeded",
                 CompletionStatus::Failed => "failed",
                 CompletionStatus::Cancelled => "cancelled",
+                CompletionStatus::Expired => "expired",
             };
             let tp = TopicPartition {
                 topic: event.source.topic.as_str().into(),
