@@ -514,6 +514,13 @@ async fn a_task_status_follows_the_task_to_its_result_and_only_its_tenant_sees_i
     let expected: Vec<&str> = completion.outputs.iter().map(|o| o.sha256.as_str()).collect();
     assert_eq!(outputs, expected);
     assert_eq!(done["outputs"][0]["key"], completion.outputs[0].key.as_str());
+    // The client downloads its image over plain HTTP through the presigned URL.
+    for output in done["outputs"].as_array().unwrap() {
+        let url = output["url"].as_str().unwrap();
+        assert!(url.starts_with("http") && url.contains("X-Amz-Signature"), "presigned: {url}");
+        let bytes = reqwest::get(url).await.unwrap().error_for_status().unwrap().bytes().await.unwrap();
+        assert_eq!(sha256_hex(&bytes), output["sha256"].as_str().unwrap());
+    }
     assert!(done["timings"]["total_ms"].as_u64().is_some(), "{done}");
     assert!(done["updated_at"].as_str().unwrap() >= done["created_at"].as_str().unwrap());
 

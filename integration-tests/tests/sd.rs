@@ -221,7 +221,15 @@ async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
         .json()
         .await
         .unwrap();
-    assert_eq!(&get, last);
+    // The same body as GET, but for the presigned URLs' signing times.
+    let without_urls = |v: &Value| {
+        let mut v = v.clone();
+        for o in v["outputs"].as_array_mut().unwrap() {
+            o.as_object_mut().unwrap().remove("url");
+        }
+        v
+    };
+    assert_eq!(without_urls(&get), without_urls(last));
     // A 256x256, 20-step image runs for seconds: the stream saw it running, step by step.
     assert!(events.iter().any(|e| e.2["status"] == "running"), "{names:?}");
     // Resuming after the last event: nothing more, the stream ends at once.

@@ -21,6 +21,8 @@ pub struct AppState {
     pub catalog: sluice_schemas::Catalog,
     /// The status view (`None`: the API answers no status, e.g. in unit tests).
     pub status: Option<Arc<crate::status::StatusStore>>,
+    /// Signs the URLs of stored images.
+    pub presigner: crate::presign::Presigner,
     /// The topic cancels are published to.
     pub control_topic: String,
     /// Whether the status view has read what its topics held at start.
@@ -228,7 +230,10 @@ async fn task_status(
     let store = status_store(&s)?;
     let task_id = uuid::Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
     match store.get(&tenant, task_id).map_err(internal)? {
-        Some(status) => Ok(Json(status).into_response()),
+        Some(mut status) => {
+            s.presigner.sign(&mut status).await;
+            Ok(Json(status).into_response())
+        }
         None => Err(not_found(&id)),
     }
 }
@@ -289,7 +294,10 @@ async fn list_tasks(
     {
         return Err(bad("cursor", "not a cursor this API returned".into()));
     }
-    let page = store.list(&tenant, status, since, limit, q.cursor.as_deref()).map_err(internal)?;
+    let mut page = store.list(&tenant, status, since, limit, q.cursor.as_deref()).map_err(internal)?;
+    for task in &mut page.tasks {
+        s.presigner.sign(task).await;
+    }
     Ok(Json(page).into_response())
 }
 
@@ -351,6 +359,10 @@ async fn task_events(
             let previous_status = last_seen.as_deref().and_then(|l| l.split('-').nth(1)).map(str::to_owned);
             last_seen = Some(id.clone());
             let terminal = current.status.is_terminal();
+            let mut current = current;
+            if terminal {
+                s.presigner.sign(&mut current).await;
+            }
             let name = if terminal {
                 "completed"
             } else if previous_status.as_deref() == serde_json::to_value(current.status).ok().as_ref().and_then(|v| v.as_str()) {

@@ -150,6 +150,9 @@ pub struct ServeArgs {
     pub completions_topic: String,
     #[arg(long, env = "SLUICE_PROGRESS_TOPIC", default_value = sluice_schemas::topics::PROGRESS)]
     pub progress_topic: String,
+    /// How long the presigned URLs of a task's images stay valid, seconds.
+    #[arg(long, env = "SLUICE_PRESIGN_TTL_SECONDS", default_value_t = 3600)]
+    pub presign_ttl_seconds: u64,
     /// Where cancels go; every worker reads it whole.
     #[arg(long, env = "SLUICE_CONTROL_TOPIC", default_value = sluice_schemas::topics::CONTROL)]
     pub control_topic: String,

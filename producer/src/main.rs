@@ -90,6 +90,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         catalog,
         status: Some(store),
         control_topic: args.control_topic.clone(),
+        presigner: sluice_producer::presign::Presigner::new(Duration::from_secs(args.presign_ttl_seconds)),
         view_caught_up: Some(caught_up),
         publisher: publisher(&args.publish, &metrics)?,
         keys,
