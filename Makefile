@@ -12,7 +12,7 @@ BIN := $(CARGO_TARGET_DIR)/release
 STACK ?= .stack
 
 
-.PHONY: assets-cuda gpu-check
+.PHONY: assets-cuda gpu-check alerts-test
 .PHONY: help setup tools assets build demo test unit-test integration-test chaos bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
@@ -60,11 +60,11 @@ demo: setup stack-up
 unit-test: assets build
 	$(CARGO) test --release --locked --workspace --exclude sluice-integration-tests
 
-integration-test: setup
+integration-test: setup alerts-test
 	rm -rf .stack-test
 	$(CARGO) test --release --locked -p sluice-integration-tests
 
-test: setup
+test: setup alerts-test
 	rm -rf .stack-test
 	$(CARGO) test --release --locked --workspace
 
@@ -84,6 +84,10 @@ fmt:
 
 helm-lint:
 	scripts/helm-lint.sh
+
+# The alert rules' unit tests (promtool).
+alerts-test:
+	scripts/alerts-test.sh
 
 clean:
 	-scripts/stack.sh down $(STACK)

@@ -26,13 +26,39 @@ install_crate() {
   rm -rf "$CACHE/build/$name"
 }
 
+# Prometheus and promtool from Debian's package (the alert rules' unit tests, the real-Prometheus
+# tests): downloaded and unpacked into the cache, not installed system-wide (no root needed).
+PROMETHEUS_DEB_VERSION=2.42.0+ds-5+b6
+PROMETHEUS_DEB_SHA256_PINNED=3b0e0255b059a7696bd4a139a4a4eb24d71df067936a61ece5093559cbc7991c
+install_prometheus() {
+  local root="$CACHE/tools/prometheus-$PROMETHEUS_DEB_VERSION"
+  if [ -x "$root/usr/bin/promtool" ]; then
+    return 0
+  fi
+  echo "==> fetching prometheus $PROMETHEUS_DEB_VERSION (Debian package) into $root" >&2
+  local tmp="$root.partial"
+  rm -rf "$tmp" && mkdir -p "$tmp/deb"
+  (cd "$tmp/deb" && apt-get download "prometheus=$PROMETHEUS_DEB_VERSION" >/dev/null 2>&1)
+  local deb; deb=$(ls "$tmp"/deb/prometheus_*.deb)
+  local got; got=$(sha256sum "$deb" | cut -d' ' -f1)
+  if [ "$got" != "$PROMETHEUS_DEB_SHA256_PINNED" ]; then
+    echo "checksum mismatch for $deb: expected $PROMETHEUS_DEB_SHA256_PINNED, got $got" >&2
+    exit 1
+  fi
+  dpkg-deb -x "$deb" "$tmp"
+  rm -rf "$tmp/deb" "$root"
+  mv "$tmp" "$root"
+}
+
 what="${1:-all}"
 case "$what" in
   s3s-fs) install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary ;;
   tansu) install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql ;;
+  prometheus) install_prometheus ;;
   all)
     install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
     install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql
+    install_prometheus
     ;;
-  *) echo "usage: $0 [all|tansu|s3s-fs]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus]" >&2; exit 2 ;;
 esac
