@@ -42,11 +42,14 @@ async fn main() -> anyhow::Result<()> {
     if which == "all" {
         // One process per benchmark: ONNX Runtime has one environment per process, and the
         // adaptive benchmark caps its CPU arena.
-        for which in ["pipeline", "adaptive", "adaptive-sd"] {
+        for which in ["pipeline", "adaptive", "adaptive-sd", "status-view"] {
             let status = std::process::Command::new(std::env::current_exe()?).arg(which).status()?;
             anyhow::ensure!(status.success(), "benchmark {which} failed");
         }
         return Ok(());
+    }
+    if which == "status-view" {
+        return status_view::run();
     }
     let stack = Stack::start("bench")?;
     if which == "adaptive" {
@@ -57,7 +60,7 @@ async fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(
         which == "pipeline",
-        "unknown benchmark {which:?}: all, pipeline, adaptive or adaptive-sd"
+        "unknown benchmark {which:?}: all, pipeline, adaptive, adaptive-sd or status-view"
     );
     // `sluice-bench pipeline [terrain|tiny|sd]`: one model only.
     let only = std::env::args().nth(2);
@@ -538,6 +541,95 @@ mod adaptive {
                 o.steady_batch
             );
         }
+        Ok(())
+    }
+}
+
+/// status-view: the producer's status store (redb) fed as the view feeds it — a task record, a
+/// progress record and a completion per task, applied 1,024 at a time — then read back. Gives
+/// the rebuild rate (how long a replica takes to rebuild from the topics, store side), the disk
+/// per million tasks, and the latency of `GET /v1/tasks/{id}` and of a list page, store side.
+mod status_view {
+    use super::*;
+    use sluice_producer::status::{Change, StatusStore};
+
+    fn percentile(sorted: &[Duration], p: f64) -> f64 {
+        sorted[((sorted.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6
+    }
+
+    pub fn run() -> anyhow::Result<()> {
+        let tasks: usize = std::env::var("SLUICE_BENCH_VIEW_TASKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200_000);
+        let dir = std::env::temp_dir().join(format!("sluice-bench-view-{}", std::process::id()));
+        let path = dir.join("view.redb");
+        let store = StatusStore::create(&path)?;
+        eprintln!("== status view: {tasks} tasks, 3 records each");
+        let mut ids = Vec::with_capacity(tasks);
+        let started = Instant::now();
+        let mut batch = Vec::with_capacity(1024);
+        for i in 0..tasks {
+            let (id, mut record) = sd_task(i as u64, 512, 25, 1);
+            record["tenant"] = serde_json::json!(format!("tenant-{}", i % 100));
+            let task: TaskRecord = serde_json::from_value(record)?;
+            let progress: sluice_schemas::ProgressRecord = serde_json::from_value(serde_json::json!({
+                "version": 1, "task_id": id, "model": "sd-tiny", "worker_id": "w", "event": "step", "step": 12, "steps": 25,
+                "at": Utc::now().to_rfc3339()}))?;
+            let completion: CompletionEvent = serde_json::from_value(serde_json::json!({
+                "version": 1, "task_id": id, "status": "succeeded", "model": "sd-tiny", "tenant": task.tenant, "user": null,
+                "outputs": [{"index": 0, "url": format!("s3://sluice/outputs/{id}/0.png"), "key": format!("outputs/{id}/0.png"),
+                    "content_type": "image/png", "bytes": 412345, "sha256": "0".repeat(64), "width": 512, "height": 512}],
+                "error": null, "timings": {"queued_ms": 5, "inference_ms": 2100, "upload_ms": 40, "total_ms": 2150},
+                "worker_id": "w", "attempt": 1, "completed_at": Utc::now().to_rfc3339(),
+                "source": {"topic": "sluice.tasks.v1", "partition": 0, "offset": i}}))?;
+            batch.push(Change::Queued(task));
+            batch.push(Change::Progress(progress));
+            batch.push(Change::Completed(completion));
+            ids.push((format!("tenant-{}", i % 100), uuid::Uuid::parse_str(&id)?));
+            if batch.len() >= 1024 {
+                store.apply(&batch)?;
+                batch.clear();
+            }
+        }
+        store.apply(&batch)?;
+        let rebuild = started.elapsed();
+        let bytes = std::fs::metadata(&path)?.len();
+        let mut gets = Vec::new();
+        for k in 0..10_000 {
+            let (tenant, id) = &ids[(k * 7919) % ids.len()];
+            let t = Instant::now();
+            anyhow::ensure!(store.get(tenant, *id)?.is_some(), "task {id} missing");
+            gets.push(t.elapsed());
+        }
+        gets.sort();
+        let mut lists = Vec::new();
+        for k in 0..1_000 {
+            let t = Instant::now();
+            let page = store.list(&format!("tenant-{}", k % 100), None, None, 50, None)?;
+            anyhow::ensure!(page.tasks.len() == 50.min(tasks / 100));
+            lists.push(t.elapsed());
+        }
+        lists.sort();
+        std::fs::remove_dir_all(&dir).ok();
+        println!();
+        println!("## status view store (redb): {tasks} tasks, 3 records each, applied 1,024 records per transaction");
+        println!();
+        println!(
+            "| rebuild records/s | rebuild time per million tasks | disk per million tasks | GET p50 / p99 | list page of 50 p50 / p99 |"
+        );
+        println!("|---|---|---|---|---|");
+        let per_million = 1_000_000.0 / tasks as f64;
+        println!(
+            "| {:.0} | {:.0} s | {:.2} GB | {:.0} / {:.0} µs | {:.0} / {:.0} µs |",
+            (3 * tasks) as f64 / rebuild.as_secs_f64(),
+            rebuild.as_secs_f64() * per_million,
+            bytes as f64 * per_million / 1e9,
+            percentile(&gets, 0.5),
+            percentile(&gets, 0.99),
+            percentile(&lists, 0.5),
+            percentile(&lists, 0.99)
+        );
         Ok(())
     }
 }
