@@ -356,3 +356,56 @@ async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
     let (status, _) = cancel(uuid::Uuid::new_v4().to_string()).await;
     assert_eq!(status, 404);
 }
+
+/// W3C trace context through Kafka: the request's `traceparent` continues on the task record,
+/// its progress records (one span: the run) and its completion (same trace id); a request
+/// without one starts a trace.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_request_trace_continues_through_task_progress_and_completion() {
+    let c = cluster().await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let incoming = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/tasks", c.producer_url))
+        .bearer_auth(sluice_integration_tests::cluster::API_KEY)
+        .header("traceparent", &incoming)
+        .header("tracestate", "vendor=abc")
+        .json(&json!({"model": "sd-tiny", "prompt": "a traced lighthouse", "steps": 8, "width": 128, "height": 128}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 202);
+    let id = response.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned();
+    let untraced = c.submit_ok(&json!({"model": "sd-tiny", "prompt": "no trace given"})).await.unwrap();
+    completions_for(c.stack.brokers(), &BTreeSet::from([id.clone(), untraced.clone()]));
+
+    let header_of = |topic: &str, key: &str| -> Vec<String> {
+        sluice_integration_tests::TopicReader::snapshot(c.stack.brokers(), topic, Duration::from_secs(2))
+            .unwrap()
+            .into_iter()
+            .filter(|r| r.key.as_deref() == Some(key.as_bytes()))
+            .filter_map(|r| r.header("traceparent"))
+            .collect()
+    };
+    let task = header_of(sluice_schemas::topics::TASKS, &id);
+    let progress = header_of(sluice_schemas::topics::PROGRESS, &id);
+    let completion = header_of(sluice_schemas::topics::COMPLETIONS, &id);
+    assert_eq!(task.len(), 1, "{task:?}");
+    assert!(!progress.is_empty() && completion.len() == 1, "{progress:?} {completion:?}");
+    let mut spans = BTreeSet::new();
+    for h in task.iter().chain(&progress).chain(&completion) {
+        let parts: Vec<&str> = h.split('-').collect();
+        assert_eq!(parts[1], trace_id, "one trace: {h}");
+        assert_eq!(parts[3], "01");
+        spans.insert(parts[2].to_owned());
+    }
+    assert!(!spans.contains("00f067aa0ba902b7"), "each record is a child span of the request");
+    // The task record, the completion, and the run (all its progress records) are each a span.
+    assert_eq!(spans.len(), 3, "{spans:?}");
+    // No traceparent on the request: the producer starts a trace, the completion continues it.
+    let (t, done) = (
+        header_of(sluice_schemas::topics::TASKS, &untraced),
+        header_of(sluice_schemas::topics::COMPLETIONS, &untraced),
+    );
+    assert_eq!(t[0].split('-').nth(1), done[0].split('-').nth(1));
+}

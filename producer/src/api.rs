@@ -161,7 +161,19 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
             None => {}
         }
     }
-    if let Err(e) = s.publisher.publish(&record, s.publish_timeout).await {
+    // The request's trace continues in the task (a new trace when it came without one).
+    let trace = headers
+        .get(sluice_service::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(sluice_service::trace::TraceContext::parse)
+        .map_or_else(sluice_service::trace::TraceContext::root, |t| t.child());
+    let tracestate = headers.get(sluice_service::trace::TRACESTATE).and_then(|v| v.to_str().ok());
+    tracing::info!(task_id = %record.task_id, trace_id = %trace.trace_id_hex(), model = %record.model, "task accepted");
+    if let Err(e) = s
+        .publisher
+        .publish_traced(&record, Some(&trace), tracestate, s.publish_timeout)
+        .await
+    {
         tracing::warn!(error = %e, "broker unavailable; task refused");
         let retry = s.publish_timeout.as_secs().max(1).to_string();
         return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry));

@@ -153,6 +153,18 @@ impl TaskPublisher {
 
     /// Publishes a record and waits for the broker's acknowledgement, at most `timeout`.
     pub async fn publish(&self, record: &TaskRecord, timeout: Duration) -> Result<(), SubmitError> {
+        self.publish_traced(record, None, None, timeout).await
+    }
+
+    /// [`TaskPublisher::publish`] with the request's trace context as `traceparent` (and
+    /// `tracestate`) record headers.
+    pub async fn publish_traced(
+        &self,
+        record: &TaskRecord,
+        trace: Option<&sluice_service::trace::TraceContext>,
+        tracestate: Option<&str>,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
         let payload = serde_json::to_vec(record).expect("record serializes");
         let key = record.task_id.to_string();
         let headers = OwnedHeaders::new()
@@ -164,6 +176,21 @@ impl TaskPublisher {
                 key: "content-type",
                 value: Some("application/json".as_bytes()),
             });
+        let traceparent = trace.map(|t| t.header());
+        let headers = match &traceparent {
+            Some(v) => headers.insert(Header {
+                key: sluice_service::trace::TRACEPARENT,
+                value: Some(v.as_bytes()),
+            }),
+            None => headers,
+        };
+        let headers = match tracestate {
+            Some(v) => headers.insert(Header {
+                key: sluice_service::trace::TRACESTATE,
+                value: Some(v.as_bytes()),
+            }),
+            None => headers,
+        };
         let started = Instant::now();
         let send = self
             .producer

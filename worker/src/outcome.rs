@@ -152,7 +152,7 @@ impl Outcomes {
                 message: failure.message.clone(),
             };
             let event = self.completion(identity, &record, CompletionStatus::Failed, Vec::new(), timings, Some(error));
-            if !self.publish(&event).await {
+            if !self.publish(&event, &record).await {
                 return;
             }
         }
@@ -185,7 +185,7 @@ impl Outcomes {
             timings,
             None,
         );
-        if !self.publish(&event).await {
+        if !self.publish(&event, &job.record).await {
             return false;
         }
         TaskSucceeded {
@@ -209,7 +209,7 @@ impl Outcomes {
             ..Timings::default()
         };
         let event = self.completion(TaskIdentity::of(&job.task), &job.record, status, Vec::new(), timings, None);
-        if !self.publish(&event).await {
+        if !self.publish(&event, &job.record).await {
             return false;
         }
         TaskEnded {
@@ -248,10 +248,11 @@ impl Outcomes {
     }
 
     /// Publishes until acknowledged; false when abandoned.
-    async fn publish(&self, event: &CompletionEvent) -> bool {
+    async fn publish(&self, event: &CompletionEvent, record: &Record) -> bool {
         let i = &self.inner;
+        let trace = crate::publish::TraceHeaders::of(record);
         retry(i.retry, "publish_completion", &i.metrics, &i.abandon, || {
-            i.publisher.completion(event)
+            i.publisher.completion(event, trace.as_ref())
         })
         .await
         .is_ok()

@@ -144,7 +144,11 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
             return None;
         }
     };
-    let span = tracing::info_span!("task", task_id = %task.task_id, partition = record.origin.partition, offset = record.origin.offset);
+    let trace_id = crate::publish::TraceHeaders::of(&record)
+        .map(|t| t.trace_id().to_owned())
+        .unwrap_or_default();
+    let span =
+        tracing::info_span!("task", task_id = %task.task_id, trace_id, partition = record.origin.partition, offset = record.origin.offset);
     let job = Job { record, task, span };
     let Some(adapter) = shared.serving.adapter(&job.task.model) else {
         let failure = Failure::new(
@@ -260,9 +264,14 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
     for ((result, job), steps) in prepared.into_iter().zip(steps) {
         match result {
             Ok(prepared) => {
-                let progress = steps
-                    .zip(shared.progress.as_ref())
-                    .map(|(steps, sink)| Arc::new(sink.start(job.task.task_id, &bucket.model, steps)));
+                let progress = steps.zip(shared.progress.as_ref()).map(|(steps, sink)| {
+                    Arc::new(sink.start(
+                        job.task.task_id,
+                        &bucket.model,
+                        steps,
+                        crate::publish::TraceHeaders::of(&job.record),
+                    ))
+                });
                 items.push(Item { job, prepared, progress })
             }
             Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e)),
@@ -461,7 +470,11 @@ mod tests {
     }
 
     impl Publish for Recorder {
-        fn completion<'a>(&'a self, event: &'a CompletionEvent) -> BoxFuture<'a, Result<(), PublishError>> {
+        fn completion<'a>(
+            &'a self,
+            event: &'a CompletionEvent,
+            _trace: Option<&'a crate::publish::TraceHeaders>,
+        ) -> BoxFuture<'a, Result<(), PublishError>> {
             let kind = match event.status {
                 CompletionStatus::Succeeded => "succeeded",
                 CompletionStatus::Failed => "failed",

@@ -5,8 +5,8 @@
 //! completion or DLQ record is the outcome). The same object carries the task's cancellation
 //! flag, which the UNet loop reads between steps.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use crate::control::Cancellations;
 use crate::engine::TaskHooks;
+use crate::publish::TraceHeaders;
 
 /// At most one step record per task this often.
 pub(crate) const THROTTLE: Duration = Duration::from_millis(500);
@@ -24,13 +25,16 @@ pub(crate) const THROTTLE: Duration = Duration::from_millis(500);
 /// Where progress records go.
 #[derive(Clone)]
 pub(crate) struct ProgressSink {
-    tx: mpsc::UnboundedSender<ProgressRecord>,
+    tx: mpsc::UnboundedSender<(ProgressRecord, Option<Arc<TraceHeaders>>)>,
     worker_id: String,
     cancellations: Cancellations,
 }
 
 impl ProgressSink {
-    pub(crate) fn new(worker_id: String, cancellations: Cancellations) -> (ProgressSink, mpsc::UnboundedReceiver<ProgressRecord>) {
+    pub(crate) fn new(
+        worker_id: String,
+        cancellations: Cancellations,
+    ) -> (ProgressSink, mpsc::UnboundedReceiver<(ProgressRecord, Option<Arc<TraceHeaders>>)>) {
         let (tx, rx) = mpsc::unbounded_channel();
         (
             ProgressSink {
@@ -42,11 +46,12 @@ impl ProgressSink {
         )
     }
 
-    /// A task's hooks; publishes its `started` record.
-    pub(crate) fn start(&self, task_id: Uuid, model: &str, steps: u32) -> TaskProgress {
+    /// A task's hooks; publishes its `started` record. Its records carry the task's trace.
+    pub(crate) fn start(&self, task_id: Uuid, model: &str, steps: u32, trace: Option<TraceHeaders>) -> TaskProgress {
         let p = TaskProgress {
             sink: self.clone(),
             task_id,
+            trace: trace.map(Arc::new),
             model: model.to_owned(),
             // The throttle counts from the start: a task shorter than it reports its start and
             // its last step only (two records, not three, for a quick SD-Turbo image).
@@ -62,6 +67,7 @@ impl ProgressSink {
 pub(crate) struct TaskProgress {
     sink: ProgressSink,
     task_id: Uuid,
+    trace: Option<Arc<TraceHeaders>>,
     model: String,
     last: Mutex<Option<Instant>>,
     cancelled: AtomicBool,
@@ -69,7 +75,7 @@ pub(crate) struct TaskProgress {
 
 impl TaskProgress {
     fn send(&self, event: ProgressEvent, step: u32, steps: u32) {
-        let _ = self.sink.tx.send(ProgressRecord {
+        let record = ProgressRecord {
             version: SCHEMA_VERSION,
             task_id: self.task_id,
             model: self.model.clone(),
@@ -78,7 +84,8 @@ impl TaskProgress {
             step,
             steps,
             at: Utc::now(),
-        });
+        };
+        let _ = self.sink.tx.send((record, self.trace.clone()));
     }
 
     /// Asks the model to stop working on the task at its next step.
@@ -105,12 +112,20 @@ impl TaskHooks for TaskProgress {
 }
 
 /// Sends progress records until every sink is dropped.
-pub(crate) async fn publish(mut rx: mpsc::UnboundedReceiver<ProgressRecord>, producer: FutureProducer, topic: String) {
-    while let Some(record) = rx.recv().await {
+pub(crate) async fn publish(
+    mut rx: mpsc::UnboundedReceiver<(ProgressRecord, Option<Arc<TraceHeaders>>)>,
+    producer: FutureProducer,
+    topic: String,
+) {
+    while let Some((record, trace)) = rx.recv().await {
         let payload = serde_json::to_vec(&record).expect("record serializes");
         let key = record.task_id.to_string();
+        let mut message = FutureRecord::to(&topic).key(&key).payload(&payload);
+        if let Some(t) = &trace {
+            message = message.headers(t.add_to(rdkafka::message::OwnedHeaders::new()));
+        }
         // Enqueue only: a full queue or an unreachable broker drops progress, never tasks.
-        if let Err((e, _)) = producer.send_result(FutureRecord::to(&topic).key(&key).payload(&payload)) {
+        if let Err((e, _)) = producer.send_result(message) {
             tracing::debug!(error = %e, "progress record dropped");
         }
     }
@@ -124,7 +139,7 @@ mod tests {
     fn steps_are_throttled_but_the_last_one_always_goes_out() {
         let cancellations = Cancellations::default();
         let (sink, mut rx) = ProgressSink::new("w".into(), cancellations.clone());
-        let p = sink.start(Uuid::nil(), "sd", 30);
+        let p = sink.start(Uuid::nil(), "sd", 30, None);
         for step in 1..=10 {
             p.progress(step, 30);
         }
@@ -132,7 +147,7 @@ mod tests {
         for step in 11..=30 {
             p.progress(step, 30);
         }
-        let records: Vec<ProgressRecord> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        let records: Vec<ProgressRecord> = std::iter::from_fn(|| rx.try_recv().ok()).map(|(r, _)| r).collect();
         let events: Vec<(ProgressEvent, u32)> = records.iter().map(|r| (r.event, r.step)).collect();
         // Nothing within the first 500 ms but the start; then the first step after it; the last.
         assert_eq!(
@@ -143,7 +158,7 @@ mod tests {
         p.cancel();
         assert!(p.cancelled());
         // A cancel from the control topic reaches the task's hooks too.
-        let other = sink.start(Uuid::now_v7(), "sd", 4);
+        let other = sink.start(Uuid::now_v7(), "sd", 4, None);
         assert!(!other.cancelled());
         cancellations.insert(other.task_id);
         assert!(other.cancelled());

@@ -30,9 +30,53 @@ impl Retriable for PublishError {
 
 /// Where outcomes are announced: the completion and DLQ topics. A trait so that the pipeline's
 /// ordering can be unit-tested in process.
+/// The trace context a task's outcome records carry: a child span of the task record's
+/// `traceparent`, and its `tracestate` unchanged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TraceHeaders {
+    pub traceparent: String,
+    pub tracestate: Option<String>,
+}
+
+impl TraceHeaders {
+    /// From a task record's headers; `None` when it carries no valid `traceparent`.
+    pub(crate) fn of(record: &Record) -> Option<TraceHeaders> {
+        use sluice_service::trace::{TRACEPARENT, TRACESTATE, TraceContext};
+        let parent = std::str::from_utf8(record.header(TRACEPARENT)?)
+            .ok()
+            .and_then(TraceContext::parse)?;
+        Some(TraceHeaders {
+            traceparent: parent.child().header(),
+            tracestate: record
+                .header(TRACESTATE)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .map(str::to_owned),
+        })
+    }
+
+    /// The trace id, for logs.
+    pub(crate) fn trace_id(&self) -> &str {
+        self.traceparent.get(3..35).unwrap_or_default()
+    }
+
+    pub(crate) fn add_to(&self, headers: OwnedHeaders) -> OwnedHeaders {
+        let headers = headers.insert(Header {
+            key: sluice_service::trace::TRACEPARENT,
+            value: Some(self.traceparent.as_bytes()),
+        });
+        match &self.tracestate {
+            Some(v) => headers.insert(Header {
+                key: sluice_service::trace::TRACESTATE,
+                value: Some(v.as_bytes()),
+            }),
+            None => headers,
+        }
+    }
+}
+
 pub(crate) trait Publish: Send + Sync {
     /// Publishes a completion event, keyed by its task id, and waits for the acknowledgement.
-    fn completion<'a>(&'a self, event: &'a CompletionEvent) -> BoxFuture<'a, Result<(), PublishError>>;
+    fn completion<'a>(&'a self, event: &'a CompletionEvent, trace: Option<&'a TraceHeaders>) -> BoxFuture<'a, Result<(), PublishError>>;
     /// Publishes the DLQ record of `record` and waits for the acknowledgement.
     fn dead_letter<'a>(
         &'a self,
@@ -79,7 +123,7 @@ impl Publisher {
             })
     }
 
-    async fn publish_completion(&self, event: &CompletionEvent) -> Result<(), PublishError> {
+    async fn publish_completion(&self, event: &CompletionEvent, trace: Option<&TraceHeaders>) -> Result<(), PublishError> {
         let payload = serde_json::to_vec(event).expect("completion serializes");
         let key = event.task_id.to_string();
         let headers = OwnedHeaders::new()
@@ -91,6 +135,10 @@ impl Publisher {
                 key: "content-type",
                 value: Some("application/json".as_bytes()),
             });
+        let headers = match trace {
+            Some(t) => t.add_to(headers),
+            None => headers,
+        };
         self.send(&self.completions_topic, Some(key.as_bytes()), &payload, headers).await
     }
 
@@ -138,13 +186,18 @@ impl Publisher {
                 value: Some(value.as_bytes()),
             })
         });
+        // The trace continues on the DLQ record (the original's own headers stay inside it).
+        let headers = match TraceHeaders::of(record) {
+            Some(t) => t.add_to(headers),
+            None => headers,
+        };
         self.send(&self.dlq_topic, record.key.as_deref(), &payload, headers).await
     }
 }
 
 impl Publish for Publisher {
-    fn completion<'a>(&'a self, event: &'a CompletionEvent) -> BoxFuture<'a, Result<(), PublishError>> {
-        Box::pin(self.publish_completion(event))
+    fn completion<'a>(&'a self, event: &'a CompletionEvent, trace: Option<&'a TraceHeaders>) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(self.publish_completion(event, trace))
     }
 
     fn dead_letter<'a>(
