@@ -98,6 +98,8 @@ pub struct OrtBackend {
     session: Session,
     placement: Placement,
     shrink_next_run: bool,
+    /// Inputs declared int32 (i64 tensors are narrowed for them), read once at load.
+    int32_inputs: Vec<String>,
 }
 
 impl OrtBackend {
@@ -132,11 +134,7 @@ impl OrtBackend {
             match Self::build(runtime, path, options, Some(cuda.build().error_on_failure())) {
                 Ok(session) => {
                     runtime.note_session(&session);
-                    return Ok(OrtBackend {
-                        session,
-                        placement: Placement::Cuda(*device_id),
-                        shrink_next_run: false,
-                    });
+                    return Ok(OrtBackend::new(session, Placement::Cuda(*device_id)));
                 }
                 Err(e) if *require => return Err(EngineError::Load(format!("CUDA execution provider required but unavailable: {e}"))),
                 Err(e) => tracing::warn!(error = %e, model = %path.display(), "CUDA execution provider unavailable; running on CPU"),
@@ -144,11 +142,23 @@ impl OrtBackend {
         }
         let session = Self::build(runtime, path, options, None)?;
         runtime.note_session(&session);
-        Ok(OrtBackend {
+        Ok(OrtBackend::new(session, Placement::Cpu))
+    }
+
+    fn new(session: Session, placement: Placement) -> OrtBackend {
+        let mut backend = OrtBackend {
             session,
-            placement: Placement::Cpu,
+            placement,
             shrink_next_run: false,
-        })
+            int32_inputs: Vec::new(),
+        };
+        backend.int32_inputs = backend
+            .inputs()
+            .into_iter()
+            .filter(|i| i.kind == ElementKind::I32)
+            .map(|i| i.name)
+            .collect();
+        backend
     }
 
     fn build(
@@ -233,16 +243,10 @@ impl OrtBackend {
     /// Runs the session on named tensors (f32 or i64; an i64 tensor goes in as int32 where the
     /// session's input is int32). Outputs are f32.
     pub fn run_tensors(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {
-        let int32: Vec<String> = self
-            .inputs()
-            .into_iter()
-            .filter(|i| i.kind == ElementKind::I32)
-            .map(|i| i.name)
-            .collect();
         let narrowed: Vec<Option<Vec<i32>>> = inputs
             .iter()
             .map(|input| match &input.data {
-                TensorData::I64(v) if int32.contains(&input.name) => Some(v.iter().map(|&x| x as i32).collect()),
+                TensorData::I64(v) if self.int32_inputs.contains(&input.name) => Some(v.iter().map(|&x| x as i32).collect()),
                 _ => None,
             })
             .collect();

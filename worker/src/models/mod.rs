@@ -74,13 +74,18 @@ pub trait ModelAdapter: Send + Sync {
     }
     /// Facts about a task for logs and the DLQ (its dimensions).
     fn describe(&self, task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {
-        let r = &task.request;
-        let mut m = serde_json::Map::new();
-        m.insert("width".into(), r.width.into());
-        m.insert("height".into(), r.height.into());
-        m.insert("num_images".into(), r.num_images.into());
-        m
+        dimensions(task)
     }
+}
+
+/// A task's width, height and number of images: what every model's description starts with.
+pub fn dimensions(task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {
+    let r = &task.request;
+    let mut m = serde_json::Map::new();
+    m.insert("width".into(), r.width.into());
+    m.insert("height".into(), r.height.into());
+    m.insert("num_images".into(), r.num_images.into());
+    m
 }
 
 /// The adapters a worker can serve, by model name.

@@ -135,15 +135,15 @@ impl SdBackend {
             .iter()
             .find(|t| t.name == "last_hidden_state")
             .ok_or_else(|| EngineError::Run("text_encoder has no last_hidden_state output".into()))?;
-        let per = hidden.shape[1..].iter().product::<usize>();
-        Ok(index
+        let rows: Vec<&[f32]> = index
             .iter()
-            .flat_map(|&i| hidden.f32_rows(i, i + 1).expect("float32").iter().copied())
-            .collect::<Vec<f32>>()
-            .chunks(per)
-            .flatten()
-            .copied()
-            .collect())
+            .map(|&i| {
+                hidden
+                    .f32_rows(i, i + 1)
+                    .ok_or_else(|| EngineError::Run("last_hidden_state is not float32".into()))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(rows.concat())
     }
 
     /// Decodes unscaled latents [n, ...] to images in [0, 1]; one image at a time when the

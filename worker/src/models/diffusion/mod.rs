@@ -122,10 +122,7 @@ impl ModelAdapter for StableDiffusion {
 
     fn describe(&self, task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {
         let r = &task.request;
-        let mut m = serde_json::Map::new();
-        m.insert("width".into(), r.width.into());
-        m.insert("height".into(), r.height.into());
-        m.insert("num_images".into(), r.num_images.into());
+        let mut m = super::dimensions(task);
         m.insert("steps".into(), r.steps.into());
         m.insert("sampler".into(), r.sampler.clone().into());
         m
