@@ -175,8 +175,7 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
         .await
     {
         tracing::warn!(error = %e, "broker unavailable; task refused");
-        let retry = s.publish_timeout.as_secs().max(1).to_string();
-        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry));
+        return Err(unavailable(s, e));
     }
     if let Some(store) = &s.status {
         // Written through: the task is `queued` here at once, before the view reads it back.
@@ -224,6 +223,22 @@ fn status_store(s: &AppState) -> Result<&crate::status::StatusStore, ApiError> {
         .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "this producer keeps no status view"))
 }
 
+/// A 503 when the broker did not acknowledge in time; retry after the publish timeout.
+fn unavailable(s: &AppState, e: SubmitError) -> ApiError {
+    let retry = s.publish_timeout.as_secs().max(1).to_string();
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry)
+}
+
+/// The caller's tenant and the status of task `id` in the view: 401 without a valid key, 404
+/// for an id that is no task of that tenant's.
+fn callers_task(s: &AppState, headers: &HeaderMap, id: &str) -> Result<(String, uuid::Uuid, crate::status::TaskStatus), ApiError> {
+    let tenant = tenant_of(s, headers)?;
+    let store = status_store(s)?;
+    let task_id = uuid::Uuid::parse_str(id).map_err(|_| not_found(id))?;
+    let status = store.get(&tenant, task_id).map_err(internal)?.ok_or_else(|| not_found(id))?;
+    Ok((tenant, task_id, status))
+}
+
 fn not_found(id: &str) -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}"))
 }
@@ -238,16 +253,9 @@ async fn task_status(
     headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
-    let tenant = tenant_of(&s, &headers)?;
-    let store = status_store(&s)?;
-    let task_id = uuid::Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    match store.get(&tenant, task_id).map_err(internal)? {
-        Some(mut status) => {
-            s.presigner.sign(&mut status).await;
-            Ok(Json(status).into_response())
-        }
-        None => Err(not_found(&id)),
-    }
+    let (_, _, mut status) = callers_task(&s, &headers, &id)?;
+    s.presigner.sign(&mut status).await;
+    Ok(Json(status).into_response())
 }
 
 #[derive(serde::Deserialize)]
@@ -338,12 +346,7 @@ async fn task_events(
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
     use axum::response::sse::{Event, KeepAlive, Sse};
-    let tenant = tenant_of(&s, &headers)?;
-    let task_id = uuid::Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let first = status_store(&s)?
-        .get(&tenant, task_id)
-        .map_err(internal)?
-        .ok_or_else(|| not_found(&id))?;
+    let (tenant, task_id, first) = callers_task(&s, &headers, &id)?;
     let last_seen = headers.get("last-event-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let state = (s.clone(), tenant, task_id, Some(first), last_seen, false);
     let stream = futures::stream::unfold(state, |(s, tenant, task_id, mut pending, mut last_seen, done)| async move {
@@ -406,10 +409,7 @@ async fn cancel_task(
     headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
-    let tenant = tenant_of(&s, &headers)?;
-    let store = status_store(&s)?;
-    let task_id = uuid::Uuid::parse_str(&id).map_err(|_| not_found(&id))?;
-    let status = store.get(&tenant, task_id).map_err(internal)?.ok_or_else(|| not_found(&id))?;
+    let (tenant, task_id, status) = callers_task(&s, &headers, &id)?;
     if status.status.is_terminal() {
         let state = serde_json::to_value(status.status).unwrap_or_default();
         return Err(ApiError::new(
@@ -426,8 +426,7 @@ async fn cancel_task(
         at: chrono::Utc::now(),
     };
     if let Err(e) = s.publisher.publish_control(&s.control_topic, &record, s.publish_timeout).await {
-        let retry = s.publish_timeout.as_secs().max(1).to_string();
-        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry));
+        return Err(unavailable(&s, e));
     }
     Ok((StatusCode::ACCEPTED, Json(json!({"task_id": task_id, "status": "cancelling"}))).into_response())
 }

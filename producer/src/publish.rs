@@ -141,9 +141,21 @@ impl TaskPublisher {
             key: HEADER_SCHEMA_VERSION,
             value: Some(SCHEMA_VERSION.to_string().as_bytes()),
         });
+        self.send_acked(topic, &key, &payload, headers, timeout).await
+    }
+
+    /// Sends one record and waits for the broker's acknowledgement, at most `timeout`.
+    async fn send_acked(
+        &self,
+        topic: &str,
+        key: &str,
+        payload: &[u8],
+        headers: OwnedHeaders,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
         let send = self
             .producer
-            .send(FutureRecord::to(topic).key(&key).payload(&payload).headers(headers), timeout);
+            .send(FutureRecord::to(topic).key(key).payload(payload).headers(headers), timeout);
         match tokio::time::timeout(timeout + Duration::from_millis(500), send).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err((e, _))) => Err(SubmitError::Unavailable(e.to_string())),
@@ -192,18 +204,10 @@ impl TaskPublisher {
             None => headers,
         };
         let started = Instant::now();
-        let send = self
-            .producer
-            .send(FutureRecord::to(&self.topic).key(&key).payload(&payload).headers(headers), timeout);
-        match tokio::time::timeout(timeout + Duration::from_millis(500), send).await {
-            Ok(Ok(_)) => {
-                self.metrics.publish_seconds.observe(started.elapsed().as_secs_f64());
-                self.metrics.published.with_label_values(&[&record.model]).inc();
-                Ok(())
-            }
-            Ok(Err((e, _))) => Err(SubmitError::Unavailable(e.to_string())),
-            Err(_) => Err(SubmitError::Unavailable(format!("no acknowledgement within {timeout:?}"))),
-        }
+        self.send_acked(&self.topic, &key, &payload, headers, timeout).await?;
+        self.metrics.publish_seconds.observe(started.elapsed().as_secs_f64());
+        self.metrics.published.with_label_values(&[&record.model]).inc();
+        Ok(())
     }
 }
 

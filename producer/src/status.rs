@@ -197,6 +197,14 @@ impl Stored {
     }
 }
 
+/// The stored status of task `id` (an unreadable entry counts as absent).
+fn read_stored(tasks: &impl ReadableTable<&'static str, &'static [u8]>, id: &str) -> Result<Option<Stored>, StatusError> {
+    Ok(tasks
+        .get(id)
+        .map_err(store_error)?
+        .and_then(|v| serde_json::from_slice(v.value()).ok()))
+}
+
 fn tenant_key(tenant: &str, created_at: DateTime<Utc>, id: Uuid) -> String {
     let inverted = u64::MAX - created_at.timestamp_millis().max(0) as u64;
     format!("{tenant}\0{inverted:020}\0{id}")
@@ -242,10 +250,7 @@ impl StatusStore {
             let mut by_tenant = tx.open_table(BY_TENANT).map_err(store_error)?;
             for change in changes {
                 let id = change.task_id().to_string();
-                let existing: Option<Stored> = tasks
-                    .get(id.as_str())
-                    .map_err(store_error)?
-                    .and_then(|v| serde_json::from_slice(v.value()).ok());
+                let existing = read_stored(&tasks, &id)?;
                 let before = existing.as_ref().map(|s| (s.tenant.clone(), s.status.created_at));
                 let Some(mut stored) = existing.or_else(|| change.first()) else {
                     continue;
@@ -272,25 +277,20 @@ impl StatusStore {
     /// The status of `id` if it belongs to `tenant` (another tenant's task is as unknown as a
     /// task that does not exist).
     pub fn get(&self, tenant: &str, id: Uuid) -> Result<Option<TaskStatus>, StatusError> {
+        Ok(self.tenants_task(tenant, id)?.map(|s| s.status))
+    }
+
+    /// What the store keeps of `id`, if it belongs to `tenant`.
+    fn tenants_task(&self, tenant: &str, id: Uuid) -> Result<Option<Stored>, StatusError> {
         let tx = self.db.begin_read().map_err(store_error)?;
         let tasks = tx.open_table(TASKS).map_err(store_error)?;
-        let stored: Option<Stored> = tasks
-            .get(id.to_string().as_str())
-            .map_err(store_error)?
-            .and_then(|v| serde_json::from_slice(v.value()).ok());
-        Ok(stored.filter(|s| s.tenant == tenant).map(|s| s.status))
+        Ok(read_stored(&tasks, &id.to_string())?.filter(|s| s.tenant == tenant))
     }
 
     /// For a task of `tenant`: `Some(request hash)` (`Some(None)` when it was submitted without
     /// an idempotency key); `None` when the view does not know it.
     pub fn request_hash(&self, tenant: &str, id: Uuid) -> Result<Option<Option<String>>, StatusError> {
-        let tx = self.db.begin_read().map_err(store_error)?;
-        let tasks = tx.open_table(TASKS).map_err(store_error)?;
-        let stored: Option<Stored> = tasks
-            .get(id.to_string().as_str())
-            .map_err(store_error)?
-            .and_then(|v| serde_json::from_slice(v.value()).ok());
-        Ok(stored.filter(|s| s.tenant == tenant).map(|s| s.request_sha256))
+        Ok(self.tenants_task(tenant, id)?.map(|s| s.request_sha256))
     }
 
     /// A tenant's tasks, newest first, `limit` at most, after `cursor`, optionally only those
@@ -327,11 +327,7 @@ impl StatusStore {
         {
             let (key, _) = entry.map_err(store_error)?;
             let id = key.value().rsplit('\0').next().unwrap_or_default().to_owned();
-            let Some(stored) = tasks
-                .get(id.as_str())
-                .map_err(store_error)?
-                .and_then(|v| serde_json::from_slice::<Stored>(v.value()).ok())
-            else {
+            let Some(stored) = read_stored(&tasks, &id)? else {
                 continue;
             };
             if since.is_some_and(|s| stored.status.created_at < s) {
