@@ -3,16 +3,15 @@
 //! group: every replica reads everything), on a thread of its own. New partitions are picked up
 //! by re-reading the metadata every few seconds.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use rdkafka::Offset;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
-use rdkafka::{Offset, TopicPartitionList};
-use sluice_service::kafka::KafkaClientArgs;
+use sluice_service::kafka::{KafkaClientArgs, WholeTopics};
 
 use crate::metrics::Metrics;
 use crate::status::{Change, StatusStore};
@@ -62,25 +61,12 @@ pub fn start(
     metrics: Metrics,
     retention: Duration,
 ) -> anyhow::Result<CaughtUp> {
-    let group = format!("sluice-status-view-{}", uuid::Uuid::new_v4());
-    let consumer: BaseConsumer = kafka
-        .config(&[
-            ("group.id", group.as_str()),
-            ("enable.auto.commit", "false"),
-            ("enable.partition.eof", "false"),
-            ("auto.offset.reset", "earliest"),
-            // Status is read by people watching a task: answer fetches quickly rather than in
-            // large batches (measured on the local broker: the 500 ms default left the view
-            // seconds behind a running task).
-            ("fetch.wait.max.ms", "100"),
-        ])
-        .create()?;
+    let consumer: BaseConsumer = kafka.whole_topic_config("sluice-status-view").create()?;
     let caught_up = CaughtUp::default();
     let flag = caught_up.clone();
     std::thread::Builder::new().name("status-view".into()).spawn(move || {
         let names = [topics.tasks.clone(), topics.progress.clone(), topics.completions.clone()];
-        let mut assigned: BTreeSet<(String, i32)> = BTreeSet::new();
-        let mut assigned_count = 0;
+        let mut whole = WholeTopics::new(names.to_vec());
         // High watermarks at the start: reaching them all is "caught up".
         let mut targets: Option<Vec<(String, i32, i64)>> = None;
         let mut last_metadata = Instant::now() - Duration::from_secs(60);
@@ -88,31 +74,10 @@ pub fn start(
         loop {
             if last_metadata.elapsed() >= Duration::from_secs(5) {
                 last_metadata = Instant::now();
-                let mut tpl = TopicPartitionList::new();
-                for name in &names {
-                    if let Ok(md) = consumer.fetch_metadata(Some(name), Duration::from_secs(5)) {
-                        for t in md.topics() {
-                            for p in t.partitions() {
-                                assigned.insert((t.name().to_owned(), p.id()));
-                            }
-                        }
-                    }
+                if let Err(e) = whole.refresh(&consumer) {
+                    tracing::warn!(error = %e, "status view: assigning partitions failed");
                 }
-                if assigned.len() != assigned_count {
-                    assigned_count = assigned.len();
-                    for (t, p) in &assigned {
-                        let position = consumer
-                            .position()
-                            .ok()
-                            .and_then(|pos| pos.find_partition(t, *p).map(|e| e.offset()))
-                            .filter(|o| matches!(o, Offset::Offset(_)))
-                            .unwrap_or(Offset::Beginning);
-                        let _ = tpl.add_partition_offset(t, *p, position);
-                    }
-                    if let Err(e) = consumer.assign(&tpl) {
-                        tracing::warn!(error = %e, "status view: assigning partitions failed");
-                    }
-                }
+                let assigned = whole.partitions();
                 if targets.is_none() && !assigned.is_empty() {
                     let t: Vec<(String, i32, i64)> = assigned
                         .iter()

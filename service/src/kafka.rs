@@ -53,6 +53,74 @@ impl KafkaClientArgs {
     }
 }
 
+impl KafkaClientArgs {
+    /// A consumer that reads whole topics itself ([`WholeTopics`]) rather than as a group
+    /// member: the group id only names the client and never commits. Fetches answer within
+    /// 100 ms — these readers serve people (task status, cancels): with librdkafka's 500 ms
+    /// default the status view stayed seconds behind a running task on the local broker.
+    pub fn whole_topic_config(&self, client: &str) -> ClientConfig {
+        let group = format!("{client}-{}", std::process::id());
+        self.config(&[
+            ("group.id", group.as_str()),
+            ("enable.auto.commit", "false"),
+            ("enable.partition.eof", "false"),
+            ("auto.offset.reset", "earliest"),
+            ("fetch.wait.max.ms", "100"),
+        ])
+    }
+}
+
+/// Keeps a consumer assigned to every partition of some topics, outside any consumer group
+/// (every replica reads everything): partitions that appear are read from their beginning, the
+/// others keep their position.
+pub struct WholeTopics {
+    topics: Vec<String>,
+    assigned: std::collections::BTreeSet<(String, i32)>,
+}
+
+impl WholeTopics {
+    pub fn new(topics: Vec<String>) -> WholeTopics {
+        WholeTopics {
+            topics,
+            assigned: Default::default(),
+        }
+    }
+
+    /// Reads the topics' metadata and assigns any partition not assigned yet.
+    pub fn refresh(&mut self, consumer: &rdkafka::consumer::BaseConsumer) -> rdkafka::error::KafkaResult<()> {
+        use rdkafka::consumer::Consumer;
+        use rdkafka::{Offset, TopicPartitionList};
+        let mut found = self.assigned.clone();
+        for name in &self.topics {
+            let metadata = consumer.fetch_metadata(Some(name), std::time::Duration::from_secs(5))?;
+            for t in metadata.topics() {
+                found.extend(t.partitions().iter().map(|p| (t.name().to_owned(), p.id())));
+            }
+        }
+        if found.len() == self.assigned.len() {
+            return Ok(());
+        }
+        let positions = consumer.position().ok();
+        let mut tpl = TopicPartitionList::new();
+        for (topic, partition) in &found {
+            let offset = positions
+                .as_ref()
+                .and_then(|pos| pos.find_partition(topic, *partition).map(|e| e.offset()))
+                .filter(|o| matches!(o, Offset::Offset(_)))
+                .unwrap_or(Offset::Beginning);
+            tpl.add_partition_offset(topic, *partition, offset)?;
+        }
+        consumer.assign(&tpl)?;
+        self.assigned = found;
+        Ok(())
+    }
+
+    /// Every partition assigned so far.
+    pub fn partitions(&self) -> &std::collections::BTreeSet<(String, i32)> {
+        &self.assigned
+    }
+}
+
 /// Parses `key=value`.
 pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
     let (k, v) = s.split_once('=').ok_or_else(|| format!("expected key=value, got {s:?}"))?;

@@ -7,10 +7,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::BaseConsumer;
 use rdkafka::message::Message;
-use rdkafka::{Offset, TopicPartitionList};
 use sluice_schemas::{ControlAction, ControlRecord};
+use sluice_service::kafka::WholeTopics;
 use uuid::Uuid;
 
 /// How long a cancel is remembered.
@@ -59,31 +59,13 @@ impl Cancellations {
     pub(crate) fn follow(&self, consumer: BaseConsumer, topic: String) -> std::io::Result<()> {
         let this = self.clone();
         std::thread::Builder::new().name("control".into()).spawn(move || {
-            let mut partitions = 0;
+            let mut whole = WholeTopics::new(vec![topic]);
             let mut last_metadata = Instant::now() - Duration::from_secs(60);
             loop {
                 if last_metadata.elapsed() >= Duration::from_secs(5) {
                     last_metadata = Instant::now();
-                    let count = consumer
-                        .fetch_metadata(Some(&topic), Duration::from_secs(5))
-                        .ok()
-                        .and_then(|md| md.topics().first().map(|t| t.partitions().len()))
-                        .unwrap_or(0);
-                    if count > partitions {
-                        let mut tpl = TopicPartitionList::new();
-                        for p in 0..count as i32 {
-                            let offset = consumer
-                                .position()
-                                .ok()
-                                .and_then(|pos| pos.find_partition(&topic, p).map(|e| e.offset()))
-                                .filter(|o| matches!(o, Offset::Offset(_)))
-                                .unwrap_or(Offset::Beginning);
-                            let _ = tpl.add_partition_offset(&topic, p, offset);
-                        }
-                        match consumer.assign(&tpl) {
-                            Ok(()) => partitions = count,
-                            Err(e) => tracing::warn!(error = %e, "control topic: assigning partitions failed"),
-                        }
+                    if let Err(e) = whole.refresh(&consumer) {
+                        tracing::warn!(error = %e, "control topic: assigning partitions failed");
                     }
                 }
                 match consumer.poll(Duration::from_millis(200)) {

@@ -254,14 +254,9 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         tasks: tasks.clone(),
     });
     let cancellations = crate::control::Cancellations::default();
-    let control_group = format!("{worker_id}-control-{}", uuid::Uuid::new_v4());
     let control_consumer: rdkafka::consumer::BaseConsumer = k
         .client
-        .config(&[
-            ("group.id", control_group.as_str()),
-            ("enable.auto.commit", "false"),
-            ("fetch.wait.max.ms", "100"),
-        ])
+        .whole_topic_config(&format!("{worker_id}-control"))
         .create()
         .map_err(kafka("creating the control-topic consumer"))?;
     cancellations
