@@ -90,6 +90,13 @@ impl Worker {
     }
 }
 
+/// `GET` with an API key: the status and the JSON body (null when there is none).
+pub async fn get_json(url: &str, key: &str) -> (u16, Value) {
+    let response = reqwest::Client::new().get(url).bearer_auth(key).send().await.expect("GET");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
 /// The value of `series` in a Prometheus text exposition.
 pub fn metric_value(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|l| {

@@ -36,6 +36,17 @@ pub fn sd_task(seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Va
     (id, record)
 }
 
+/// Reads completions on the default topics until every id in `ids` has one; the first of each,
+/// by task id.
+pub fn completions_for(brokers: &str, ids: &BTreeSet<String>, timeout: Duration) -> HashMap<String, CompletionEvent> {
+    Outcomes::wait(brokers, &Topics::default(), ids, timeout)
+        .unwrap()
+        .completions
+        .into_iter()
+        .map(|(id, mut cs)| (id, cs.swap_remove(0)))
+        .collect()
+}
+
 /// Publishes task records (key = task id, schema-version header), all awaiting their
 /// acknowledgement at once.
 pub async fn publish_tasks(producer: &FutureProducer, topic: &str, tasks: &[(String, Value)]) -> anyhow::Result<()> {

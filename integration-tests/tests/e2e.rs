@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY};
+use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::{
-    Consumed, Outcomes, Service, Stack, TopicReader, Topics, bin, png_info, produce_raw, sha256_hex, terrain_task,
+    Consumed, Outcomes, Service, Stack, TopicReader, Topics, bin, completions_for, png_info, produce_raw, sha256_hex, terrain_task,
 };
 use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord, topics};
 use tokio::sync::OnceCell;
@@ -22,16 +22,6 @@ async fn cluster() -> &'static Cluster {
     CLUSTER
         .get_or_init(|| async { Cluster::start("e2e", 2, &[]).await.expect("cluster starts") })
         .await
-}
-
-/// Reads completions until every id in `ids` has one; returns them by task id.
-fn completions_for(brokers: &str, ids: &BTreeSet<String>, timeout: Duration) -> HashMap<String, CompletionEvent> {
-    Outcomes::wait(brokers, &Topics::default(), ids, timeout)
-        .unwrap()
-        .completions
-        .into_iter()
-        .map(|(id, mut cs)| (id, cs.swap_remove(0)))
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -464,13 +454,6 @@ async fn every_http_error_of_both_services_is_json() {
         assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{url}: {body}");
         assert!(body["fields"].is_array(), "{url}: {body}");
     }
-}
-
-/// `GET` with a key; the status and the JSON body.
-async fn get_json(url: &str, key: &str) -> (u16, Value) {
-    let response = reqwest::Client::new().get(url).bearer_auth(key).send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
 }
 
 /// The 202's `Location` answers: queued at once (written through), then the result with the

@@ -6,10 +6,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::Cluster;
+use sluice_integration_tests::cluster::{Cluster, get_json};
 use sluice_integration_tests::stack::repo_root;
-use sluice_integration_tests::{Outcomes, Topics, png_info, sha256_hex};
-use sluice_schemas::{CompletionEvent, CompletionStatus};
+use sluice_integration_tests::{completions_for, png_info, sha256_hex};
+use sluice_schemas::CompletionStatus;
 use tokio::sync::OnceCell;
 
 static CLUSTER: OnceCell<Cluster> = OnceCell::const_new();
@@ -23,15 +23,6 @@ async fn cluster() -> &'static Cluster {
                 .expect("cluster starts")
         })
         .await
-}
-
-fn completions_for(brokers: &str, ids: &BTreeSet<String>) -> HashMap<String, CompletionEvent> {
-    Outcomes::wait(brokers, &Topics::default(), ids, Duration::from_secs(240))
-        .unwrap()
-        .completions
-        .into_iter()
-        .map(|(id, mut cs)| (id, cs.swap_remove(0)))
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -57,7 +48,7 @@ async fn prompts_with_every_sampler_become_pngs_in_s3_and_a_seed_repeats_its_byt
     requested.insert(minimal.clone(), (64, 64, 1));
 
     let ids: BTreeSet<String> = requested.keys().cloned().collect();
-    let completions = completions_for(c.stack.brokers(), &ids);
+    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
     let sink = c.stack.sink().unwrap();
     for (id, (w, h, n)) in &requested {
         let event = &completions[id];
@@ -288,15 +279,7 @@ async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
     // The first blocker, once it runs, is cancelled between steps.
     let running = blockers[0].clone();
     sluice_integration_tests::wait_for("the first blocker to run", Duration::from_secs(60), async || {
-        let v: Value = client
-            .get(format!("{}/v1/tasks/{running}", c.producer_url))
-            .bearer_auth(key)
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
+        let (_, v) = get_json(&format!("{}/v1/tasks/{running}", c.producer_url), key).await;
         (v["status"] == "running").then_some(())
     })
     .await
@@ -305,7 +288,7 @@ async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
     assert_eq!(status, 202);
 
     let ids: BTreeSet<String> = [queued.clone(), running.clone(), blockers[1].clone(), blockers[2].clone()].into();
-    let done = completions_for(c.stack.brokers(), &ids);
+    let done = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
     for id in [&queued, &running] {
         let event = &done[id];
         assert_eq!(event.status, CompletionStatus::Cancelled, "{event:?}");
@@ -337,15 +320,7 @@ async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
     );
     // Finished: a 409; the view says cancelled.
     sluice_integration_tests::wait_for("the view to show the cancel", Duration::from_secs(10), async || {
-        let v: Value = client
-            .get(format!("{}/v1/tasks/{queued}", c.producer_url))
-            .bearer_auth(key)
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
+        let (_, v) = get_json(&format!("{}/v1/tasks/{queued}", c.producer_url), key).await;
         (v["status"] == "cancelled").then_some(())
     })
     .await
@@ -377,7 +352,11 @@ async fn the_request_trace_continues_through_task_progress_and_completion() {
     assert_eq!(response.status().as_u16(), 202);
     let id = response.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned();
     let untraced = c.submit_ok(&json!({"model": "sd-tiny", "prompt": "no trace given"})).await.unwrap();
-    completions_for(c.stack.brokers(), &BTreeSet::from([id.clone(), untraced.clone()]));
+    completions_for(
+        c.stack.brokers(),
+        &BTreeSet::from([id.clone(), untraced.clone()]),
+        Duration::from_secs(240),
+    );
 
     let header_of = |topic: &str, key: &str| -> Vec<String> {
         sluice_integration_tests::TopicReader::snapshot(c.stack.brokers(), topic, Duration::from_secs(2))
