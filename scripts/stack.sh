@@ -151,7 +151,7 @@ stop() { # name
 create_topics() {
   local broker="tcp://127.0.0.1:$(port_of broker)"
   local existing; existing="$("$TANSU" topic list --broker "$broker" 2>/dev/null || true)"
-  for spec in "sluice.tasks.v1:$TASK_PARTITIONS" "sluice.completions.v1:4" "sluice.dlq.v1:2" "sluice.progress.v1:4" "sluice.control.v1:2"; do
+  for spec in "sluice.tasks.v1:$TASK_PARTITIONS" "sluice.completions.v1:4" "sluice.dlq.v1:2" "sluice.progress.v1:4" "sluice.control.v1:2" "sluice.webhooks.retry.v1:8" "sluice.webhooks.dlq.v1:2"; do
     local name="${spec%%:*}" partitions="${spec##*:}"
     if ! grep -qw "$name" <<<"$existing"; then
       "$TANSU" topic create --broker "$broker" --partitions "$partitions" "$name" >/dev/null 2>>"$dir/logs/topics.log" \

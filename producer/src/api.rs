@@ -31,6 +31,8 @@ pub struct AppState {
     pub keys: ApiKeys,
     pub metrics: Metrics,
     pub publish_timeout: Duration,
+    /// What a submitted webhook must satisfy (`None`: no secrets configured, no webhooks).
+    pub webhooks: Option<crate::webhook::Policy>,
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
@@ -147,6 +149,21 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
         }
         e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()),
     })?;
+    if let Some(webhook) = &record.webhook {
+        let refusal = match &s.webhooks {
+            None => Some((
+                "webhook",
+                "webhooks are not configured on this deployment (SLUICE_WEBHOOK_SECRETS)".to_owned(),
+            )),
+            Some(policy) => policy.check(&tenant, &webhook.url).err(),
+        };
+        if let Some((name, message)) = refusal {
+            return Err(
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("invalid field(s): {name}"))
+                    .with_fields([field(name, message)]),
+            );
+        }
+    }
     if let (Some(key), Some(store), Some(idem)) = (&key, &s.status, &record.idempotency) {
         // A retry of a task the view already knows: the same answer, nothing published.
         match store.request_hash(&tenant, record.task_id).map_err(internal)? {

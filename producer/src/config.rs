@@ -156,6 +156,63 @@ pub struct ServeArgs {
     /// Where cancels go; every worker reads it whole.
     #[arg(long, env = "SLUICE_CONTROL_TOPIC", default_value = sluice_schemas::topics::CONTROL)]
     pub control_topic: String,
+    #[command(flatten)]
+    pub webhooks: WebhookArgs,
+}
+
+/// Webhook delivery (the notifier runs inside `serve`).
+#[derive(Debug, Clone, Args)]
+pub struct WebhookArgs {
+    /// Deliver webhooks from this replica (a member of the notifier group). Off: tasks with a
+    /// webhook are still accepted when secrets are configured, and other replicas deliver.
+    #[arg(long = "webhooks", env = "SLUICE_WEBHOOKS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub enabled: bool,
+    /// Signing secrets, `tenant:whsec_<base64>` pairs, comma-separated; several per tenant sign
+    /// with each (rotation). A tenant without one cannot ask for webhooks.
+    #[arg(
+        long = "webhook-secrets",
+        env = "SLUICE_WEBHOOK_SECRETS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub secrets: Vec<String>,
+    /// A file of such pairs, one per line (`#` comments), e.g. a mounted Secret.
+    #[arg(long = "webhook-secrets-file", env = "SLUICE_WEBHOOK_SECRETS_FILE")]
+    pub secrets_file: Option<PathBuf>,
+    /// CIDRs webhooks may reach although they are internal (loopback, private, …), over plain
+    /// http too, e.g. `127.0.0.0/8` for tests or `10.0.0.0/8` for a private deployment.
+    #[arg(long = "webhook-allow-cidrs", env = "SLUICE_WEBHOOK_ALLOW_CIDRS", value_delimiter = ',')]
+    pub allow_cidrs: Vec<String>,
+    /// Allow plain http to public addresses (https is required otherwise).
+    #[arg(long = "webhook-allow-http", env = "SLUICE_WEBHOOK_ALLOW_HTTP")]
+    pub allow_http: bool,
+    /// Waits before each retry of a `completed` event (`5s,5m,30m,2h,5h,10h,10h`: eight
+    /// attempts over 32.6 h). Each distinct delay uses one partition of the retry topic.
+    #[arg(long = "webhook-retry-schedule", env = "SLUICE_WEBHOOK_RETRY_SCHEDULE", default_value = crate::webhook::schedule::RetrySchedule::DEFAULT)]
+    pub retry_schedule: String,
+    /// Time limit of one attempt, milliseconds.
+    #[arg(long = "webhook-timeout-ms", env = "SLUICE_WEBHOOK_TIMEOUT_MS", default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    /// Attempts in flight at once.
+    #[arg(long = "webhook-concurrency", env = "SLUICE_WEBHOOK_CONCURRENCY", default_value_t = 64)]
+    pub concurrency: usize,
+    /// Attempts in flight at once to one receiver host.
+    #[arg(long = "webhook-host-concurrency", env = "SLUICE_WEBHOOK_HOST_CONCURRENCY", default_value_t = 8)]
+    pub host_concurrency: usize,
+    /// Consumed records not yet finished (waiting retries included) before the notifier stops
+    /// fetching.
+    #[arg(long = "webhook-max-pending", env = "SLUICE_WEBHOOK_MAX_PENDING", default_value_t = 10_000)]
+    pub max_pending: usize,
+    /// Consumer group of the notifiers.
+    #[arg(long = "webhook-group", env = "SLUICE_WEBHOOK_GROUP", default_value = "sluice-webhooks")]
+    pub group: String,
+    /// Static group membership of this replica's notifier (e.g. the pod name).
+    #[arg(long = "webhook-group-instance-id", env = "SLUICE_WEBHOOK_GROUP_INSTANCE_ID")]
+    pub group_instance_id: Option<String>,
+    #[arg(long = "webhook-retry-topic", env = "SLUICE_WEBHOOK_RETRY_TOPIC", default_value = sluice_schemas::topics::WEBHOOK_RETRY)]
+    pub retry_topic: String,
+    #[arg(long = "webhook-dlq-topic", env = "SLUICE_WEBHOOK_DLQ_TOPIC", default_value = sluice_schemas::topics::WEBHOOK_DLQ)]
+    pub dlq_topic: String,
 }
 
 #[derive(Debug, Clone, Args)]

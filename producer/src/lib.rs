@@ -11,3 +11,4 @@ pub mod publish;
 pub mod replay;
 pub mod status;
 pub mod view;
+pub mod webhook;

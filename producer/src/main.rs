@@ -86,7 +86,48 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         metrics.clone(),
         Duration::from_secs(args.status_retention_hours * 3600),
     )?;
+    let w = &args.webhooks;
+    let policy = sluice_producer::webhook::Policy {
+        guard: sluice_producer::webhook::guard::Guard::new(&w.allow_cidrs, w.allow_http)?,
+        secrets: sluice_producer::webhook::signing::Secrets::load(&w.secrets, w.secrets_file.as_deref())?,
+    };
+    if w.enabled {
+        let settings = sluice_producer::webhook::Settings {
+            group: w.group.clone(),
+            instance_id: w.group_instance_id.clone(),
+            progress_topic: args.progress_topic.clone(),
+            completions_topic: args.completions_topic.clone(),
+            retry_topic: w.retry_topic.clone(),
+            dlq_topic: w.dlq_topic.clone(),
+            schedule: sluice_producer::webhook::schedule::RetrySchedule::parse(&w.retry_schedule)?,
+            concurrency: w.concurrency,
+            max_pending: w.max_pending.max(1),
+        };
+        let deliverer = sluice_producer::webhook::delivery::Deliverer::new(
+            policy.guard.clone(),
+            policy.secrets.clone(),
+            Duration::from_millis(w.timeout_ms),
+            w.host_concurrency,
+        )?;
+        let notifier = Arc::new(sluice_producer::webhook::Notifier::new(
+            settings,
+            &args.publish.kafka,
+            deliverer,
+            store.clone(),
+            Arc::new(sluice_producer::presign::Presigner::new(Duration::from_secs(
+                args.presign_ttl_seconds,
+            ))),
+            metrics.clone(),
+        )?);
+        let caught_up = caught_up.clone();
+        tokio::spawn(async move {
+            if let Err(e) = notifier.run(caught_up, shutdown::terminated()).await {
+                tracing::error!(error = %format!("{e:#}"), "webhook notifier stopped");
+            }
+        });
+    }
     let state = Arc::new(AppState {
+        webhooks: Some(policy),
         catalog,
         status: Some(store),
         control_topic: args.control_topic.clone(),

@@ -1,6 +1,6 @@
 //! Every Prometheus metric of the producer, registered in one place.
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry, exponential_buckets};
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, exponential_buckets};
 use sluice_service::metrics::register;
 
 #[derive(Clone)]
@@ -11,6 +11,17 @@ pub struct Metrics {
     pub publish_seconds: Histogram,
     /// How far behind its topics the status view applies a record.
     pub view_lag_seconds: Histogram,
+    /// Webhook attempts by event and outcome: delivered, retrying, dropped (a started or
+    /// progress event not delivered), throttled, refused, gone, rejected, exhausted.
+    pub webhook_deliveries: IntCounterVec,
+    /// Attempts after the first.
+    pub webhook_retries: IntCounter,
+    /// How long one attempt took, by event.
+    pub webhook_attempt_seconds: HistogramVec,
+    /// Time from an event (the completion or progress record's time) to its first attempt.
+    pub webhook_event_age_seconds: Histogram,
+    /// Records the notifier consumed and has not finished (waiting retries included).
+    pub webhook_pending: IntGauge,
 }
 
 impl Metrics {
@@ -55,6 +66,49 @@ impl Metrics {
                         "Time from a record's own timestamp (submitted, progress, completed) to the status view applying it",
                     )
                     .buckets(exponential_buckets(0.001, 2.0, 20).unwrap()),
+                )
+                .unwrap(),
+            ),
+            webhook_deliveries: register(
+                &r,
+                IntCounterVec::new(
+                    Opts::new("sluice_producer_webhook_deliveries_total", "Webhook attempts, by event and outcome"),
+                    &["event", "outcome"],
+                )
+                .unwrap(),
+            ),
+            webhook_retries: register(
+                &r,
+                IntCounter::new("sluice_producer_webhook_retries_total", "Webhook attempts after the first").unwrap(),
+            ),
+            webhook_attempt_seconds: register(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "sluice_producer_webhook_attempt_seconds",
+                        "Duration of one webhook attempt, by event",
+                    )
+                    .buckets(exponential_buckets(0.001, 2.0, 16).unwrap()),
+                    &["event"],
+                )
+                .unwrap(),
+            ),
+            webhook_event_age_seconds: register(
+                &r,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "sluice_producer_webhook_event_age_seconds",
+                        "Time from an event to its first webhook attempt",
+                    )
+                    .buckets(exponential_buckets(0.001, 2.0, 20).unwrap()),
+                )
+                .unwrap(),
+            ),
+            webhook_pending: register(
+                &r,
+                IntGauge::new(
+                    "sluice_producer_webhook_pending",
+                    "Records the webhook notifier consumed and has not finished, waiting retries included",
                 )
                 .unwrap(),
             ),

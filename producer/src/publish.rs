@@ -110,6 +110,7 @@ impl TaskPublisher {
                 message,
             }])
         })?;
+        let webhook = parsed.webhook.clone();
         let (model, generation) = catalog
             .normalize(parsed, || fastrand::u64(0..=MAX_SEED))
             .map_err(SubmitError::Invalid)?;
@@ -126,6 +127,7 @@ impl TaskPublisher {
                 request_sha256: request_sha256(request),
             }),
             deadline,
+            webhook,
         };
         let value = serde_json::to_value(&record).expect("record serializes");
         validate(RecordKind::Task, &value).map_err(SubmitError::Invalid)?;

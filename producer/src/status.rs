@@ -94,6 +94,9 @@ struct Stored {
     /// The request hash of a task submitted with an `Idempotency-Key`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     request_sha256: Option<String>,
+    /// Where the task's events are pushed, from its record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    webhook: Option<sluice_schemas::WebhookSpec>,
 }
 
 /// One state change, from a record of one of the topics.
@@ -132,6 +135,7 @@ impl Change {
         };
         Some(Stored {
             request_sha256: None,
+            webhook: None,
             tenant: self.tenant().unwrap_or_default().to_owned(),
             status: TaskStatus {
                 task_id: self.task_id(),
@@ -161,6 +165,7 @@ impl Stored {
                 s.model = r.model.clone();
                 self.tenant = r.tenant.clone();
                 self.request_sha256 = r.idempotency.as_ref().map(|i| i.request_sha256.clone());
+                self.webhook = r.webhook.clone();
             }
             Change::Progress(p) => {
                 if !s.status.is_terminal() {
@@ -208,6 +213,15 @@ fn read_stored(tasks: &impl ReadableTable<&'static str, &'static [u8]>, id: &str
 fn tenant_key(tenant: &str, created_at: DateTime<Utc>, id: Uuid) -> String {
     let inverted = u64::MAX - created_at.timestamp_millis().max(0) as u64;
     format!("{tenant}\0{inverted:020}\0{id}")
+}
+
+/// A task as the webhook notifier sees it: see [`StatusStore::with_webhook`].
+#[derive(Debug, Clone)]
+pub struct WebhookTarget {
+    pub tenant: String,
+    /// `None`: the task has no webhook.
+    pub webhook: Option<sluice_schemas::WebhookSpec>,
+    pub status: TaskStatus,
 }
 
 /// A page of a tenant's tasks.
@@ -285,6 +299,31 @@ impl StatusStore {
         let tx = self.db.begin_read().map_err(store_error)?;
         let tasks = tx.open_table(TASKS).map_err(store_error)?;
         Ok(read_stored(&tasks, &id.to_string())?.filter(|s| s.tenant == tenant))
+    }
+
+    /// For the webhook notifier: task `id`'s tenant, its webhook and its status once `change`
+    /// is applied (what `GET /v1/tasks/{id}` answers right after the view applies it), without
+    /// writing anything. `None` while the view has not read the task's record, or when the task
+    /// has no webhook.
+    pub fn with_webhook(&self, id: Uuid, change: &Change) -> Result<Option<WebhookTarget>, StatusError> {
+        let tx = self.db.begin_read().map_err(store_error)?;
+        let tasks = tx.open_table(TASKS).map_err(store_error)?;
+        let Some(mut stored) = read_stored(&tasks, &id.to_string())? else {
+            return Ok(None);
+        };
+        let Some(webhook) = stored.webhook.take() else {
+            return Ok(Some(WebhookTarget {
+                tenant: stored.tenant,
+                webhook: None,
+                status: stored.status,
+            }));
+        };
+        stored.apply(change);
+        Ok(Some(WebhookTarget {
+            tenant: stored.tenant,
+            webhook: Some(webhook),
+            status: stored.status,
+        }))
     }
 
     /// For a task of `tenant`: `Some(request hash)` (`Some(None)` when it was submitted without
@@ -420,6 +459,7 @@ mod tests {
             },
             idempotency: None,
             deadline: None,
+            webhook: None,
         }
     }
 

@@ -36,6 +36,10 @@ pub mod topics {
     pub const DLQ: &str = "sluice.dlq.v1";
     pub const PROGRESS: &str = "sluice.progress.v1";
     pub const CONTROL: &str = "sluice.control.v1";
+    /// Pending webhook retries, one partition per delay of the retry schedule.
+    pub const WEBHOOK_RETRY: &str = "sluice.webhooks.retry.v1";
+    /// Webhook events that were given up.
+    pub const WEBHOOK_DLQ: &str = "sluice.webhooks.dlq.v1";
 }
 
 /// Headers on every DLQ record; the same facts are fields of [`DlqRecord`].

@@ -37,6 +37,9 @@ pub struct TaskRequest {
     /// Run within this many seconds of submission or not at all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
+    /// Where the task's events are pushed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookSpec>,
 }
 
 /// Fully explicit generation parameters, as carried by a [`TaskRecord`].
@@ -75,6 +78,9 @@ pub struct TaskRecord {
     /// `expired`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline: Option<DateTime<Utc>>,
+    /// Where the task's events are pushed (`webhook.schema.json`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookSpec>,
 }
 
 /// How a task was made idempotent.
@@ -354,4 +360,101 @@ pub struct ControlRecord {
     pub tenant: String,
     pub action: ControlAction,
     pub at: DateTime<Utc>,
+}
+
+/// A webhook event (`webhook.schema.json#/$defs/event`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WebhookEvent {
+    /// A worker began the task.
+    Started,
+    /// A step finished (throttled, delivered once, never retried).
+    Progress,
+    /// The task ended: succeeded, failed, cancelled or expired (retried until the schedule ends).
+    Completed,
+}
+
+impl WebhookEvent {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WebhookEvent::Started => "started",
+            WebhookEvent::Progress => "progress",
+            WebhookEvent::Completed => "completed",
+        }
+    }
+}
+
+fn completed_only() -> Vec<WebhookEvent> {
+    vec![WebhookEvent::Completed]
+}
+
+/// Where a task's events are pushed (`webhook.schema.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookSpec {
+    pub url: String,
+    #[serde(default = "completed_only")]
+    pub events: Vec<WebhookEvent>,
+}
+
+/// A pending retry of a webhook event, on the retry topic (`webhook-delivery.schema.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookDelivery {
+    pub version: u32,
+    pub event_id: String,
+    pub event: WebhookEvent,
+    pub task_id: Uuid,
+    pub tenant: String,
+    pub url: String,
+    pub attempt: u32,
+    pub due_at: DateTime<Utc>,
+    pub first_attempt_at: DateTime<Utc>,
+    pub last_error: String,
+    pub payload: Map<String, Value>,
+}
+
+/// Why a webhook event was given up (`webhook-dlq.schema.json#/properties/reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WebhookFailure {
+    /// The URL or its address is not allowed (SSRF guard).
+    Refused,
+    /// The receiver answered 410: nothing more goes to that URL.
+    Gone,
+    /// An answer that is not retried: a 3xx, or a 4xx other than 408 and 429.
+    Rejected,
+    /// Every attempt of the retry schedule failed.
+    Exhausted,
+}
+
+impl WebhookFailure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WebhookFailure::Refused => "refused",
+            WebhookFailure::Gone => "gone",
+            WebhookFailure::Rejected => "rejected",
+            WebhookFailure::Exhausted => "exhausted",
+        }
+    }
+}
+
+/// A webhook event that was given up, on the webhook DLQ (`webhook-dlq.schema.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookDlqRecord {
+    pub version: u32,
+    pub event_id: String,
+    pub event: WebhookEvent,
+    pub task_id: Uuid,
+    pub tenant: String,
+    pub url: String,
+    pub attempts: u32,
+    pub first_attempt_at: DateTime<Utc>,
+    pub failed_at: DateTime<Utc>,
+    pub reason: WebhookFailure,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_status: Option<u16>,
+    pub payload: Map<String, Value>,
 }

@@ -101,6 +101,14 @@ fn control_records() {
 }
 
 #[test]
+fn webhook_records() {
+    round_trip::<WebhookDelivery>(RecordKind::WebhookDelivery, "webhook-delivery");
+    rejects(RecordKind::WebhookDelivery, "webhook-delivery");
+    round_trip::<WebhookDlqRecord>(RecordKind::WebhookDlq, "webhook-dlq");
+    rejects(RecordKind::WebhookDlq, "webhook-dlq");
+}
+
+#[test]
 fn dlq_records() {
     round_trip::<DlqRecord>(RecordKind::Dlq, "dlq");
     rejects(RecordKind::Dlq, "dlq");
@@ -141,9 +149,14 @@ fn fully_populated_types_validate() {
         params: Some(models::terrain::Params::default().to_map()),
         deadline: None,
         ttl_seconds: Some(3600),
+        webhook: Some(WebhookSpec {
+            url: "https://hooks.example.com/sluice".into(),
+            events: vec![WebhookEvent::Started, WebhookEvent::Progress, WebhookEvent::Completed],
+        }),
     };
     must_validate(RecordKind::TaskRequest, &request);
 
+    let webhook = request.webhook.clone();
     let (model, generation) = sluice_schemas::Catalog::default().normalize(request, || unreachable!()).unwrap();
     let task = TaskRecord {
         version: SCHEMA_VERSION,
@@ -154,7 +167,8 @@ fn fully_populated_types_validate() {
         model,
         request: generation,
         idempotency: None,
-        deadline: None,
+        deadline: Some(when),
+        webhook,
     };
     must_validate(RecordKind::Task, &task);
 
@@ -230,6 +244,46 @@ fn fully_populated_types_validate() {
         };
         must_validate(RecordKind::Dlq, &dlq);
     }
+    let payload = json!({"task_id": task.task_id, "status": "succeeded"}).as_object().unwrap().clone();
+    let delivery = WebhookDelivery {
+        version: SCHEMA_VERSION,
+        event_id: format!("msg_{}", "0a".repeat(16)),
+        event: WebhookEvent::Completed,
+        task_id: task.task_id,
+        tenant: "t".into(),
+        url: "https://hooks.example.com/x".into(),
+        attempt: 2,
+        due_at: when,
+        first_attempt_at: when,
+        last_error: "503 Service Unavailable".into(),
+        payload: payload.clone(),
+    };
+    must_validate(RecordKind::WebhookDelivery, &delivery);
+    for reason in [
+        WebhookFailure::Refused,
+        WebhookFailure::Gone,
+        WebhookFailure::Rejected,
+        WebhookFailure::Exhausted,
+    ] {
+        let given_up = WebhookDlqRecord {
+            version: SCHEMA_VERSION,
+            event_id: delivery.event_id.clone(),
+            event: WebhookEvent::Progress,
+            task_id: task.task_id,
+            tenant: "t".into(),
+            url: delivery.url.clone(),
+            attempts: 8,
+            first_attempt_at: when,
+            failed_at: when,
+            reason,
+            message: "m".into(),
+            last_status: Some(503),
+            payload: payload.clone(),
+        };
+        must_validate(RecordKind::WebhookDlq, &given_up);
+        let json = serde_json::to_value(reason).unwrap();
+        assert_eq!(json.as_str(), Some(reason.as_str()));
+    }
 }
 
 #[test]
@@ -248,6 +302,7 @@ fn normalized_minimal_request_is_a_valid_task() {
         request: generation,
         idempotency: None,
         deadline: None,
+        webhook: None,
     };
     must_validate(RecordKind::Task, &task);
 }

@@ -1,0 +1,284 @@
+//! One delivery attempt: a signed POST through the SSRF guard, and what its answer means.
+//!
+//! 2xx is delivered. Connection errors, timeouts, 408, 429 and 5xx are retried (honouring
+//! `Retry-After`); a 410 stops deliveries to that URL; anything else — a 3xx (redirects are not
+//! followed) or another 4xx — is not retried. Each receiver host gets a bounded share of the
+//! concurrent deliveries, and after repeated failures its circuit opens for a while (attempts
+//! then fail at once), so a slow or dead receiver cannot hold up everybody else's.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use reqwest::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER, USER_AGENT};
+use tokio::sync::Semaphore;
+
+use super::guard::{Guard, GuardedResolver, refusal_in};
+use super::signing::Secrets;
+
+/// Failures in a row after which a host's circuit opens.
+const BREAKER_FAILURES: u32 = 5;
+/// How long an open circuit fails attempts at once.
+const BREAKER_OPEN: Duration = Duration::from_secs(30);
+/// URLs remembered as gone (410), at most.
+const MAX_GONE: usize = 100_000;
+
+/// How an attempt ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Attempt {
+    Delivered {
+        status: u16,
+    },
+    /// Worth another attempt later, not before `retry_after`.
+    Retry {
+        error: String,
+        status: Option<u16>,
+        retry_after: Option<Duration>,
+    },
+    /// Not worth another attempt.
+    GiveUp {
+        reason: sluice_schemas::WebhookFailure,
+        error: String,
+        status: Option<u16>,
+    },
+}
+
+/// What one request carries.
+pub struct Request<'a> {
+    pub url: &'a str,
+    pub tenant: &'a str,
+    pub event_id: &'a str,
+    pub event: sluice_schemas::WebhookEvent,
+    pub body: &'a [u8],
+    pub traceparent: Option<&'a str>,
+}
+
+#[derive(Default)]
+struct Host {
+    failures: u32,
+    open_until: Option<Instant>,
+    permits: Option<Arc<Semaphore>>,
+}
+
+pub struct Deliverer {
+    guard: Arc<Guard>,
+    secrets: Secrets,
+    https: reqwest::Client,
+    http: reqwest::Client,
+    host_concurrency: usize,
+    hosts: Mutex<HashMap<String, Host>>,
+    gone: Mutex<HashSet<String>>,
+}
+
+impl Deliverer {
+    pub fn new(guard: Guard, secrets: Secrets, timeout: Duration, host_concurrency: usize) -> Result<Deliverer, reqwest::Error> {
+        let guard = Arc::new(guard);
+        let client = |https: bool| {
+            reqwest::Client::builder()
+                .dns_resolver(Arc::new(GuardedResolver::new(guard.clone(), https)))
+                .redirect(reqwest::redirect::Policy::none())
+                .no_proxy()
+                .https_only(https)
+                .timeout(timeout)
+                .connect_timeout(timeout.min(Duration::from_secs(5)))
+                .pool_max_idle_per_host(host_concurrency)
+                .build()
+        };
+        Ok(Deliverer {
+            https: client(true)?,
+            http: client(false)?,
+            guard,
+            secrets,
+            host_concurrency: host_concurrency.max(1),
+            hosts: Mutex::default(),
+            gone: Mutex::default(),
+        })
+    }
+
+    pub fn guard(&self) -> &Guard {
+        &self.guard
+    }
+
+    pub fn secrets(&self) -> &Secrets {
+        &self.secrets
+    }
+
+    /// One attempt at `request`.
+    pub async fn attempt(&self, request: &Request<'_>) -> Attempt {
+        use sluice_schemas::WebhookFailure::*;
+        let give_up = |reason, error: String| Attempt::GiveUp {
+            reason,
+            error,
+            status: None,
+        };
+        if self.gone.lock().expect("not poisoned").contains(request.url) {
+            return give_up(Gone, "the receiver answered 410 Gone before; nothing more is sent there".into());
+        }
+        let url = match self.guard.check_url(request.url) {
+            Ok(u) => u,
+            Err(r) => return give_up(Refused, r.0),
+        };
+        let host = format!(
+            "{}:{}",
+            url.host_str().unwrap_or_default(),
+            url.port_or_known_default().unwrap_or(0)
+        );
+        let timestamp = chrono::Utc::now().timestamp();
+        let Some(signature) = self.secrets.signature(request.tenant, request.event_id, timestamp, request.body) else {
+            return give_up(Refused, format!("no webhook secret is configured for tenant {:?}", request.tenant));
+        };
+        let permits = {
+            let mut hosts = self.hosts.lock().expect("not poisoned");
+            let h = hosts.entry(host.clone()).or_default();
+            if let Some(until) = h.open_until {
+                if Instant::now() < until {
+                    return Attempt::Retry {
+                        error: format!("{host} failed {} times in a row; not tried for now", h.failures),
+                        status: None,
+                        retry_after: None,
+                    };
+                }
+                h.open_until = None;
+            }
+            h.permits
+                .get_or_insert_with(|| Arc::new(Semaphore::new(self.host_concurrency)))
+                .clone()
+        };
+        let _permit = permits.acquire_owned().await.expect("never closed");
+        let client = if url.scheme() == "https" { &self.https } else { &self.http };
+        let mut builder = client
+            .post(url)
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(USER_AGENT, concat!("Sluice-Webhooks/", env!("CARGO_PKG_VERSION")))
+            .header("webhook-id", request.event_id)
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature)
+            .header("sluice-event", request.event.as_str())
+            .body(request.body.to_vec());
+        if let Some(tp) = request.traceparent {
+            builder = builder.header(sluice_service::trace::TRACEPARENT, tp);
+        }
+        let outcome = match builder.send().await {
+            Ok(response) => classify(response.status().as_u16(), response.headers().get(RETRY_AFTER)),
+            Err(e) => match refusal_in(&e) {
+                Some(r) => give_up(Refused, r.0),
+                None => Attempt::Retry {
+                    error: describe(&e),
+                    status: None,
+                    retry_after: None,
+                },
+            },
+        };
+        let mut hosts = self.hosts.lock().expect("not poisoned");
+        let h = hosts.entry(host).or_default();
+        match &outcome {
+            Attempt::Retry { .. } => {
+                h.failures += 1;
+                if h.failures >= BREAKER_FAILURES {
+                    h.open_until = Some(Instant::now() + BREAKER_OPEN);
+                }
+            }
+            _ => h.failures = 0,
+        }
+        if let Attempt::GiveUp { reason: Gone, .. } = outcome {
+            let mut gone = self.gone.lock().expect("not poisoned");
+            if gone.len() >= MAX_GONE {
+                gone.clear();
+            }
+            gone.insert(request.url.to_owned());
+        }
+        outcome
+    }
+}
+
+/// An error with its sources, e.g. "error sending request: connection refused".
+fn describe(e: &reqwest::Error) -> String {
+    let mut text = if e.is_timeout() { "timed out".to_owned() } else { e.to_string() };
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// What an HTTP answer means.
+pub fn classify(status: u16, retry_after: Option<&HeaderValue>) -> Attempt {
+    use sluice_schemas::WebhookFailure::*;
+    let reason = reqwest::StatusCode::from_u16(status)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .unwrap_or("");
+    let error = format!("{status} {reason}").trim().to_owned();
+    match status {
+        200..=299 => Attempt::Delivered { status },
+        408 | 429 | 500..=599 => Attempt::Retry {
+            error,
+            status: Some(status),
+            retry_after: retry_after.and_then(|v| v.to_str().ok()).and_then(parse_retry_after),
+        },
+        410 => Attempt::GiveUp {
+            reason: Gone,
+            error,
+            status: Some(status),
+        },
+        300..=399 => Attempt::GiveUp {
+            reason: Rejected,
+            error: format!("{error}: redirects are not followed"),
+            status: Some(status),
+        },
+        _ => Attempt::GiveUp {
+            reason: Rejected,
+            error,
+            status: Some(status),
+        },
+    }
+}
+
+/// `Retry-After`: delay seconds or an HTTP date.
+fn parse_retry_after(value: &str) -> Option<Duration> {
+    if let Ok(secs) = value.trim().parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let when = chrono::DateTime::parse_from_rfc2822(value.trim()).ok()?;
+    (when.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_schemas::WebhookFailure;
+
+    #[test]
+    fn answers_are_classified_as_the_contract_says() {
+        assert_eq!(classify(204, None), Attempt::Delivered { status: 204 });
+        for retried in [408, 429, 500, 502, 503, 504] {
+            assert!(matches!(classify(retried, None), Attempt::Retry { .. }), "{retried}");
+        }
+        assert!(matches!(
+            classify(410, None),
+            Attempt::GiveUp {
+                reason: WebhookFailure::Gone,
+                ..
+            }
+        ));
+        for rejected in [301, 302, 307, 400, 401, 403, 404, 413, 422] {
+            assert!(
+                matches!(
+                    classify(rejected, None),
+                    Attempt::GiveUp {
+                        reason: WebhookFailure::Rejected,
+                        ..
+                    }
+                ),
+                "{rejected}"
+            );
+        }
+        let after = HeaderValue::from_static("120");
+        assert!(matches!(classify(429, Some(&after)), Attempt::Retry { retry_after: Some(d), .. } if d == Duration::from_secs(120)));
+        let date = (chrono::Utc::now() + chrono::Duration::seconds(600)).to_rfc2822();
+        let d = parse_retry_after(&date).unwrap();
+        assert!(d > Duration::from_secs(590) && d <= Duration::from_secs(600), "{d:?}");
+    }
+}

@@ -1,0 +1,608 @@
+//! Webhooks: a task's `started`, `progress` and `completed` events pushed to the URL its request
+//! named, signed per Standard Webhooks ([`signing`]), through the SSRF guard ([`guard`]).
+//!
+//! The notifier is a consumer group (`sluice-webhooks`, part of `sluice-producer serve`) over the
+//! progress, completion and retry topics, so each event is delivered by one replica. The body is
+//! the task's `GET /v1/tasks/{id}` answer right after the event, from the status view (which
+//! also holds each task's webhook, from its record). Delivery is at least once: a record's
+//! offset is stored for commit only once its event was delivered, scheduled for a retry (a record
+//! on the retry topic, so retries survive restarts: [`schedule`]) or given up (a record on the
+//! webhook DLQ). `completed` events are retried over the schedule; `started` and `progress`
+//! events are tried once (progress at most every 500 ms per task).
+
+pub mod delivery;
+pub mod guard;
+pub mod schedule;
+pub mod signing;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::{Map, Value};
+use sluice_schemas::{
+    CompletionEvent, HEADER_SCHEMA_VERSION, ProgressEvent, ProgressRecord, SCHEMA_VERSION, WebhookDelivery, WebhookDlqRecord, WebhookEvent,
+    WebhookFailure,
+};
+use tokio::sync::Semaphore;
+use uuid::Uuid;
+
+use crate::metrics::Metrics;
+use crate::presign::Presigner;
+use crate::status::{Change, StatusStore, TaskStatus};
+use crate::view::CaughtUp;
+use delivery::{Attempt, Deliverer, Request};
+use schedule::RetrySchedule;
+
+/// At most one `progress` delivery per task this often.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(500);
+/// How long an event waits for the status view to read its task's record.
+const VIEW_WAIT: Duration = Duration::from_secs(10);
+/// Events older than this whose task the view does not know are skipped at once (the task is
+/// past the view's retention, or had no record).
+const RECENT: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
+
+/// The notifier's settings.
+pub struct Settings {
+    pub group: String,
+    pub instance_id: Option<String>,
+    pub progress_topic: String,
+    pub completions_topic: String,
+    pub retry_topic: String,
+    pub dlq_topic: String,
+    pub schedule: RetrySchedule,
+    pub concurrency: usize,
+    pub max_pending: usize,
+}
+
+/// What the notifier does with one consumed record.
+enum Job {
+    /// An event of a task, first attempt.
+    Event {
+        event: WebhookEvent,
+        change: Change,
+        task_id: Uuid,
+        step: u32,
+        at: chrono::DateTime<Utc>,
+    },
+    /// A pending retry.
+    Retry(Box<WebhookDelivery>),
+    Nothing,
+}
+
+/// Offsets consumed but not yet finished, per partition; the contiguous finished prefix is
+/// stored for commit. `epoch` changes when a partition is read again from an earlier offset (it
+/// was revoked and assigned back): finishes of the older reading are ignored.
+#[derive(Default)]
+struct Tracker {
+    partitions: HashMap<(String, i32), (u64, i64, BTreeMap<i64, bool>)>,
+    epoch: u64,
+}
+
+impl Tracker {
+    fn begin(&mut self, topic: &str, partition: i32, offset: i64) -> u64 {
+        self.epoch += 1;
+        let fresh = self.epoch;
+        let entry = self
+            .partitions
+            .entry((topic.to_owned(), partition))
+            .or_insert_with(|| (fresh, -1, BTreeMap::new()));
+        if offset <= entry.1 {
+            *entry = (fresh, -1, BTreeMap::new());
+        }
+        entry.1 = offset;
+        entry.2.insert(offset, false);
+        entry.0
+    }
+
+    /// Marks `offset` finished; returns the offset to store for commit, if it moved.
+    fn finish(&mut self, topic: &str, partition: i32, offset: i64, epoch: u64) -> Option<i64> {
+        let entry = self.partitions.get_mut(&(topic.to_owned(), partition))?;
+        if entry.0 != epoch {
+            return None;
+        }
+        *entry.2.get_mut(&offset)? = true;
+        let mut next = None;
+        while let Some((&o, &done)) = entry.2.first_key_value() {
+            if !done {
+                break;
+            }
+            entry.2.remove(&o);
+            next = Some(o + 1);
+        }
+        next
+    }
+
+    fn pending(&self) -> usize {
+        self.partitions.values().map(|p| p.2.len()).sum()
+    }
+}
+
+pub struct Notifier {
+    settings: Settings,
+    consumer: StreamConsumer,
+    producer: FutureProducer,
+    deliverer: Deliverer,
+    store: Arc<StatusStore>,
+    presigner: Arc<Presigner>,
+    metrics: Metrics,
+    permits: Semaphore,
+    tracker: Mutex<Tracker>,
+    last_progress: Mutex<HashMap<Uuid, Instant>>,
+    retry_partitions: usize,
+}
+
+impl Notifier {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        settings: Settings,
+        kafka: &sluice_service::kafka::KafkaClientArgs,
+        deliverer: Deliverer,
+        store: Arc<StatusStore>,
+        presigner: Arc<Presigner>,
+        metrics: Metrics,
+    ) -> anyhow::Result<Notifier> {
+        let mut consumer_settings = vec![
+            ("group.id", settings.group.as_str()),
+            ("enable.auto.commit", "true"),
+            ("auto.commit.interval.ms", "500"),
+            ("enable.auto.offset.store", "false"),
+            ("auto.offset.reset", "earliest"),
+            ("partition.assignment.strategy", "cooperative-sticky"),
+            ("session.timeout.ms", "10000"),
+            ("heartbeat.interval.ms", "1000"),
+            ("max.poll.interval.ms", "30000"),
+            ("fetch.wait.max.ms", "100"),
+        ];
+        if let Some(id) = &settings.instance_id {
+            consumer_settings.push(("group.instance.id", id.as_str()));
+        }
+        let consumer: StreamConsumer = kafka.config(&consumer_settings).create()?;
+        let producer: FutureProducer = kafka.producer_config("sluice-webhooks", 30_000, 5).create()?;
+        let retry_partitions = consumer
+            .fetch_metadata(Some(&settings.retry_topic), Duration::from_secs(10))
+            .ok()
+            .and_then(|m| m.topics().first().map(|t| t.partitions().len()))
+            .unwrap_or(0);
+        if retry_partitions == 0 {
+            anyhow::bail!(
+                "the webhook retry topic {} has no partitions (create it first)",
+                settings.retry_topic
+            );
+        }
+        if retry_partitions < settings.schedule.tiers() {
+            tracing::warn!(
+                topic = %settings.retry_topic,
+                partitions = retry_partitions,
+                delays = settings.schedule.tiers(),
+                "the webhook retry topic has fewer partitions than the schedule has delays: long retries may hold up short ones"
+            );
+        }
+        Ok(Notifier {
+            permits: Semaphore::new(settings.concurrency.max(1)),
+            settings,
+            consumer,
+            producer,
+            deliverer,
+            store,
+            presigner,
+            metrics,
+            tracker: Mutex::default(),
+            last_progress: Mutex::default(),
+            retry_partitions,
+        })
+    }
+
+    /// Consumes and delivers until `shutdown` resolves. Starts once the status view has caught
+    /// up with its topics (before that, a task's webhook may not be known yet).
+    pub async fn run(self: Arc<Self>, caught_up: CaughtUp, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        tokio::pin!(shutdown);
+        while !caught_up.get() {
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+        let s = &self.settings;
+        self.consumer
+            .subscribe(&[s.completions_topic.as_str(), s.progress_topic.as_str(), s.retry_topic.as_str()])?;
+        tracing::info!(group = %s.group, "webhook notifier consuming");
+        let mut paused = false;
+        loop {
+            let pending = self.tracker.lock().expect("not poisoned").pending();
+            self.metrics.webhook_pending.set(pending as i64);
+            // Bounded memory: past max_pending, stop fetching (still polling, to stay in the
+            // group) until half of it has finished.
+            let want_paused = pending >= s.max_pending || (paused && pending > s.max_pending / 2);
+            if want_paused != paused
+                && let Ok(assignment) = self.consumer.assignment()
+            {
+                let result = if want_paused {
+                    self.consumer.pause(&assignment)
+                } else {
+                    self.consumer.resume(&assignment)
+                };
+                if result.is_ok() {
+                    paused = want_paused;
+                }
+            }
+            let message = tokio::select! {
+                _ = &mut shutdown => break,
+                m = tokio::time::timeout(Duration::from_millis(200), self.consumer.recv()) => m,
+            };
+            let message = match message {
+                Err(_) => continue,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "webhook notifier: consume error");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Ok(Ok(m)) => m,
+            };
+            let (topic, partition, offset) = (message.topic().to_owned(), message.partition(), message.offset());
+            let job = self.job_of(&message);
+            let traceparent = message
+                .headers()
+                .and_then(|h| h.iter().find(|h| h.key == sluice_service::trace::TRACEPARENT).and_then(|h| h.value))
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(sluice_service::trace::TraceContext::parse)
+                .map(|t| t.child().header());
+            drop(message);
+            if matches!(job, Job::Nothing) {
+                self.finish(&topic, partition, offset, None);
+                continue;
+            }
+            let epoch = self.tracker.lock().expect("not poisoned").begin(&topic, partition, offset);
+            let this = self.clone();
+            tokio::spawn(async move {
+                this.handle(job, traceparent.as_deref()).await;
+                this.finish(&topic, partition, offset, Some(epoch));
+            });
+        }
+        // librdkafka commits the stored offsets as the consumer closes.
+        Ok(())
+    }
+
+    fn finish(&self, topic: &str, partition: i32, offset: i64, epoch: Option<u64>) {
+        let next = match epoch {
+            Some(epoch) => self.tracker.lock().expect("not poisoned").finish(topic, partition, offset, epoch),
+            None => {
+                // Nothing to do for this record: it is finished unless an earlier one is pending.
+                let mut tracker = self.tracker.lock().expect("not poisoned");
+                let epoch = tracker.begin(topic, partition, offset);
+                tracker.finish(topic, partition, offset, epoch)
+            }
+        };
+        if let Some(next) = next
+            && let Err(e) = self.consumer.store_offset(topic, partition, next)
+        {
+            tracing::debug!(error = %e, topic, partition, "webhook notifier: storing an offset (partition revoked?)");
+        }
+    }
+
+    fn job_of(&self, message: &BorrowedMessage<'_>) -> Job {
+        let Some(payload) = message.payload() else {
+            return Job::Nothing;
+        };
+        let s = &self.settings;
+        if message.topic() == s.completions_topic {
+            match serde_json::from_slice::<CompletionEvent>(payload) {
+                Ok(c) => Job::Event {
+                    event: WebhookEvent::Completed,
+                    task_id: c.task_id,
+                    step: 0,
+                    at: c.completed_at,
+                    change: Change::Completed(c),
+                },
+                Err(_) => Job::Nothing,
+            }
+        } else if message.topic() == s.progress_topic {
+            match serde_json::from_slice::<ProgressRecord>(payload) {
+                Ok(p) => Job::Event {
+                    event: match p.event {
+                        ProgressEvent::Started => WebhookEvent::Started,
+                        ProgressEvent::Step => WebhookEvent::Progress,
+                    },
+                    task_id: p.task_id,
+                    step: p.step,
+                    at: p.at,
+                    change: Change::Progress(p),
+                },
+                Err(_) => Job::Nothing,
+            }
+        } else if message.topic() == s.retry_topic {
+            match serde_json::from_slice::<WebhookDelivery>(payload) {
+                Ok(d) => Job::Retry(Box::new(d)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "webhook notifier: unreadable retry record skipped");
+                    Job::Nothing
+                }
+            }
+        } else {
+            Job::Nothing
+        }
+    }
+
+    async fn handle(&self, job: Job, traceparent: Option<&str>) {
+        match job {
+            Job::Nothing => {}
+            Job::Event {
+                event,
+                change,
+                task_id,
+                step,
+                at,
+            } => {
+                let Some((tenant, url, status)) = self.target(task_id, event, &change, at).await else {
+                    return;
+                };
+                if event == WebhookEvent::Progress && !self.progress_due(task_id) {
+                    self.metrics
+                        .webhook_deliveries
+                        .with_label_values(&[event.as_str(), "throttled"])
+                        .inc();
+                    return;
+                }
+                if event == WebhookEvent::Completed {
+                    self.last_progress.lock().expect("not poisoned").remove(&task_id);
+                }
+                let payload = match serde_json::to_value(&status) {
+                    Ok(Value::Object(m)) => m,
+                    _ => Map::new(),
+                };
+                let delivery = WebhookDelivery {
+                    version: SCHEMA_VERSION,
+                    event_id: signing::event_id(task_id, event, step),
+                    event,
+                    task_id,
+                    tenant,
+                    url,
+                    attempt: 1,
+                    due_at: Utc::now(),
+                    first_attempt_at: Utc::now(),
+                    last_error: String::new(),
+                    payload,
+                };
+                self.metrics
+                    .webhook_event_age_seconds
+                    .observe((Utc::now() - at).to_std().unwrap_or_default().as_secs_f64());
+                self.deliver(delivery, traceparent).await;
+            }
+            Job::Retry(delivery) => {
+                let wait = (delivery.due_at - Utc::now()).to_std().unwrap_or_default();
+                tokio::time::sleep(wait).await;
+                self.metrics.webhook_retries.inc();
+                self.deliver(*delivery, traceparent).await;
+            }
+        }
+    }
+
+    /// The tenant, URL and body of task `task_id`'s `event`, when its webhook wants it. Waits a
+    /// little for the view to read the task's record when the event is recent.
+    async fn target(
+        &self,
+        task_id: Uuid,
+        event: WebhookEvent,
+        change: &Change,
+        at: chrono::DateTime<Utc>,
+    ) -> Option<(String, String, TaskStatus)> {
+        let started = Instant::now();
+        loop {
+            match self.store.with_webhook(task_id, change) {
+                Ok(Some(t)) => {
+                    let webhook = t.webhook?;
+                    return webhook.events.contains(&event).then_some((t.tenant, webhook.url, t.status));
+                }
+                Ok(None) if Utc::now() - at < RECENT && started.elapsed() < VIEW_WAIT => {}
+                Ok(None) => return None,
+                Err(e) => tracing::warn!(error = %e, "webhook notifier: reading the status view"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn progress_due(&self, task_id: Uuid) -> bool {
+        let mut last = self.last_progress.lock().expect("not poisoned");
+        if last.len() > 100_000 {
+            last.retain(|_, t| t.elapsed() < PROGRESS_INTERVAL);
+        }
+        match last.get(&task_id) {
+            Some(t) if t.elapsed() < PROGRESS_INTERVAL => false,
+            _ => {
+                last.insert(task_id, Instant::now());
+                true
+            }
+        }
+    }
+
+    /// One attempt at `delivery`, then whatever follows: done, a retry record, or the DLQ.
+    async fn deliver(&self, delivery: WebhookDelivery, traceparent: Option<&str>) {
+        let event = delivery.event;
+        let body = self.body(&delivery.payload).await;
+        let started = Instant::now();
+        let outcome = {
+            let _permit = self.permits.acquire().await.expect("never closed");
+            self.deliverer
+                .attempt(&Request {
+                    url: &delivery.url,
+                    tenant: &delivery.tenant,
+                    event_id: &delivery.event_id,
+                    event,
+                    body: &body,
+                    traceparent,
+                })
+                .await
+        };
+        self.metrics
+            .webhook_attempt_seconds
+            .with_label_values(&[event.as_str()])
+            .observe(started.elapsed().as_secs_f64());
+        let count = |outcome: &str| self.metrics.webhook_deliveries.with_label_values(&[event.as_str(), outcome]).inc();
+        match outcome {
+            Attempt::Delivered { status } => {
+                count("delivered");
+                tracing::debug!(event_id = %delivery.event_id, task_id = %delivery.task_id, status, attempt = delivery.attempt, "webhook delivered");
+            }
+            Attempt::Retry {
+                error,
+                status,
+                retry_after,
+            } => {
+                let next = if event == WebhookEvent::Completed {
+                    self.settings.schedule.next(delivery.attempt, retry_after)
+                } else {
+                    None
+                };
+                match next {
+                    Some((delay, tier)) => {
+                        count("retrying");
+                        tracing::info!(event_id = %delivery.event_id, task_id = %delivery.task_id, attempt = delivery.attempt, %error, ?delay, "webhook attempt failed; retrying later");
+                        let jitter = delay.mul_f64(fastrand::f64() * 0.1);
+                        let retry = WebhookDelivery {
+                            attempt: delivery.attempt + 1,
+                            due_at: Utc::now() + chrono::Duration::from_std(delay + jitter).unwrap_or_default(),
+                            last_error: error,
+                            ..delivery
+                        };
+                        let partition = (tier % self.retry_partitions) as i32;
+                        self.publish(&self.settings.retry_topic, Some(partition), retry.task_id, &retry)
+                            .await;
+                    }
+                    None if event == WebhookEvent::Completed => {
+                        self.dead_letter(delivery, WebhookFailure::Exhausted, error, status).await;
+                    }
+                    None => {
+                        count("dropped");
+                        tracing::debug!(event_id = %delivery.event_id, %error, "webhook {} event not delivered (not retried)", event.as_str());
+                    }
+                }
+            }
+            Attempt::GiveUp { reason, error, status } => {
+                if event == WebhookEvent::Completed {
+                    self.dead_letter(delivery, reason, error, status).await;
+                } else {
+                    count(reason.as_str());
+                }
+            }
+        }
+    }
+
+    /// The payload as sent: its stored image URLs presigned for this attempt.
+    async fn body(&self, payload: &Map<String, Value>) -> Vec<u8> {
+        match serde_json::from_value::<TaskStatus>(Value::Object(payload.clone())) {
+            Ok(mut status) => {
+                self.presigner.sign(&mut status).await;
+                serde_json::to_vec(&status).expect("status serializes")
+            }
+            Err(_) => serde_json::to_vec(payload).expect("JSON serializes"),
+        }
+    }
+
+    async fn dead_letter(&self, delivery: WebhookDelivery, reason: WebhookFailure, error: String, status: Option<u16>) {
+        self.metrics
+            .webhook_deliveries
+            .with_label_values(&[delivery.event.as_str(), reason.as_str()])
+            .inc();
+        tracing::warn!(event_id = %delivery.event_id, task_id = %delivery.task_id, url = %delivery.url, reason = reason.as_str(), %error, "webhook given up");
+        let record = WebhookDlqRecord {
+            version: SCHEMA_VERSION,
+            event_id: delivery.event_id,
+            event: delivery.event,
+            task_id: delivery.task_id,
+            tenant: delivery.tenant,
+            url: delivery.url,
+            attempts: if reason == WebhookFailure::Refused && status.is_none() && delivery.attempt == 1 {
+                0
+            } else {
+                delivery.attempt
+            },
+            first_attempt_at: delivery.first_attempt_at,
+            failed_at: Utc::now(),
+            reason,
+            message: error,
+            last_status: status,
+            payload: delivery.payload,
+        };
+        self.publish(&self.settings.dlq_topic, None, record.task_id, &record).await;
+    }
+
+    /// Publishes `record` and waits for the broker's acknowledgement, retrying until it comes:
+    /// the consumed record is finished (and its offset committed) only after.
+    async fn publish(&self, topic: &str, partition: Option<i32>, task_id: Uuid, record: &impl serde::Serialize) {
+        let payload = serde_json::to_vec(record).expect("record serializes");
+        let key = task_id.to_string();
+        let version = SCHEMA_VERSION.to_string();
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let mut r = FutureRecord::to(topic)
+                .key(&key)
+                .payload(&payload)
+                .headers(OwnedHeaders::new().insert(Header {
+                    key: HEADER_SCHEMA_VERSION,
+                    value: Some(version.as_bytes()),
+                }));
+            if let Some(p) = partition {
+                r = r.partition(p);
+            }
+            match self.producer.send(r, Duration::from_secs(30)).await {
+                Ok(_) => return,
+                Err((e, _)) => {
+                    tracing::warn!(error = %e, topic, "webhook notifier: publishing failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+    }
+}
+
+/// What the API checks of a submitted webhook.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub guard: guard::Guard,
+    pub secrets: signing::Secrets,
+}
+
+impl Policy {
+    /// Why a submitted webhook is refused at once (a 400), when that can be judged without
+    /// resolving its host: `(field, message)` for its URL, or for a tenant without a signing
+    /// secret.
+    pub fn check(&self, tenant: &str, url: &str) -> Result<(), (&'static str, String)> {
+        self.guard.check_url(url).map_err(|r| ("webhook.url", r.0))?;
+        if !self.secrets.has(tenant) {
+            return Err((
+                "webhook",
+                format!("no webhook secret is configured for tenant {tenant:?} (SLUICE_WEBHOOK_SECRETS)"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_are_stored_only_past_a_finished_prefix() {
+        let mut t = Tracker::default();
+        let e0 = t.begin("t", 0, 10);
+        let e1 = t.begin("t", 0, 11);
+        let e2 = t.begin("t", 0, 12);
+        assert_eq!(e0, e1);
+        assert_eq!(t.finish("t", 0, 11, e1), None, "10 is still pending");
+        assert_eq!(t.finish("t", 0, 12, e2), None);
+        assert_eq!(t.finish("t", 0, 10, e0), Some(13));
+        assert_eq!(t.pending(), 0);
+        // Read again from 12 (revoked and assigned back): the older reading's finishes are void.
+        let stale = t.begin("t", 0, 14);
+        let fresh = t.begin("t", 0, 12);
+        assert_ne!(stale, fresh);
+        assert_eq!(t.finish("t", 0, 14, stale), None);
+        assert_eq!(t.finish("t", 0, 12, fresh), Some(13));
+    }
+}
