@@ -19,6 +19,7 @@ pub struct Cluster {
     pub producer: Service,
     pub producer_url: String,
     pub workers: Vec<Worker>,
+    producer_env: Vec<(String, String)>,
 }
 
 pub struct Worker {
@@ -148,7 +149,18 @@ impl Cluster {
             producer,
             producer_url,
             workers: started,
+            producer_env: env,
         })
+    }
+
+    /// Kills the producer (SIGKILL) and starts it again with the same settings and address;
+    /// returns once it answers.
+    pub async fn kill_and_restart_producer(&mut self) -> anyhow::Result<()> {
+        self.producer.kill9();
+        self.producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &self.producer_env, &self.stack.dir.join("logs"))?;
+        self.producer
+            .wait_ready(&format!("{}/healthz", self.producer_url), Duration::from_secs(30))
+            .await
     }
 
     /// `POST /v1/tasks` with the test key; returns the status and the JSON body.

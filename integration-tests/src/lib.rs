@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod contact;
 pub mod kafka;
 pub mod process;
+pub mod receiver;
 pub mod records;
 pub mod stack;
 

@@ -10,6 +10,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json};
 use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::receiver::{Received, Receiver};
 use sluice_integration_tests::{
     Consumed, Outcomes, Service, Stack, TopicReader, Topics, bin, completions_for, png_info, produce_raw, sha256_hex, terrain_task,
 };
@@ -650,4 +651,112 @@ async fn a_task_past_its_deadline_expires_unrun_and_bad_deadlines_are_refused() 
         "expiry is not a DLQ record"
     );
     assert!(c.stack.sink().unwrap().read(&format!("outputs/{late}/0.png")).await.is_err());
+}
+
+const WEBHOOK_KEY: &[u8] = b"sluice-test-webhook-secret-32byt";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_once() {
+    let (receiver, base) = Receiver::start().await;
+    let secret = format!("acme:whsec_{}", base64::engine::general_purpose::STANDARD.encode(WEBHOOK_KEY));
+    let mut c = Cluster::start_with(
+        "webhooks",
+        1,
+        &[],
+        &[
+            ("SLUICE_WEBHOOK_SECRETS", secret.as_str()),
+            ("SLUICE_WEBHOOK_ALLOW_CIDRS", "127.0.0.0/8"),
+            ("SLUICE_WEBHOOK_RETRY_SCHEDULE", "1s,2s,2s,2s"),
+            ("SLUICE_WEBHOOK_GROUP_INSTANCE_ID", "producer-0"),
+        ],
+    )
+    .await
+    .expect("cluster starts");
+
+    // Refused at submit: internal addresses, other schemes, tenants without a secret.
+    for (url, key, field) in [
+        ("https://169.254.169.254/latest/meta-data/", API_KEY, "webhook.url"),
+        ("http://10.1.2.3/hook", API_KEY, "webhook.url"),
+        ("https://[::1]/hook", API_KEY, "webhook.url"),
+        ("https://hooks.example.com/hook", RIVAL_KEY, "webhook"),
+    ] {
+        let (status, body) = c
+            .post(&json!({"model": "terrain", "webhook": {"url": url}}), Some(key))
+            .await
+            .unwrap();
+        assert_eq!(status, 400, "{url}: {body}");
+        assert_eq!(body["fields"][0]["field"], field, "{url}: {body}");
+    }
+
+    let task = |mode: &str| json!({"model": "terrain", "width": 64, "height": 64, "webhook": {"url": format!("{base}/hook/{mode}")}});
+    let id = c.submit_ok(&task("flaky")).await.unwrap();
+    let gone = c.submit_ok(&task("gone")).await.unwrap();
+    // Two failed attempts, then the producer is killed and started again: the third attempt
+    // comes from the retry topic.
+    sluice_integration_tests::wait_for("two attempts", Duration::from_secs(90), async || {
+        (receiver.all().iter().filter(|r| r.mode == "flaky").count() >= 2).then_some(())
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    c.kill_and_restart_producer().await.unwrap();
+    let delivered = sluice_integration_tests::wait_for("the delivery", Duration::from_secs(90), async || {
+        receiver
+            .all()
+            .into_iter()
+            .find(|r| r.mode == "flaky" && r.answered == 204)
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await; // anything duplicated would come by now
+    let attempts: Vec<Received> = receiver.all().into_iter().filter(|r| r.mode == "flaky").collect();
+    let answers: Vec<u16> = attempts.iter().map(|r| r.answered).collect();
+    assert_eq!(answers, [503, 503, 503, 204], "three failures, then exactly one delivery");
+    assert!(attempts.iter().all(|r| r.id == delivered.id && r.event == "completed"));
+    assert!(attempts.iter().all(|r| r.signed_with(WEBHOOK_KEY)), "every attempt is signed with the tenant's secret");
+    assert!(delivered.id.starts_with("msg_"));
+    let age = chrono::Utc::now().timestamp() - delivered.timestamp.parse::<i64>().unwrap();
+    assert!((0..60).contains(&age), "webhook-timestamp is the attempt's time");
+
+    // The body is the task's GET body.
+    let payload: Value = serde_json::from_slice(&delivered.body).unwrap();
+    let (status, view) = get_json(&format!("{}/v1/tasks/{id}", c.producer_url), API_KEY).await;
+    assert_eq!(status, 200);
+    assert_eq!(payload["task_id"], id.as_str());
+    assert_eq!(payload["status"], "succeeded");
+    assert_eq!(payload["outputs"][0]["key"], view["outputs"][0]["key"]);
+    assert_eq!(payload["outputs"][0]["sha256"], view["outputs"][0]["sha256"]);
+    let image = payload["outputs"][0]["url"].as_str().unwrap();
+    let bytes = reqwest::get(image).await.unwrap().error_for_status().unwrap().bytes().await.unwrap();
+    assert_eq!(sha256_hex(&bytes), payload["outputs"][0]["sha256"].as_str().unwrap());
+
+    // 410: one attempt, then the event is given up on the webhook DLQ.
+    let mut dlq = TopicReader::new(c.stack.brokers(), topics::WEBHOOK_DLQ).unwrap();
+    let records = dlq
+        .read_until(Duration::from_secs(60), |r| r.iter().any(|m| m.json()["task_id"] == gone.as_str()))
+        .unwrap();
+    let record: sluice_schemas::WebhookDlqRecord = serde_json::from_value(
+        records
+            .iter()
+            .find(|m| m.json()["task_id"] == gone.as_str())
+            .unwrap()
+            .json(),
+    )
+    .unwrap();
+    assert_eq!(record.reason, sluice_schemas::WebhookFailure::Gone);
+    assert_eq!((record.attempts, record.last_status), (1, Some(410)));
+    let gone_attempts: Vec<Received> = receiver.all().into_iter().filter(|r| r.mode == "gone").collect();
+    assert_eq!(gone_attempts.len(), 1);
+    // Delivery latency: from the completion's time to the receiver's first request.
+    let completions = completions_for(c.stack.brokers(), &BTreeSet::from([id.clone(), gone.clone()]), Duration::from_secs(30));
+    let latency = |task: &str, at: chrono::DateTime<chrono::Utc>| (at - completions[task].completed_at).num_milliseconds();
+    let first_flaky = attempts[0].received_at;
+    println!(
+        "webhook delivery latency (completion to first attempt): {} ms and {} ms",
+        latency(&id, first_flaky),
+        latency(&gone, gone_attempts[0].received_at)
+    );
+    let metrics = reqwest::get(format!("{}/metrics", c.producer_url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("sluice_producer_webhook_deliveries_total{event=\"completed\",outcome=\"delivered\"} 1"), "{metrics}");
+    c.stack.down().unwrap();
 }

@@ -5,6 +5,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
+use base64::Engine as _;
 use serde_json::{Value, json};
 use sluice_integration_tests::cluster::{Cluster, get_json};
 use sluice_integration_tests::stack::repo_root;
@@ -13,12 +14,23 @@ use sluice_schemas::CompletionStatus;
 use tokio::sync::OnceCell;
 
 static CLUSTER: OnceCell<Cluster> = OnceCell::const_new();
+const WEBHOOK_KEY: &[u8] = b"sluice-sd-test-webhook-secret-32";
 
 async fn cluster() -> &'static Cluster {
     CLUSTER
         .get_or_init(|| async {
             let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
-            Cluster::start_with("sd", 1, &[], &[("SLUICE_MODEL_CATALOG", catalog.as_str())])
+            let secret = format!("acme:whsec_{}", base64::engine::general_purpose::STANDARD.encode(WEBHOOK_KEY));
+            Cluster::start_with(
+                "sd",
+                1,
+                &[],
+                &[
+                    ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+                    ("SLUICE_WEBHOOK_SECRETS", secret.as_str()),
+                    ("SLUICE_WEBHOOK_ALLOW_CIDRS", "127.0.0.1/32"),
+                ],
+            )
                 .await
                 .expect("cluster starts")
         })
@@ -387,4 +399,35 @@ async fn the_request_trace_continues_through_task_progress_and_completion() {
         header_of(sluice_schemas::topics::COMPLETIONS, &untraced),
     );
     assert_eq!(t[0].split('-').nth(1), done[0].split('-').nth(1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_webhook_gets_started_progress_and_completed_in_order() {
+    let c = cluster().await;
+    let (receiver, base) = sluice_integration_tests::receiver::Receiver::start().await;
+    let body = json!({"model": "sd-tiny", "prompt": "a lighthouse", "steps": 20, "width": 256, "height": 256, "seed": 5,
+        "webhook": {"url": format!("{base}/hook/all"), "events": ["started", "progress", "completed"]}});
+    let id = c.submit_ok(&body).await.unwrap();
+    sluice_integration_tests::wait_for("the completed event", Duration::from_secs(120), async || {
+        receiver.all().iter().any(|r| r.event == "completed").then_some(())
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let all = receiver.all();
+    let events: Vec<&str> = all.iter().map(|r| r.event.as_str()).collect();
+    assert_eq!(events.first(), Some(&"started"), "{events:?}");
+    assert_eq!(events.last(), Some(&"completed"), "{events:?}");
+    assert_eq!(events.iter().filter(|e| **e == "completed").count(), 1, "{events:?}");
+    assert!(all.iter().all(|r| r.signed_with(WEBHOOK_KEY) && r.json()["task_id"] == id.as_str()));
+    let progress: Vec<&sluice_integration_tests::receiver::Received> = all.iter().filter(|r| r.event == "progress").collect();
+    let steps: Vec<u64> = progress.iter().map(|r| r.json()["progress"]["step"].as_u64().unwrap()).collect();
+    assert!(!steps.is_empty(), "the last step at least is a progress event: {events:?}");
+    assert!(steps.windows(2).all(|w| w[0] < w[1]), "steps only move forward: {steps:?}");
+    for pair in progress.windows(2) {
+        assert!(pair[1].at - pair[0].at >= Duration::from_millis(450), "progress is throttled to one per 500 ms");
+    }
+    let ids: BTreeSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids.len(), all.len(), "each event has its own webhook-id");
+    assert_eq!(all.last().unwrap().json()["status"], "succeeded");
 }

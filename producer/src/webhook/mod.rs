@@ -212,6 +212,7 @@ impl Notifier {
             .subscribe(&[s.completions_topic.as_str(), s.progress_topic.as_str(), s.retry_topic.as_str()])?;
         tracing::info!(group = %s.group, "webhook notifier consuming");
         let mut paused = false;
+        let mut last_warning: Option<Instant> = None;
         loop {
             let pending = self.tracker.lock().expect("not poisoned").pending();
             self.metrics.webhook_pending.set(pending as i64);
@@ -237,7 +238,10 @@ impl Notifier {
             let message = match message {
                 Err(_) => continue,
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "webhook notifier: consume error");
+                    if last_warning.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(30)) {
+                        last_warning = Some(Instant::now());
+                        tracing::warn!(error = %e, "webhook notifier: consume error (repeats are not logged for 30 s)");
+                    }
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     continue;
                 }
