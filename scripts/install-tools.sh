@@ -50,15 +50,36 @@ install_prometheus() {
   mv "$tmp" "$root"
 }
 
+# schemathesis (PyPI), pinned, in a venv of its own: `make test` fuzzes the producer's API with it.
+SCHEMATHESIS_VERSION=4.32.5
+install_schemathesis() {
+  local root="$CACHE/tools/schemathesis-$SCHEMATHESIS_VERSION"
+  if [ -x "$root/bin/schemathesis" ]; then
+    return 0
+  fi
+  echo "==> installing schemathesis $SCHEMATHESIS_VERSION into $root (once per machine)" >&2
+  local tmp="$root.partial"
+  rm -rf "$tmp"
+  python3 -m venv "$tmp"
+  "$tmp/bin/pip" install --quiet "schemathesis==$SCHEMATHESIS_VERSION"
+  rm -rf "$root"
+  mv "$tmp" "$root"
+  # A venv's scripts name their interpreter by path: point them at the final place.
+  sed -i "1s|$tmp|$root|" "$root"/bin/*
+  sed -i "s|$tmp|$root|g" "$root/pyvenv.cfg" "$root/bin/activate" 2>/dev/null || true
+}
+
 what="${1:-all}"
 case "$what" in
   s3s-fs) install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary ;;
   tansu) install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql ;;
   prometheus) install_prometheus ;;
+  schemathesis) install_schemathesis ;;
   all)
     install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
     install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql
     install_prometheus
+    install_schemathesis
     ;;
-  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis]" >&2; exit 2 ;;
 esac

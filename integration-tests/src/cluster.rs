@@ -157,7 +157,13 @@ impl Cluster {
     /// returns once it answers.
     pub async fn kill_and_restart_producer(&mut self) -> anyhow::Result<()> {
         self.producer.kill9();
-        self.producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &self.producer_env, &self.stack.dir.join("logs"))?;
+        self.producer = Service::spawn(
+            "producer",
+            &bin("sluice-producer"),
+            &["serve"],
+            &self.producer_env,
+            &self.stack.dir.join("logs"),
+        )?;
         self.producer
             .wait_ready(&format!("{}/healthz", self.producer_url), Duration::from_secs(30))
             .await

@@ -31,7 +31,10 @@ impl Received {
         let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).expect("any key length");
         mac.update(format!("{}.{}.", self.id, self.timestamp).as_bytes());
         mac.update(&self.body);
-        let expected = format!("v1,{}", base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes()));
+        let expected = format!(
+            "v1,{}",
+            base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+        );
         self.signature.split(' ').any(|s| s == expected)
     }
 

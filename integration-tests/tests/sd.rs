@@ -31,8 +31,8 @@ async fn cluster() -> &'static Cluster {
                     ("SLUICE_WEBHOOK_ALLOW_CIDRS", "127.0.0.1/32"),
                 ],
             )
-                .await
-                .expect("cluster starts")
+            .await
+            .expect("cluster starts")
         })
         .await
 }
@@ -425,7 +425,10 @@ async fn a_webhook_gets_started_progress_and_completed_in_order() {
     assert!(!steps.is_empty(), "the last step at least is a progress event: {events:?}");
     assert!(steps.windows(2).all(|w| w[0] < w[1]), "steps only move forward: {steps:?}");
     for pair in progress.windows(2) {
-        assert!(pair[1].at - pair[0].at >= Duration::from_millis(450), "progress is throttled to one per 500 ms");
+        assert!(
+            pair[1].at - pair[0].at >= Duration::from_millis(450),
+            "progress is throttled to one per 500 ms"
+        );
     }
     let ids: BTreeSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
     assert_eq!(ids.len(), all.len(), "each event has its own webhook-id");

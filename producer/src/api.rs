@@ -1,5 +1,5 @@
 //! The HTTP API: `POST /v1/tasks`, `GET /v1/tasks/{id}`, `GET /v1/tasks`, `GET /v1/models`,
-//! `GET /metrics`, `GET /healthz`.
+//! `GET /metrics`, `GET /healthz`, `GET /openapi.json`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +17,9 @@ use crate::auth::ApiKeys;
 use crate::metrics::Metrics;
 use crate::publish::{SubmitError, Submitter, TaskPublisher};
 
+/// The OpenAPI document, built once.
+static OPENAPI: std::sync::LazyLock<Value> = std::sync::LazyLock::new(crate::openapi::document);
+
 pub struct AppState {
     pub catalog: sluice_schemas::Catalog,
     /// The status view (`None`: the API answers no status, e.g. in unit tests).
@@ -31,6 +34,8 @@ pub struct AppState {
     pub keys: ApiKeys,
     pub metrics: Metrics,
     pub publish_timeout: Duration,
+    /// The longest an event stream stays open; the client reconnects with `Last-Event-ID`.
+    pub events_max: Duration,
     /// What a submitted webhook must satisfy (`None`: no secrets configured, no webhooks).
     pub webhooks: Option<crate::webhook::Policy>,
 }
@@ -44,6 +49,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
             .route("/v1/tasks/{id}", get(task_status))
             .route("/v1/tasks/{id}/events", get(task_events))
             .route("/v1/tasks/{id}/cancel", post(cancel_task))
+            .route("/openapi.json", get(|| async { Json(OPENAPI.clone()) }))
             .route(
                 "/metrics",
                 get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
@@ -67,8 +73,12 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
 /// `GET /v1/models`: every served model with its kind, bounds and defaults (the catalog minus
 /// file paths).
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
-    let models: Vec<Value> = s
-        .catalog
+    Json(model_list(&s.catalog))
+}
+
+/// The body of `GET /v1/models` (`model-list.schema.json`).
+pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
+    let models: Vec<Value> = catalog
         .models
         .iter()
         .map(|m| {
@@ -87,7 +97,7 @@ async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
             })
         })
         .collect();
-    Json(json!({ "models": models }))
+    json!({ "models": models })
 }
 
 fn field(field: &str, message: impl Into<String>) -> FieldError {
@@ -356,7 +366,8 @@ fn event_id(status: &crate::status::TaskStatus) -> String {
 /// `progress` when only the step does — and a terminal `completed` event with the same body as
 /// `GET /v1/tasks/{id}`, after which the stream ends. A comment every 15 s keeps idle connections
 /// open. Each connection reads the view itself and holds one state: nothing queues up behind a
-/// slow client (the stream is produced only as fast as it is read).
+/// slow client (the stream is produced only as fast as it is read). A stream ends after
+/// `SLUICE_EVENTS_MAX_SECONDS`; the client reconnects with `Last-Event-ID`.
 async fn task_events(
     State(s): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -413,6 +424,7 @@ async fn task_events(
             ));
         }
     });
+    let stream = futures::StreamExt::take_until(stream, tokio::time::sleep(s.events_max));
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())

@@ -156,6 +156,10 @@ pub struct ServeArgs {
     /// Where cancels go; every worker reads it whole.
     #[arg(long, env = "SLUICE_CONTROL_TOPIC", default_value = sluice_schemas::topics::CONTROL)]
     pub control_topic: String,
+    /// The longest a `GET /v1/tasks/{id}/events` stream stays open, seconds; the client then
+    /// reconnects with `Last-Event-ID` (as SSE clients do). Fractions allowed.
+    #[arg(long, env = "SLUICE_EVENTS_MAX_SECONDS", default_value_t = 300.0)]
+    pub events_max_seconds: f64,
     #[command(flatten)]
     pub webhooks: WebhookArgs,
 }

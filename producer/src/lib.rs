@@ -6,6 +6,7 @@ pub mod api;
 pub mod auth;
 pub mod config;
 pub mod metrics;
+pub mod openapi;
 pub mod presign;
 pub mod publish;
 pub mod replay;

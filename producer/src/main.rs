@@ -137,6 +137,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         keys,
         metrics,
         publish_timeout: Duration::from_millis(args.publish.publish_timeout_ms),
+        events_max: Duration::from_secs_f64(args.events_max_seconds.clamp(0.05, 86_400.0)),
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

@@ -10,7 +10,7 @@ const BASE: &str = "https://schemas.sluice.dev/v1/";
 
 /// The schema files, embedded so that every binary validates against exactly the contract in
 /// this crate.
-pub const SCHEMA_FILES: [(&str, &str); 13] = [
+pub const SCHEMA_FILES: [(&str, &str); 17] = [
     ("generation.schema.json", include_str!("../v1/generation.schema.json")),
     ("task-request.schema.json", include_str!("../v1/task-request.schema.json")),
     ("task.schema.json", include_str!("../v1/task.schema.json")),
@@ -27,6 +27,10 @@ pub const SCHEMA_FILES: [(&str, &str); 13] = [
     ("webhook.schema.json", include_str!("../v1/webhook.schema.json")),
     ("webhook-delivery.schema.json", include_str!("../v1/webhook-delivery.schema.json")),
     ("webhook-dlq.schema.json", include_str!("../v1/webhook-dlq.schema.json")),
+    ("task-status.schema.json", include_str!("../v1/task-status.schema.json")),
+    ("task-page.schema.json", include_str!("../v1/task-page.schema.json")),
+    ("model-list.schema.json", include_str!("../v1/model-list.schema.json")),
+    ("error.schema.json", include_str!("../v1/error.schema.json")),
 ];
 
 /// The records that have a schema.
@@ -46,10 +50,15 @@ pub enum RecordKind {
     WebhookDelivery,
     /// A webhook event given up (the webhook DLQ).
     WebhookDlq,
+    /// HTTP answers: a task's status, a page of tasks, the model list, an error.
+    TaskStatus,
+    TaskPage,
+    ModelList,
+    Error,
 }
 
 impl RecordKind {
-    pub const ALL: [RecordKind; 11] = [
+    pub const ALL: [RecordKind; 15] = [
         RecordKind::TaskRequest,
         RecordKind::Task,
         RecordKind::Completion,
@@ -61,6 +70,10 @@ impl RecordKind {
         RecordKind::Control,
         RecordKind::WebhookDelivery,
         RecordKind::WebhookDlq,
+        RecordKind::TaskStatus,
+        RecordKind::TaskPage,
+        RecordKind::ModelList,
+        RecordKind::Error,
     ];
 
     /// The request schema of a model kind.
@@ -84,6 +97,10 @@ impl RecordKind {
             RecordKind::Control => "control.schema.json",
             RecordKind::WebhookDelivery => "webhook-delivery.schema.json",
             RecordKind::WebhookDlq => "webhook-dlq.schema.json",
+            RecordKind::TaskStatus => "task-status.schema.json",
+            RecordKind::TaskPage => "task-page.schema.json",
+            RecordKind::ModelList => "model-list.schema.json",
+            RecordKind::Error => "error.schema.json",
         }
     }
 }
@@ -109,7 +126,7 @@ impl std::fmt::Display for Violation {
 
 const UNKNOWN_FIELD: &str = "unknown field";
 
-struct Validators([Validator; 11]);
+struct Validators([Validator; 15]);
 
 static VALIDATORS: LazyLock<Validators> = LazyLock::new(|| {
     let resources: Vec<(String, Resource)> = SCHEMA_FILES
