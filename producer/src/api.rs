@@ -94,6 +94,7 @@ pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
                 "default_sampler": m.default_sampler,
                 "max_num_images": m.max_num_images,
                 "max_prompt_chars": m.max_prompt_chars,
+                "max_ttl_seconds": m.max_ttl_seconds,
             })
         })
         .collect();

@@ -43,17 +43,21 @@ pub fn request_sha256(request: &Value) -> String {
     sha2::Sha256::digest(&canonical).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The longest a task may wait for a worker: 30 days (the schema's `ttl_seconds` maximum).
-pub const MAX_TTL: chrono::TimeDelta = chrono::TimeDelta::days(30);
-
-/// The record's deadline from `deadline` or `ttl_seconds`: in the future, within [`MAX_TTL`].
-fn deadline_of(request: &TaskRequest, now: chrono::DateTime<Utc>) -> Result<Option<chrono::DateTime<Utc>>, (&'static str, String)> {
+/// The record's deadline from `deadline` or `ttl_seconds`: in the future, at most `max_ttl`
+/// ahead (the model's `max_ttl_seconds` in the catalog).
+fn deadline_of(
+    request: &TaskRequest,
+    now: chrono::DateTime<Utc>,
+    max_ttl: chrono::TimeDelta,
+) -> Result<Option<chrono::DateTime<Utc>>, (&'static str, String)> {
+    let most = || format!("at most {} seconds ahead for model {}", max_ttl.num_seconds(), request.model);
     match (request.deadline, request.ttl_seconds) {
         (Some(_), Some(_)) => Err(("deadline", "give deadline or ttl_seconds, not both".into())),
         (Some(d), None) if d <= now => Err(("deadline", format!("{d} is not in the future"))),
-        (Some(d), None) if d - now > MAX_TTL => Err(("deadline", "at most 30 days ahead".into())),
+        (Some(d), None) if d - now > max_ttl => Err(("deadline", most())),
         (Some(d), None) => Ok(Some(d)),
-        (None, Some(ttl)) => Ok(Some(now + chrono::TimeDelta::seconds(ttl.min(MAX_TTL.num_seconds() as u64) as i64))),
+        (None, Some(ttl)) if ttl as i64 > max_ttl.num_seconds() => Err(("ttl_seconds", most())),
+        (None, Some(ttl)) => Ok(Some(now + chrono::TimeDelta::seconds(ttl as i64))),
         (None, None) => Ok(None),
     }
 }
@@ -104,7 +108,10 @@ impl TaskPublisher {
             validate(RecordKind::request_of(entry.kind), request).map_err(SubmitError::Invalid)?;
         }
         let now = Utc::now();
-        let deadline = deadline_of(&parsed, now).map_err(|(field, message)| {
+        let max_ttl = catalog
+            .get(&parsed.model)
+            .map_or(sluice_schemas::catalog::DEFAULT_MAX_TTL_SECONDS, |m| m.max_ttl_seconds);
+        let deadline = deadline_of(&parsed, now, chrono::TimeDelta::seconds(max_ttl.min(i64::MAX as u64) as i64)).map_err(|(field, message)| {
             SubmitError::Invalid(vec![Violation {
                 field: field.into(),
                 message,
@@ -278,5 +285,23 @@ mod tests {
             sluice_schemas::validate(RecordKind::Task, &value).is_ok(),
             "the record with its key is a valid task record"
         );
+    }
+
+    #[test]
+    fn deadlines_are_bounded_by_the_models_maximum() {
+        let catalog = Catalog::parse("[[model]]\nname = \"terrain\"\nkind = \"terrain\"\nmax_ttl_seconds = 3600\n").unwrap();
+        let ok = TaskPublisher::record(&catalog, &json!({"model": "terrain", "ttl_seconds": 3600}), &submitter()).unwrap();
+        assert!(ok.deadline.is_some());
+        for (request, field) in [
+            (json!({"model": "terrain", "ttl_seconds": 3601}), "ttl_seconds"),
+            (json!({"model": "terrain", "deadline": (Utc::now() + chrono::TimeDelta::hours(2)).to_rfc3339()}), "deadline"),
+        ] {
+            match TaskPublisher::record(&catalog, &request, &submitter()) {
+                Err(SubmitError::Invalid(v)) => assert_eq!(v[0].field, field, "{v:?}"),
+                other => panic!("{request} should be refused: {other:?}"),
+            }
+        }
+        let default = TaskPublisher::record(&Catalog::default(), &json!({"model": "terrain", "ttl_seconds": 86_400}), &submitter());
+        assert!(default.is_ok(), "30 days by default");
     }
 }

@@ -21,6 +21,7 @@
 //! default_sampler = "dpmpp_2m_karras"
 //! max_num_images = 4
 //! max_prompt_chars = 1000
+//! max_ttl_seconds = 86400  # the furthest deadline a task may ask for (default 30 days)
 //! ```
 //!
 //! Without a file the catalog is the built-in terrain model alone, as before catalogs existed.
@@ -99,6 +100,13 @@ fn prompt_chars() -> usize {
     2000
 }
 
+/// The longest deadline a task of the model may ask for: 30 days.
+pub const DEFAULT_MAX_TTL_SECONDS: u64 = 30 * 86_400;
+
+fn max_ttl() -> u64 {
+    DEFAULT_MAX_TTL_SECONDS
+}
+
 /// One served model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -127,6 +135,9 @@ pub struct CatalogModel {
     pub max_num_images: u32,
     #[serde(default = "prompt_chars")]
     pub max_prompt_chars: usize,
+    /// The furthest `deadline` (or largest `ttl_seconds`) a task may ask for, seconds.
+    #[serde(default = "max_ttl")]
+    pub max_ttl_seconds: u64,
 }
 
 impl CatalogModel {
@@ -161,6 +172,7 @@ impl CatalogModel {
             default_sampler: "onestep".into(),
             max_num_images: 8,
             max_prompt_chars: 2000,
+            max_ttl_seconds: DEFAULT_MAX_TTL_SECONDS,
         }
     }
 
@@ -173,6 +185,9 @@ impl CatalogModel {
         let bad = |what: String| Err(format!("model {:?}: {what}", self.name));
         if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
             return bad("the name must be letters, digits, '.', '_' or '-'".into());
+        }
+        if !(1..=DEFAULT_MAX_TTL_SECONDS).contains(&self.max_ttl_seconds) {
+            return bad(format!("max_ttl_seconds must be 1 to {DEFAULT_MAX_TTL_SECONDS} (30 days)"));
         }
         for (what, b) in [("width", self.width), ("height", self.height), ("steps", self.steps)] {
             if !(b.min <= b.default && b.default <= b.max) || b.min == 0 {
@@ -247,10 +262,12 @@ impl Catalog {
         let mut catalog: Catalog = toml::from_str(text).map_err(|e| CatalogError::Invalid(e.to_string()))?;
         for m in &mut catalog.models {
             if m.kind == ModelKind::Terrain {
-                // Terrain's bounds are its own; a path is all a catalog sets.
-                let path = m.path.take();
+                // Terrain's bounds are its own; a path and the deadline bound are all a catalog
+                // sets.
+                let (path, max_ttl_seconds) = (m.path.take(), m.max_ttl_seconds);
                 *m = CatalogModel {
                     path,
+                    max_ttl_seconds,
                     ..CatalogModel::terrain(&m.name)
                 };
             }
