@@ -107,6 +107,42 @@ pub fn metric_value(text: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// The `q` quantile of histogram `name` in a Prometheus text exposition, interpolated within
+/// its bucket as `histogram_quantile` does; `None` without observations.
+pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    let buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .filter_map(|rest| {
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect();
+    let total = buckets.last()?.1;
+    if total == 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut previous = (0.0, 0.0);
+    for (le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return Some(previous.0);
+            }
+            let within = if count > previous.1 {
+                (rank - previous.1) / (count - previous.1)
+            } else {
+                1.0
+            };
+            return Some(previous.0 + (le - previous.0) * within);
+        }
+        previous = (le, count);
+    }
+    None
+}
+
 impl Cluster {
     /// A stack, a producer with API keys, and `workers` workers in one group.
     pub async fn start(name: &str, workers: usize, worker_env: &[(&str, &str)]) -> anyhow::Result<Cluster> {

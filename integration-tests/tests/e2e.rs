@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json};
+use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json, histogram_quantile, metric_value};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::receiver::{Received, Receiver};
 use sluice_integration_tests::{
@@ -757,10 +757,27 @@ async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_onc
     let latency = |task: &str, at: chrono::DateTime<chrono::Utc>| (at - completions[task].completed_at).num_milliseconds();
     let first_flaky = attempts[0].received_at;
     println!(
-        "webhook delivery latency (completion to first attempt): {} ms and {} ms",
+        "webhook delivery latency (completion to first attempt) of the first two tasks, while the notifier group formed: {} ms and {} ms",
         latency(&id, first_flaky),
         latency(&gone, gone_attempts[0].received_at)
     );
+    // Once the notifier is running (the two above waited for the group to form): a few more.
+    let mut latencies = Vec::new();
+    for _ in 0..5 {
+        let task = c.submit_ok(&task("ok")).await.unwrap();
+        let received = sluice_integration_tests::wait_for("a delivery", Duration::from_secs(60), async || {
+            receiver
+                .all()
+                .into_iter()
+                .find(|r| r.mode == "ok" && r.json()["task_id"] == task.as_str())
+        })
+        .await
+        .unwrap();
+        let completion = &completions_for(c.stack.brokers(), &BTreeSet::from([task.clone()]), Duration::from_secs(30))[&task];
+        latencies.push((received.received_at - completion.completed_at).num_milliseconds());
+    }
+    latencies.sort();
+    println!("webhook delivery latency with the notifier running, 5 tasks: {latencies:?} ms");
     let metrics = reqwest::get(format!("{}/metrics", c.producer_url))
         .await
         .unwrap()
@@ -768,7 +785,7 @@ async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_onc
         .await
         .unwrap();
     assert!(
-        metrics.contains("sluice_producer_webhook_deliveries_total{event=\"completed\",outcome=\"delivered\"} 1"),
+        metrics.contains("sluice_producer_webhook_deliveries_total{event=\"completed\",outcome=\"delivered\"} 6"),
         "{metrics}"
     );
     c.stack.down().unwrap();
@@ -830,6 +847,19 @@ async fn the_api_answers_schemathesis_as_its_openapi_document_says() {
     // "returned only 401" — the point of this run — and its exit status stays 0 on warnings.
     assert!(ok, "schemathesis found problems without a key:\n{text}");
     println!("schemathesis: {with_key} generated requests with a valid key, {without_key} without, 0 failures");
+    let metrics = reqwest::get(format!("{}/metrics", c.producer_url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let lag = |q| histogram_quantile(&metrics, "sluice_producer_status_view_lag_seconds", q).unwrap_or(f64::NAN) * 1000.0;
+    let records = metric_value(&metrics, "sluice_producer_status_view_lag_seconds_count").unwrap_or(0.0);
+    println!(
+        "status view lag behind the topic over {records} records: p50 {:.0} ms, p99 {:.0} ms",
+        lag(0.5),
+        lag(0.99)
+    );
     assert!(with_key + without_key >= 1000, "{with_key} + {without_key} generated requests");
     c.stack.down().unwrap();
 }

@@ -111,12 +111,13 @@ impl TaskPublisher {
         let max_ttl = catalog
             .get(&parsed.model)
             .map_or(sluice_schemas::catalog::DEFAULT_MAX_TTL_SECONDS, |m| m.max_ttl_seconds);
-        let deadline = deadline_of(&parsed, now, chrono::TimeDelta::seconds(max_ttl.min(i64::MAX as u64) as i64)).map_err(|(field, message)| {
-            SubmitError::Invalid(vec![Violation {
-                field: field.into(),
-                message,
-            }])
-        })?;
+        let deadline =
+            deadline_of(&parsed, now, chrono::TimeDelta::seconds(max_ttl.min(i64::MAX as u64) as i64)).map_err(|(field, message)| {
+                SubmitError::Invalid(vec![Violation {
+                    field: field.into(),
+                    message,
+                }])
+            })?;
         let webhook = parsed.webhook.clone();
         let (model, generation) = catalog
             .normalize(parsed, || fastrand::u64(0..=MAX_SEED))
@@ -294,14 +295,21 @@ mod tests {
         assert!(ok.deadline.is_some());
         for (request, field) in [
             (json!({"model": "terrain", "ttl_seconds": 3601}), "ttl_seconds"),
-            (json!({"model": "terrain", "deadline": (Utc::now() + chrono::TimeDelta::hours(2)).to_rfc3339()}), "deadline"),
+            (
+                json!({"model": "terrain", "deadline": (Utc::now() + chrono::TimeDelta::hours(2)).to_rfc3339()}),
+                "deadline",
+            ),
         ] {
             match TaskPublisher::record(&catalog, &request, &submitter()) {
                 Err(SubmitError::Invalid(v)) => assert_eq!(v[0].field, field, "{v:?}"),
                 other => panic!("{request} should be refused: {other:?}"),
             }
         }
-        let default = TaskPublisher::record(&Catalog::default(), &json!({"model": "terrain", "ttl_seconds": 86_400}), &submitter());
+        let default = TaskPublisher::record(
+            &Catalog::default(),
+            &json!({"model": "terrain", "ttl_seconds": 86_400}),
+            &submitter(),
+        );
         assert!(default.is_ok(), "30 days by default");
     }
 }

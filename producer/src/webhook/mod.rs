@@ -5,7 +5,7 @@
 //! progress, completion and retry topics, so each event is delivered by one replica. The body is
 //! the task's `GET /v1/tasks/{id}` answer right after the event, from the status view (which
 //! also holds each task's webhook, from its record). Delivery is at least once: a record's
-//! offset is stored for commit only once its event was delivered, scheduled for a retry (a record
+//! offset is committed only once its event was delivered, scheduled for a retry (a record
 //! on the retry topic, so retries survive restarts: [`schedule`]) or given up (a record on the
 //! webhook DLQ). `completed` events are retried over the schedule; `started` and `progress`
 //! events are tried once (progress at most every 500 ms per task).
@@ -75,7 +75,7 @@ enum Job {
 }
 
 /// Offsets consumed but not yet finished, per partition; the contiguous finished prefix is
-/// stored for commit. `epoch` changes when a partition is read again from an earlier offset (it
+/// committed. `epoch` changes when a partition is read again from an earlier offset (it
 /// was revoked and assigned back): finishes of the older reading are ignored.
 #[derive(Default)]
 struct Tracker {
@@ -148,9 +148,10 @@ impl Notifier {
     ) -> anyhow::Result<Notifier> {
         let mut consumer_settings = vec![
             ("group.id", settings.group.as_str()),
-            ("enable.auto.commit", "true"),
-            ("auto.commit.interval.ms", "500"),
-            ("enable.auto.offset.store", "false"),
+            // Offsets are committed explicitly, each as soon as the records before it finished
+            // (stored offsets with auto-commit left partitions unfetched after a restart with
+            // static membership on the local broker).
+            ("enable.auto.commit", "false"),
             ("auto.offset.reset", "earliest"),
             ("partition.assignment.strategy", "cooperative-sticky"),
             ("session.timeout.ms", "10000"),
@@ -213,6 +214,8 @@ impl Notifier {
         tracing::info!(group = %s.group, "webhook notifier consuming");
         let mut paused = false;
         let mut last_warning: Option<Instant> = None;
+        let mut last_assignment: Vec<String> = Vec::new();
+        let mut last_assignment_check = Instant::now() - Duration::from_secs(60);
         loop {
             let pending = self.tracker.lock().expect("not poisoned").pending();
             self.metrics.webhook_pending.set(pending as i64);
@@ -229,6 +232,21 @@ impl Notifier {
                 };
                 if result.is_ok() {
                     paused = want_paused;
+                }
+            }
+            if last_assignment_check.elapsed() >= Duration::from_secs(5) {
+                last_assignment_check = Instant::now();
+                if let Ok(assignment) = self.consumer.assignment() {
+                    let mut owned: Vec<String> = assignment
+                        .elements()
+                        .iter()
+                        .map(|e| format!("{}/{}", e.topic(), e.partition()))
+                        .collect();
+                    owned.sort();
+                    if owned != last_assignment {
+                        tracing::info!(partitions = %owned.join(","), "webhook notifier assignment");
+                        last_assignment = owned;
+                    }
                 }
             }
             let message = tokio::select! {
@@ -248,6 +266,7 @@ impl Notifier {
                 Ok(Ok(m)) => m,
             };
             let (topic, partition, offset) = (message.topic().to_owned(), message.partition(), message.offset());
+            tracing::debug!(topic, partition, offset, "webhook notifier: record");
             let job = self.job_of(&message);
             let traceparent = message
                 .headers()
@@ -267,7 +286,6 @@ impl Notifier {
                 this.finish(&topic, partition, offset, Some(epoch));
             });
         }
-        // librdkafka commits the stored offsets as the consumer closes.
         Ok(())
     }
 
@@ -281,10 +299,14 @@ impl Notifier {
                 tracker.finish(topic, partition, offset, epoch)
             }
         };
-        if let Some(next) = next
-            && let Err(e) = self.consumer.store_offset(topic, partition, next)
-        {
-            tracing::debug!(error = %e, topic, partition, "webhook notifier: storing an offset (partition revoked?)");
+        if let Some(next) = next {
+            let mut list = rdkafka::TopicPartitionList::new();
+            let committed = list
+                .add_partition_offset(topic, partition, rdkafka::Offset::Offset(next))
+                .and_then(|_| self.consumer.commit(&list, rdkafka::consumer::CommitMode::Async));
+            if let Err(e) = committed {
+                tracing::debug!(error = %e, topic, partition, "webhook notifier: committing an offset (partition revoked?)");
+            }
         }
     }
 
