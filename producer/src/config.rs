@@ -23,7 +23,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the HTTP API.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Publish task requests from a JSON-lines file (or stdin), one per line.
     Submit(SubmitArgs),
     /// Copy a range of a topic of task records (the tasks topic by default) onto the tasks

@@ -25,7 +25,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     let result = match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Submit(args) => submit(args).await,
         Command::Replay(args) => {
             let filter = Filter {

@@ -64,7 +64,7 @@ enum Job {
     /// An event of a task, first attempt.
     Event {
         event: WebhookEvent,
-        change: Change,
+        change: Box<Change>,
         task_id: Uuid,
         step: u32,
         at: chrono::DateTime<Utc>,
@@ -322,7 +322,7 @@ impl Notifier {
                     task_id: c.task_id,
                     step: 0,
                     at: c.completed_at,
-                    change: Change::Completed(c),
+                    change: Box::new(Change::Completed(c)),
                 },
                 Err(_) => Job::Nothing,
             }
@@ -336,7 +336,7 @@ impl Notifier {
                     task_id: p.task_id,
                     step: p.step,
                     at: p.at,
-                    change: Change::Progress(p),
+                    change: Box::new(Change::Progress(p)),
                 },
                 Err(_) => Job::Nothing,
             }
