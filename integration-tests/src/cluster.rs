@@ -205,6 +205,11 @@ impl Cluster {
             .await
     }
 
+    /// The producer's `/metrics` text.
+    pub async fn producer_metrics(&self) -> anyhow::Result<String> {
+        Ok(reqwest::get(format!("{}/metrics", self.producer_url)).await?.text().await?)
+    }
+
     /// `POST /v1/tasks` with the test key; returns the status and the JSON body.
     pub async fn submit(&self, body: &Value) -> anyhow::Result<(u16, Value)> {
         self.post(body, Some(API_KEY)).await

@@ -778,12 +778,7 @@ async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_onc
     }
     latencies.sort();
     println!("webhook delivery latency with the notifier running, 5 tasks: {latencies:?} ms");
-    let metrics = reqwest::get(format!("{}/metrics", c.producer_url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = c.producer_metrics().await.unwrap();
     assert!(
         metrics.contains("sluice_producer_webhook_deliveries_total{event=\"completed\",outcome=\"delivered\"} 6"),
         "{metrics}"
@@ -847,12 +842,7 @@ async fn the_api_answers_schemathesis_as_its_openapi_document_says() {
     // "returned only 401" — the point of this run — and its exit status stays 0 on warnings.
     assert!(ok, "schemathesis found problems without a key:\n{text}");
     println!("schemathesis: {with_key} generated requests with a valid key, {without_key} without, 0 failures");
-    let metrics = reqwest::get(format!("{}/metrics", c.producer_url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = c.producer_metrics().await.unwrap();
     let lag = |q| histogram_quantile(&metrics, "sluice_producer_status_view_lag_seconds", q).unwrap_or(f64::NAN) * 1000.0;
     let records = metric_value(&metrics, "sluice_producer_status_view_lag_seconds_count").unwrap_or(0.0);
     println!(
