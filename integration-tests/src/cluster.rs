@@ -205,6 +205,17 @@ impl Cluster {
             .await
     }
 
+    /// Polls `GET /v1/tasks/{id}` with `key` until the task's status is `status`; returns that
+    /// body.
+    pub async fn wait_for_status(&self, id: &str, key: &str, status: &str, timeout: Duration) -> anyhow::Result<Value> {
+        let url = format!("{}/v1/tasks/{id}", self.producer_url);
+        crate::wait_for(&format!("task {id} to be {status} in the status view"), timeout, async || {
+            let (_, body) = get_json(&url, key).await;
+            (body["status"] == status).then_some(body)
+        })
+        .await
+    }
+
     /// The producer's `/metrics` text.
     pub async fn producer_metrics(&self) -> anyhow::Result<String> {
         Ok(reqwest::get(format!("{}/metrics", self.producer_url)).await?.text().await?)

@@ -482,12 +482,10 @@ async fn a_task_status_follows_the_task_to_its_result_and_only_its_tenant_sees_i
     );
     assert_eq!(first["model"], "terrain");
 
-    let done = sluice_integration_tests::wait_for("the task to succeed in the status view", Duration::from_secs(120), async || {
-        let (_, body) = get_json(&url, API_KEY).await;
-        (body["status"] == "succeeded").then_some(body)
-    })
-    .await
-    .unwrap();
+    let done = c
+        .wait_for_status(&id, API_KEY, "succeeded", Duration::from_secs(120))
+        .await
+        .unwrap();
     let completion = &completions_for(c.stack.brokers(), &BTreeSet::from([id.clone()]), Duration::from_secs(60))[&id];
     let outputs: Vec<&str> = done["outputs"]
         .as_array()

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{Cluster, get_json};
+use sluice_integration_tests::cluster::Cluster;
 use sluice_integration_tests::stack::repo_root;
 use sluice_integration_tests::{completions_for, png_info, sha256_hex};
 use sluice_schemas::CompletionStatus;
@@ -290,12 +290,7 @@ async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
 
     // The first blocker, once it runs, is cancelled between steps.
     let running = blockers[0].clone();
-    sluice_integration_tests::wait_for("the first blocker to run", Duration::from_secs(60), async || {
-        let (_, v) = get_json(&format!("{}/v1/tasks/{running}", c.producer_url), key).await;
-        (v["status"] == "running").then_some(())
-    })
-    .await
-    .unwrap();
+    c.wait_for_status(&running, key, "running", Duration::from_secs(60)).await.unwrap();
     let (status, _) = cancel(running.clone()).await;
     assert_eq!(status, 202);
 
@@ -331,12 +326,7 @@ async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
         "the running task stopped before its last step: {steps:?}"
     );
     // Finished: a 409; the view says cancelled.
-    sluice_integration_tests::wait_for("the view to show the cancel", Duration::from_secs(10), async || {
-        let (_, v) = get_json(&format!("{}/v1/tasks/{queued}", c.producer_url), key).await;
-        (v["status"] == "cancelled").then_some(())
-    })
-    .await
-    .unwrap();
+    c.wait_for_status(&queued, key, "cancelled", Duration::from_secs(10)).await.unwrap();
     let (status, reply) = cancel(queued.clone()).await;
     assert_eq!(status, 409, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("cancelled"), "{reply}");

@@ -25,7 +25,7 @@ pub struct AppState {
     /// The status view (`None`: the API answers no status, e.g. in unit tests).
     pub status: Option<Arc<crate::status::StatusStore>>,
     /// Signs the URLs of stored images.
-    pub presigner: crate::presign::Presigner,
+    pub presigner: Arc<crate::presign::Presigner>,
     /// The topic cancels are published to.
     pub control_topic: String,
     /// Whether the status view has read what its topics held at start.
@@ -124,10 +124,7 @@ async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes)
 }
 
 async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
-    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    let tenant = s.keys.tenant(authorization).map_err(|e| {
-        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()).with_header(header::WWW_AUTHENTICATE, "Bearer")
-    })?;
+    let tenant = tenant_of(s, headers)?;
     let user = user_of(headers).map_err(|message| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("X-Sluice-User", message)])
     })?;
@@ -355,11 +352,7 @@ const EVENTS_POLL: Duration = Duration::from_millis(200);
 /// The id of a state, for `Last-Event-ID`: the same state always has the same id.
 fn event_id(status: &crate::status::TaskStatus) -> String {
     let step = status.progress.map_or(0, |p| p.step);
-    format!(
-        "{}-{}-{step}",
-        status.updated_at.timestamp_millis(),
-        serde_json::to_value(status.status).unwrap_or_default().as_str().unwrap_or("")
-    )
+    format!("{}-{}-{step}", status.updated_at.timestamp_millis(), status.status.as_str())
 }
 
 /// `GET /v1/tasks/{id}/events`: Server-Sent Events. The current state at once (unless the
@@ -409,7 +402,7 @@ async fn task_events(
             }
             let name = if terminal {
                 "completed"
-            } else if previous_status.as_deref() == serde_json::to_value(current.status).ok().as_ref().and_then(|v| v.as_str()) {
+            } else if previous_status.as_deref() == Some(current.status.as_str()) {
                 "progress"
             } else {
                 "status"
@@ -441,11 +434,10 @@ async fn cancel_task(
 ) -> Result<Response, ApiError> {
     let (tenant, task_id, status) = callers_task(&s, &headers, &id)?;
     if status.status.is_terminal() {
-        let state = serde_json::to_value(status.status).unwrap_or_default();
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "already_finished",
-            format!("task {id} already finished: {}", state.as_str().unwrap_or("")),
+            format!("task {id} already finished: {}", status.status.as_str()),
         ));
     }
     let record = sluice_schemas::ControlRecord {

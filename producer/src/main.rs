@@ -86,6 +86,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         metrics.clone(),
         Duration::from_secs(args.status_retention_hours * 3600),
     )?;
+    let presigner = Arc::new(sluice_producer::presign::Presigner::new(Duration::from_secs(
+        args.presign_ttl_seconds,
+    )));
     let w = &args.webhooks;
     let policy = sluice_producer::webhook::Policy {
         guard: sluice_producer::webhook::guard::Guard::new(&w.allow_cidrs, w.allow_http)?,
@@ -114,9 +117,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             &args.publish.kafka,
             deliverer,
             store.clone(),
-            Arc::new(sluice_producer::presign::Presigner::new(Duration::from_secs(
-                args.presign_ttl_seconds,
-            ))),
+            presigner.clone(),
             metrics.clone(),
         )?);
         let caught_up = caught_up.clone();
@@ -131,7 +132,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         catalog,
         status: Some(store),
         control_topic: args.control_topic.clone(),
-        presigner: sluice_producer::presign::Presigner::new(Duration::from_secs(args.presign_ttl_seconds)),
+        presigner,
         view_caught_up: Some(caught_up),
         publisher: publisher(&args.publish, &metrics)?,
         keys,

@@ -52,6 +52,17 @@ impl Status {
         matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled | Status::Expired)
     }
 
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Queued => "queued",
+            Status::Running => "running",
+            Status::Succeeded => "succeeded",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+            Status::Expired => "expired",
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Status> {
         match s {
             "queued" => Some(Status::Queued),

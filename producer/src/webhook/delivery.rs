@@ -95,14 +95,6 @@ impl Deliverer {
         })
     }
 
-    pub fn guard(&self) -> &Guard {
-        &self.guard
-    }
-
-    pub fn secrets(&self) -> &Secrets {
-        &self.secrets
-    }
-
     /// One attempt at `request`.
     pub async fn attempt(&self, request: &Request<'_>) -> Attempt {
         use sluice_schemas::WebhookFailure::*;
