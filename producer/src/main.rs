@@ -231,7 +231,7 @@ async fn copy_range(mode: Mode, publish: &PublishArgs, range: &RangeArgs, source
     };
     let timeout = Duration::from_millis(publish.publish_timeout_ms.max(10_000));
     let ranges = tokio::task::block_in_place(|| replay::resolve(&consumer, source, &bounds, timeout))?;
-    let total: i64 = ranges.values().map(|(start, end)| end - start).sum();
+    let total: i64 = ranges.values().map(replay::Range::len).sum();
     tracing::info!(?mode, source, target = %publish.tasks_topic, ?ranges, dry_run = range.dry_run, "copying a range");
     let producer: FutureProducer = publish
         .kafka

@@ -99,6 +99,61 @@ pub struct Summary {
     pub seconds: f64,
 }
 
+/// One partition's part of a run: offsets `[start, end)`, of which only the records from the
+/// first one stamped at or after `since` on, and before the first one stamped at or after `until`.
+///
+/// The times are checked on the records themselves: the broker's answer for a time only moves
+/// `start` forward. Kafka answers "no record at or after this time" with -1, but tansu 0.6 answers
+/// offset 0, which would otherwise replay a whole partition (or, for `until`, none of it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    pub start: i64,
+    pub end: i64,
+    /// Milliseconds since the epoch.
+    pub since: Option<i64>,
+    /// Milliseconds since the epoch.
+    pub until: Option<i64>,
+}
+
+impl Range {
+    /// Offsets in the range, before the record times are read.
+    pub fn len(&self) -> i64 {
+        self.end - self.start
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Where a partition's reader stands, record by record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Before `since`: skip it, not counted as read.
+    Before,
+    /// Within the range: read it.
+    Within,
+    /// Past the end (by offset or by `until`): the partition is done, this record not read.
+    Past,
+}
+
+impl Range {
+    /// Where the record at `offset` stamped `timestamp` (ms) falls; `reached` says whether a
+    /// record at or after `since` was seen before in this partition and is updated.
+    fn step(&self, offset: i64, timestamp: Option<i64>, reached: &mut bool) -> Step {
+        if offset >= self.end || matches!((self.until, timestamp), (Some(u), Some(t)) if t >= u) {
+            return Step::Past;
+        }
+        if !*reached {
+            match (self.since, timestamp) {
+                (Some(s), Some(t)) if t < s => return Step::Before,
+                _ => *reached = true,
+            }
+        }
+        Step::Within
+    }
+}
+
 /// One record to write.
 struct Copy {
     key: Option<Vec<u8>>,
@@ -106,8 +161,8 @@ struct Copy {
     headers: Vec<(String, Option<Vec<u8>>)>,
 }
 
-/// Resolves each partition's `[start, end)` in `topic`.
-pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: Duration) -> Result<BTreeMap<i32, (i64, i64)>, ReplayError> {
+/// Resolves each partition's range in `topic`.
+pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: Duration) -> Result<BTreeMap<i32, Range>, ReplayError> {
     let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
     let all: Vec<i32> = metadata
         .topics()
@@ -149,17 +204,21 @@ pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: D
             .collect())
     };
     let since = by_time(bounds.since)?;
-    let until = by_time(bounds.until)?;
     let mut ranges = BTreeMap::new();
     for p in partitions {
         let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
-        // An explicit offset, else the offset found for the time, else `default`.
-        let bound = |offsets: &BTreeMap<i32, i64>, by_time: &BTreeMap<i32, i64>, default: i64| {
-            offsets.get(&p).or(by_time.get(&p)).copied().unwrap_or(default)
+        // An explicit offset wins over a time for the same end of the range.
+        let (start, since) = match bounds.from_offsets.get(&p) {
+            Some(o) => (*o, None),
+            None => (since.get(&p).copied().unwrap_or(low), bounds.since.map(|t| t.timestamp_millis())),
         };
-        let start = bound(&bounds.from_offsets, &since, low).clamp(low, high);
-        let end = bound(&bounds.to_offsets, &until, high).clamp(start, high);
-        ranges.insert(p, (start, end));
+        let (end, until) = match bounds.to_offsets.get(&p) {
+            Some(o) => (*o, None),
+            None => (high, bounds.until.map(|t| t.timestamp_millis())),
+        };
+        let start = start.clamp(low, high);
+        let end = end.clamp(start, high);
+        ranges.insert(p, Range { start, end, since, until });
     }
     Ok(ranges)
 }
@@ -172,7 +231,7 @@ pub async fn run(
     producer: &FutureProducer,
     source: &str,
     tasks_topic: &str,
-    ranges: &BTreeMap<i32, (i64, i64)>,
+    ranges: &BTreeMap<i32, Range>,
     filter: &Filter,
     dry_run: bool,
     progress: impl Fn(&Summary),
@@ -183,11 +242,12 @@ pub async fn run(
         ..Summary::default()
     };
     let mut tpl = TopicPartitionList::new();
-    let mut open: BTreeMap<i32, i64> = BTreeMap::new();
-    for (p, (start, end)) in ranges {
-        if start < end {
-            tpl.add_partition_offset(source, *p, Offset::Offset(*start))?;
-            open.insert(*p, *end);
+    // Each open partition's range and whether its reader got to `since` yet.
+    let mut open: BTreeMap<i32, (Range, bool)> = BTreeMap::new();
+    for (p, range) in ranges {
+        if !range.is_empty() {
+            tpl.add_partition_offset(source, *p, Offset::Offset(range.start))?;
+            open.insert(*p, (*range, false));
         }
     }
     if open.is_empty() {
@@ -217,13 +277,14 @@ pub async fn run(
                     }
                 };
                 let (p, o) = (m.partition(), m.offset());
-                let Some(end) = open.get(&p).copied() else { continue };
-                if o >= end {
+                let Some((range, reached)) = open.get_mut(&p) else { continue };
+                let range = *range;
+                let step = range.step(o, m.timestamp().to_millis(), reached);
+                if step == Step::Past || o + 1 >= range.end {
                     open.remove(&p);
-                    continue;
                 }
-                if o + 1 >= end {
-                    open.remove(&p);
+                if step != Step::Within {
+                    continue;
                 }
                 let (copy, outcome) = select(mode, &source, &m, &filter);
                 if tx.blocking_send(Ok((p, o, copy, outcome))).is_err() {
@@ -363,4 +424,57 @@ async fn write(producer: &FutureProducer, topic: &str, copy: Copy, origin: Strin
         .await
         .map(|_| ())
         .map_err(|(e, _)| e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(range: Range, records: &[(i64, i64)]) -> Vec<Step> {
+        let mut reached = false;
+        records.iter().map(|(o, t)| range.step(*o, Some(*t), &mut reached)).collect()
+    }
+
+    #[test]
+    fn since_skips_records_before_the_first_one_at_or_after_it_even_from_offset_zero() {
+        // What tansu answers for a time after every record: offset 0.
+        let range = Range {
+            start: 0,
+            end: 4,
+            since: Some(1_000),
+            until: None,
+        };
+        let got = steps(range, &[(0, 10), (1, 20), (2, 1_000), (3, 999)]);
+        // Like Kafka's lookup: from the first record at or after `since` on, whatever its stamp.
+        assert_eq!(got, [Step::Before, Step::Before, Step::Within, Step::Within]);
+        assert_eq!(steps(range, &[(0, 10), (1, 20)]), [Step::Before, Step::Before]);
+    }
+
+    #[test]
+    fn until_ends_the_partition_at_the_first_record_at_or_after_it() {
+        let range = Range {
+            start: 5,
+            end: 9,
+            since: None,
+            until: Some(100),
+        };
+        assert_eq!(
+            steps(range, &[(5, 10), (6, 99), (7, 100)]),
+            [Step::Within, Step::Within, Step::Past]
+        );
+        // The offset end holds too.
+        assert_eq!(steps(range, &[(8, 10), (9, 10)]), [Step::Within, Step::Past]);
+    }
+
+    #[test]
+    fn records_without_a_timestamp_are_within() {
+        let range = Range {
+            start: 0,
+            end: 2,
+            since: Some(1_000),
+            until: Some(2_000),
+        };
+        let mut reached = false;
+        assert_eq!(range.step(0, None, &mut reached), Step::Within);
+    }
 }
