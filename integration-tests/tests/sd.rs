@@ -424,3 +424,94 @@ async fn a_webhook_gets_started_progress_and_completed_in_order() {
     assert_eq!(ids.len(), all.len(), "each event has its own webhook-id");
     assert_eq!(all.last().unwrap().json()["status"], "succeeded");
 }
+
+fn files_under(root: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root.to_owned()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                let name = path.strip_prefix(root).unwrap().display().to_string();
+                out.push((name, std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// What the chart's initContainer runs: `sluice-worker sync-models` copies a model repository out
+/// of the S3 server; the copy generates the very image the original does, and a second run over
+/// the same directory copies nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn models_synced_from_s3_generate_the_same_image_as_the_originals() {
+    let stack = &cluster().await.stack;
+    let original = std::path::PathBuf::from(&stack.env["SLUICE_SD_TINY"]).join("sd-tiny");
+    let files = files_under(&original);
+    let sink = stack.sink().unwrap();
+    for (name, bytes) in &files {
+        sink.write(&format!("model-repo/sd-tiny/{name}"), bytes.clone().into())
+            .await
+            .unwrap();
+    }
+    let synced = stack.dir.join("synced-models");
+    let worker = |args: &[&str]| {
+        let output = std::process::Command::new(sluice_integration_tests::process::bin("sluice-worker"))
+            .args(args)
+            .envs(stack.vars())
+            .env("SLUICE_LOG_FORMAT", "text")
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let sync = || -> Value {
+        let url = format!(
+            "s3://{}/model-repo",
+            stack.env["SLUICE_OUTPUT_URL"]
+                .trim_start_matches("s3://")
+                .split('/')
+                .next()
+                .unwrap()
+        );
+        serde_json::from_str(worker(&["sync-models", "--from", &url, "--to", &synced.display().to_string()]).trim()).unwrap()
+    };
+    let first = sync();
+    assert_eq!(
+        (first["copied"].as_u64(), first["unchanged"].as_u64()),
+        (Some(files.len() as u64), Some(0)),
+        "{first}"
+    );
+    let again = sync();
+    assert_eq!(
+        (again["copied"].as_u64(), again["unchanged"].as_u64()),
+        (Some(0), Some(files.len() as u64)),
+        "{again}"
+    );
+    let copied: Vec<(String, Vec<u8>)> = files_under(&synced.join("sd-tiny"));
+    assert_eq!(copied, files, "byte for byte");
+
+    let generate = |model: &std::path::Path, out: &str| {
+        let out = stack.dir.join(out);
+        let args = [
+            "generate",
+            "--model-path",
+            &model.display().to_string(),
+            "--prompt",
+            "a harbour at dawn",
+            "--seed",
+            "11",
+            "--out",
+            &out.display().to_string(),
+        ];
+        worker(&args);
+        std::fs::read(out).unwrap()
+    };
+    let from_original = generate(&original, "original.png");
+    let from_copy = generate(&synced.join("sd-tiny"), "synced.png");
+    assert!(png_info(&from_copy).is_ok());
+    assert_eq!(sha256_hex(&from_copy), sha256_hex(&from_original));
+}

@@ -15,6 +15,7 @@ mod faults;
 mod gpu;
 mod http;
 pub mod metrics;
+pub mod model_sync;
 pub mod models;
 mod offsets;
 mod outcome;

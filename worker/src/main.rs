@@ -1,6 +1,7 @@
 //! `sluice-worker`: see the crate documentation.
 
 mod generate;
+mod sync_models;
 
 use clap::Parser;
 use sluice_service::{shutdown, telemetry};
@@ -14,6 +15,16 @@ fn main() {
         telemetry::init(sluice_service::telemetry::LogFormat::Text);
         if let Err(e) = generate::run(args) {
             eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    // `sluice-worker sync-models ...`: copy the model repository from object storage, then exit.
+    if std::env::args().nth(1).as_deref() == Some("sync-models") {
+        let args = sync_models::SyncArgs::parse_from(std::env::args().skip(1));
+        telemetry::init(args.log_format);
+        if let Err(e) = sync_models::run(args) {
+            tracing::error!(error = format!("{e:#}"), "sync-models failed");
             std::process::exit(1);
         }
         return;

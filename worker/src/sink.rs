@@ -174,7 +174,8 @@ impl Sink {
         self.prefix.clone().join(task_id.to_string()).join(name)
     }
 
-    fn url(&self, key: &Path) -> String {
+    /// The URL of a key in this store.
+    pub(crate) fn url(&self, key: &Path) -> String {
         format!("{}/{}", self.url_base, key)
     }
 
@@ -280,6 +281,18 @@ impl Sink {
     pub(crate) async fn put_lease(&self, group: &str, topic: &str, partition: i32, end: i64) -> Result<(), SinkError> {
         let key = self.lease_key(group, topic, partition);
         self.store.put(&key, PutPayload::from(end.to_string().into_bytes())).await?;
+        Ok(())
+    }
+
+    /// The store and the prefix under it (for tools that walk it, such as `sync-models`).
+    pub(crate) fn objects(&self) -> (&Arc<dyn ObjectStore>, &Path) {
+        (&self.store, &self.prefix)
+    }
+
+    /// Writes an object by its key (for tools and tests).
+    pub async fn write(&self, key: &str, bytes: Bytes) -> Result<(), SinkError> {
+        let _permit = self.permit().await;
+        self.store.put(&Path::from(key), PutPayload::from(bytes)).await?;
         Ok(())
     }
 
