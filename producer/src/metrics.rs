@@ -1,6 +1,8 @@
 //! Every Prometheus metric of the producer, registered in one place.
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, exponential_buckets};
+use prometheus::{
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, exponential_buckets,
+};
 use sluice_service::metrics::register;
 
 #[derive(Clone)]
@@ -12,7 +14,8 @@ pub struct Metrics {
     /// How far behind its topics the status view applies a record.
     pub view_lag_seconds: Histogram,
     /// Webhook attempts by event and outcome: delivered, retrying, dropped (a started or
-    /// progress event not delivered), throttled, refused, gone, rejected, exhausted.
+    /// progress event not delivered), throttled, superseded (a started or progress event after the
+    /// task's completed one, or a step behind), refused, gone, rejected, exhausted.
     pub webhook_deliveries: IntCounterVec,
     /// Attempts after the first.
     pub webhook_retries: IntCounter,
@@ -22,6 +25,10 @@ pub struct Metrics {
     pub webhook_event_age_seconds: Histogram,
     /// Records the notifier consumed and has not finished (waiting retries included).
     pub webhook_pending: IntGauge,
+    /// Tasks the workers' group has not committed, by partition ([`crate::backlog`]).
+    pub backlog_tasks: IntGaugeVec,
+    /// How long the oldest of them has waited, by partition.
+    pub backlog_oldest_seconds: GaugeVec,
 }
 
 impl Metrics {
@@ -109,6 +116,28 @@ impl Metrics {
                 IntGauge::new(
                     "sluice_producer_webhook_pending",
                     "Records the webhook notifier consumed and has not finished, waiting retries included",
+                )
+                .unwrap(),
+            ),
+            backlog_tasks: register(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "sluice_producer_backlog_tasks",
+                        "Tasks on the tasks topic the workers' group has not committed, by partition (measured by the producer, workers up or not)",
+                    ),
+                    &["topic", "partition"],
+                )
+                .unwrap(),
+            ),
+            backlog_oldest_seconds: register(
+                &r,
+                GaugeVec::new(
+                    Opts::new(
+                        "sluice_producer_backlog_oldest_seconds",
+                        "Age of the oldest task the workers' group has not committed, by partition (0: none waiting)",
+                    ),
+                    &["topic", "partition"],
                 )
                 .unwrap(),
             ),

@@ -8,10 +8,12 @@
 //! offset is committed only once its event was delivered, scheduled for a retry (a record
 //! on the retry topic, so retries survive restarts: [`schedule`]) or given up (a record on the
 //! webhook DLQ). `completed` events are retried over the schedule; `started` and `progress`
-//! events are tried once (progress at most every 500 ms per task).
+//! events are tried once (progress at most every 500 ms per task); one task's events reach the
+//! receiver in order, `completed` last ([`order`]).
 
 pub mod delivery;
 pub mod guard;
+mod order;
 pub mod schedule;
 pub mod signing;
 
@@ -132,7 +134,7 @@ pub struct Notifier {
     metrics: Metrics,
     permits: Semaphore,
     tracker: Mutex<Tracker>,
-    last_progress: Mutex<HashMap<Uuid, Instant>>,
+    order: order::EventOrder,
     retry_partitions: usize,
 }
 
@@ -193,7 +195,7 @@ impl Notifier {
             presigner,
             metrics,
             tracker: Mutex::default(),
-            last_progress: Mutex::default(),
+            order: order::EventOrder::new(PROGRESS_INTERVAL),
             retry_partitions,
         })
     }
@@ -366,15 +368,17 @@ impl Notifier {
                 let Some((tenant, url, status)) = self.target(task_id, event, &change, at).await else {
                     return;
                 };
-                if event == WebhookEvent::Progress && !self.progress_due(task_id) {
-                    self.metrics
-                        .webhook_deliveries
-                        .with_label_values(&[event.as_str(), "throttled"])
-                        .inc();
+                // The task's events take turns; `completed` is the last one a receiver gets.
+                let turn = self.order.turn(task_id);
+                let _turn = turn.lock().await;
+                let refused = match self.order.admit(task_id, event, step) {
+                    order::Verdict::Send => None,
+                    order::Verdict::Throttled => Some("throttled"),
+                    order::Verdict::Superseded => Some("superseded"),
+                };
+                if let Some(outcome) = refused {
+                    self.metrics.webhook_deliveries.with_label_values(&[event.as_str(), outcome]).inc();
                     return;
-                }
-                if event == WebhookEvent::Completed {
-                    self.last_progress.lock().expect("not poisoned").remove(&task_id);
                 }
                 let payload = match serde_json::to_value(&status) {
                     Ok(Value::Object(m)) => m,
@@ -428,20 +432,6 @@ impl Notifier {
                 Err(e) => tracing::warn!(error = %e, "webhook notifier: reading the status view"),
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn progress_due(&self, task_id: Uuid) -> bool {
-        let mut last = self.last_progress.lock().expect("not poisoned");
-        if last.len() > 100_000 {
-            last.retain(|_, t| t.elapsed() < PROGRESS_INTERVAL);
-        }
-        match last.get(&task_id) {
-            Some(t) if t.elapsed() < PROGRESS_INTERVAL => false,
-            _ => {
-                last.insert(task_id, Instant::now());
-                true
-            }
         }
     }
 
