@@ -222,6 +222,7 @@ for profile in profiles:
     check(pc["readinessProbe"]["httpGet"]["path"] == "/healthz", f"{name}: producer probes on /healthz")
     mounts = {m["mountPath"] for m in pc["volumeMounts"]}
     check("/var/lib/sluice/status" in mounts, f"{name}: the status view's volume")
+    check(env_of(pc).get("SLUICE_WORKER_GROUP") == wenv["SLUICE_GROUP_ID"], f"{name}: the producer measures the workers' group")
 
 # What must be refused.
 base = yaml.safe_load((chart_dir / "ci/gpu-keda-monitoring-values.yaml").read_text())

@@ -160,6 +160,14 @@ pub struct ServeArgs {
     /// reconnects with `Last-Event-ID` (as SSE clients do). Fractions allowed.
     #[arg(long, env = "SLUICE_EVENTS_MAX_SECONDS", default_value_t = 300.0)]
     pub events_max_seconds: f64,
+    /// The workers' consumer group, whose backlog on the tasks topic this replica measures
+    /// (`sluice_producer_backlog_*`: tasks not committed and the oldest one's age, workers up or
+    /// not). It only reads the group's offsets.
+    #[arg(long, env = "SLUICE_WORKER_GROUP", default_value = "sluice-workers")]
+    pub worker_group: String,
+    /// How often the backlog is measured, milliseconds (0: not at all).
+    #[arg(long, env = "SLUICE_BACKLOG_INTERVAL_MS", default_value_t = 10_000)]
+    pub backlog_interval_ms: u64,
     #[command(flatten)]
     pub webhooks: WebhookArgs,
 }

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod backlog;
 pub mod config;
 pub mod metrics;
 pub mod openapi;

@@ -86,6 +86,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         metrics.clone(),
         Duration::from_secs(args.status_retention_hours * 3600),
     )?;
+    if args.backlog_interval_ms > 0 {
+        sluice_producer::backlog::start(
+            &args.publish.kafka,
+            sluice_producer::backlog::Settings {
+                group: args.worker_group.clone(),
+                topic: args.publish.tasks_topic.clone(),
+                interval: Duration::from_millis(args.backlog_interval_ms),
+            },
+            metrics.clone(),
+        )
+        .context("starting the backlog measurement")?;
+    }
     let presigner = Arc::new(sluice_producer::presign::Presigner::new(Duration::from_secs(
         args.presign_ttl_seconds,
     )));
