@@ -311,7 +311,9 @@ mod tests {
         ]);
         validate(RecordKind::Error, &serde_json::to_value(&error).unwrap()).unwrap();
         let catalog = sluice_schemas::Catalog::load(Some(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/models.demo.toml"),
+            // Cargo's run-time value: the compile-time one may be another clone's.
+            &std::path::Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned()))
+                .join("../deploy/models.demo.toml"),
         ))
         .unwrap();
         validate(RecordKind::ModelList, &crate::api::model_list(&catalog)).unwrap();

@@ -17,7 +17,10 @@ use sluice_schemas::*;
 use uuid::Uuid;
 
 fn examples(kind: &str, validity: &str) -> Vec<(PathBuf, Value)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/v1").join(kind).join(validity);
+    // At run time, Cargo names this package's directory; the compile-time one may be another
+    // clone's (the target directory is shared between clones).
+    let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
+    let dir = Path::new(&root).join("examples/v1").join(kind).join(validity);
     let mut files: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.sort();
     assert!(!files.is_empty(), "no examples in {}", dir.display());
