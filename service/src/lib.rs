@@ -1,9 +1,10 @@
 //! What every Sluice binary shares: Kafka client settings, logging, the metrics endpoint, the
-//! HTTP error shape, shutdown signals and W3C trace context. Each module does one of these jobs.
+//! HTTP error shape, shutdown signals, W3C trace context and its OTLP export. Each module does one of these jobs.
 
 pub mod http_error;
 pub mod kafka;
 pub mod metrics;
+pub mod otlp;
 pub mod shutdown;
 pub mod telemetry;
 pub mod trace;

@@ -79,6 +79,21 @@ impl TraceContext {
         }
     }
 
+    /// A child span whose id is derived from this span's and `salt` (FNV-1a): the same record
+    /// handled again names the same span, and every record a task's processing writes carries one
+    /// span id — the one its exported span has.
+    pub fn derived(&self, salt: &[u8]) -> TraceContext {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.span_id.iter().chain(salt) {
+            hash ^= u64::from(*b);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        TraceContext {
+            span_id: hash.max(1).to_be_bytes(),
+            ..*self
+        }
+    }
+
     /// The `traceparent` value.
     pub fn header(&self) -> String {
         format!("00-{}-{}-{:02x}", hex(&self.trace_id), hex(&self.span_id), u8::from(self.sampled))
@@ -111,6 +126,10 @@ mod tests {
         ] {
             assert!(TraceContext::parse(bad).is_none(), "{bad}");
         }
+        let d = t.derived(b"sluice.tasks.v1/3/42");
+        assert_eq!(d, t.derived(b"sluice.tasks.v1/3/42"));
+        assert_ne!(d.span_id, t.derived(b"sluice.tasks.v1/3/43").span_id);
+        assert_eq!(d.trace_id, t.trace_id);
         let root = TraceContext::root();
         assert_eq!(TraceContext::parse(&root.header()), Some(root));
     }

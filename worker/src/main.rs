@@ -36,6 +36,10 @@ fn main() {
 async fn serve() {
     let config = Config::parse();
     telemetry::init(config.log_format);
+    if let Err(e) = sluice_service::otlp::init("sluice-worker") {
+        tracing::error!(error = %e, "worker stopped");
+        std::process::exit(2);
+    }
     let code = match run(config, Models::Onnx, shutdown::terminated()).await {
         Ok(exit) => exit.code(),
         Err(e) => {
@@ -43,6 +47,7 @@ async fn serve() {
             2
         }
     };
+    sluice_service::otlp::flush(std::time::Duration::from_secs(5)).await;
     // Exit here rather than return: the Kafka clients are being dropped on a thread of their own
     // (their destructors wait on the broker), and everything that had to be acknowledged was.
     std::process::exit(code)

@@ -88,6 +88,8 @@ pub(crate) struct OutcomeSettings {
     pub publisher: Arc<dyn Publish>,
     pub metrics: Metrics,
     pub worker_id: String,
+    /// The consumer group (an attribute of the exported spans).
+    pub group: String,
     /// Broker retries: until abandoned (the offset is never committed without the record).
     pub retry: RetryPolicy,
     /// Fires when the worker gives up on what is in flight (shutdown grace over, fatal error).
@@ -142,6 +144,9 @@ impl Outcomes {
             return; // abandoned: not acknowledged, read again after restart
         }
         let task_id = identity.task_id;
+        if task_id.is_none() {
+            self.trace_span(&record, None, Some(failure.message.as_str()));
+        }
         if task_id.is_some() {
             let timings = Timings {
                 total_ms: record.received_at.elapsed().as_millis() as u64,
@@ -251,10 +256,59 @@ impl Outcomes {
     async fn publish(&self, event: &CompletionEvent, record: &Record) -> bool {
         let i = &self.inner;
         let trace = crate::publish::TraceHeaders::of(record);
-        retry(i.retry, "publish_completion", &i.metrics, &i.abandon, || {
+        let sent = retry(i.retry, "publish_completion", &i.metrics, &i.abandon, || {
             i.publisher.completion(event, trace.as_ref())
         })
         .await
-        .is_ok()
+        .is_ok();
+        if sent {
+            self.trace_span(record, Some(event), event.error.as_ref().map(|e| e.message.as_str()));
+        }
+        sent
+    }
+
+    /// The worker's span of a record, from its receipt to its announced outcome, for OTLP export
+    /// (OpenTelemetry's messaging conventions for a Kafka consumer).
+    fn trace_span(&self, record: &Record, event: Option<&CompletionEvent>, error: Option<&str>) {
+        use sluice_service::otlp::{Span, SpanKind, record as export};
+        let Some(trace) = crate::publish::TraceHeaders::of(record) else {
+            return;
+        };
+        let o = &record.origin;
+        let now = std::time::SystemTime::now();
+        let mut span = Span {
+            context: trace.context,
+            parent: Some(trace.parent),
+            name: format!("process {}", o.topic),
+            kind: SpanKind::Consumer,
+            start: now.checked_sub(record.received_at.elapsed()).unwrap_or(now),
+            end: now,
+            attributes: Vec::new(),
+            error: error.map(str::to_owned),
+        }
+        .attr("messaging.system", "kafka")
+        .attr("messaging.operation.type", "process")
+        .attr("messaging.operation.name", "process")
+        .attr("messaging.destination.name", o.topic.to_string())
+        .attr("messaging.destination.partition.id", o.partition.to_string())
+        .attr("messaging.kafka.offset", o.offset)
+        .attr("messaging.consumer.group.name", self.inner.group.clone())
+        .attr("sluice.worker.id", self.inner.worker_id.clone());
+        if let Some(key) = record.key.as_deref().and_then(|k| std::str::from_utf8(k).ok()) {
+            span = span.attr("messaging.kafka.message.key", key);
+        }
+        if let Some(event) = event {
+            span = span
+                .attr("sluice.task.id", event.task_id.to_string())
+                .attr("sluice.model", event.model.clone())
+                .attr(
+                    "sluice.task.status",
+                    serde_json::to_value(event.status)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default(),
+                );
+        }
+        export(span);
     }
 }

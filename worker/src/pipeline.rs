@@ -573,6 +573,7 @@ mod tests {
                 publisher: recorder.clone(),
                 metrics: metrics.clone(),
                 worker_id: "w".into(),
+                group: "g".into(),
                 retry: RetryPolicy::forever(Duration::from_millis(1)),
                 abandon: abandon.clone(),
                 tasks: tasks.clone(),

@@ -30,10 +30,14 @@ impl Retriable for PublishError {
 
 /// Where outcomes are announced: the completion and DLQ topics. A trait so that the pipeline's
 /// ordering can be unit-tested in process.
-/// The trace context a task's outcome records carry: a child span of the task record's
-/// `traceparent`, and its `tracestate` unchanged.
+/// The trace context a task's outcome records carry: the worker's span of the task (a child of
+/// the task record's `traceparent`, its id derived from the record's place so that every outcome
+/// record and the exported span agree), and the `tracestate` unchanged.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TraceHeaders {
+    pub context: sluice_service::trace::TraceContext,
+    /// The span of the task record (the producer's).
+    pub parent: [u8; 8],
     pub traceparent: String,
     pub tracestate: Option<String>,
 }
@@ -45,8 +49,12 @@ impl TraceHeaders {
         let parent = std::str::from_utf8(record.header(TRACEPARENT)?)
             .ok()
             .and_then(TraceContext::parse)?;
+        let o = &record.origin;
+        let context = parent.derived(format!("{}/{}/{}/{}", o.topic, o.partition, o.offset, record.attempt()).as_bytes());
         Some(TraceHeaders {
-            traceparent: parent.child().header(),
+            context,
+            parent: parent.span_id,
+            traceparent: context.header(),
             tracestate: record
                 .header(TRACESTATE)
                 .and_then(|v| std::str::from_utf8(v).ok())

@@ -249,6 +249,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         )),
         metrics: metrics.clone(),
         worker_id: worker_id.clone(),
+        group: k.group_id.clone(),
         retry: RetryPolicy::forever(Duration::from_millis(d.retry_base_delay_ms)),
         abandon: abandon.clone(),
         tasks: tasks.clone(),

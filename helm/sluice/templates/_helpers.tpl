@@ -95,6 +95,10 @@ app.kubernetes.io/component: {{ .component }}
   value: /etc/sluice/catalog/models.toml
 - name: SLUICE_LOG_FORMAT
   value: {{ .Values.logFormat | quote }}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
 - name: AWS_REGION
   value: {{ .Values.s3.region | quote }}
 {{- if .Values.s3.endpoint }}
