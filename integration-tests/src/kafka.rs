@@ -27,6 +27,15 @@ impl Consumed {
     }
 }
 
+/// The values of header `name` on the records of `topic` keyed `key`, in topic order.
+pub fn header_values(brokers: &str, topic: &str, key: &str, name: &str) -> anyhow::Result<Vec<String>> {
+    Ok(TopicReader::snapshot(brokers, topic, Duration::from_secs(2))?
+        .into_iter()
+        .filter(|r| r.key.as_deref() == Some(key.as_bytes()))
+        .filter_map(|r| r.header(name))
+        .collect())
+}
+
 /// Reads every partition of a topic from the beginning, without a consumer group (nothing is
 /// committed, so readers never disturb each other or the workers).
 pub struct TopicReader {

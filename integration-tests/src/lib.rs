@@ -61,6 +61,15 @@ pub fn png_pixels(bytes: &[u8]) -> anyhow::Result<(u32, u32, Vec<u8>)> {
     Ok((info.width, info.height, buf))
 }
 
+/// A tool `scripts/install-tools.sh` installed (`~/.cache/sluice/tools/<name-version>/<path>`),
+/// failing with how to install it when it is missing.
+pub fn tool(dir: &str, path: &str) -> std::path::PathBuf {
+    let cache = std::env::var("SLUICE_CACHE").unwrap_or_else(|_| format!("{}/.cache/sluice", std::env::var("HOME").unwrap_or_default()));
+    let found = std::path::Path::new(&cache).join("tools").join(dir).join(path);
+    assert!(found.exists(), "{} missing: run scripts/install-tools.sh", found.display());
+    found
+}
+
 /// The runtime assets (`scripts/fetch-assets.sh`, idempotent): `ORT_DYLIB_PATH`,
 /// `SLUICE_SD_TINY` (the tiny Stable Diffusion models), ….
 pub fn assets() -> anyhow::Result<std::collections::BTreeMap<String, String>> {

@@ -790,12 +790,7 @@ async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_onc
 /// body schema).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_api_answers_schemathesis_as_its_openapi_document_says() {
-    let cache = std::env::var("SLUICE_CACHE").unwrap_or_else(|_| format!("{}/.cache/sluice", std::env::var("HOME").unwrap()));
-    let schemathesis = format!("{cache}/tools/schemathesis-4.32.5/bin/schemathesis");
-    assert!(
-        std::path::Path::new(&schemathesis).exists(),
-        "{schemathesis} missing: run scripts/install-tools.sh"
-    );
+    let schemathesis = sluice_integration_tests::tool("schemathesis-4.32.5", "bin/schemathesis");
     let secret = format!("acme:whsec_{}", base64::engine::general_purpose::STANDARD.encode(WEBHOOK_KEY));
     let c = Cluster::start_with(
         "api-fuzz",

@@ -23,14 +23,7 @@ const WEBHOOK_KEY: &[u8] = b"sluice-monitoring-webhook-secret";
 const TASKS: usize = 1_200;
 
 fn prometheus_binary() -> PathBuf {
-    let cache = std::env::var("SLUICE_CACHE").unwrap_or_else(|_| format!("{}/.cache/sluice", std::env::var("HOME").unwrap()));
-    let tools = Path::new(&cache).join("tools");
-    let found = std::fs::read_dir(&tools).ok().and_then(|d| {
-        d.filter_map(|e| e.ok())
-            .map(|e| e.path().join("usr/bin/prometheus"))
-            .find(|p| p.exists())
-    });
-    found.unwrap_or_else(|| panic!("no prometheus under {}: run scripts/install-tools.sh", tools.display()))
+    sluice_integration_tests::tool("prometheus-2.42.0+ds-5+b6", "usr/bin/prometheus")
 }
 
 /// The chart's rules with every `for:` cut to 5 s.
@@ -268,13 +261,6 @@ async fn backlog_alerts_fire_with_no_worker_up_and_resolve_on_a_real_prometheus_
     c.stack.down().unwrap();
 }
 
-fn otlp_python() -> PathBuf {
-    let cache = std::env::var("SLUICE_CACHE").unwrap_or_else(|_| format!("{}/.cache/sluice", std::env::var("HOME").unwrap()));
-    let python = Path::new(&cache).join("tools/otlp-proto-1.45.2/bin/python");
-    assert!(python.exists(), "{} missing: run scripts/install-tools.sh", python.display());
-    python
-}
-
 /// With `OTEL_EXPORTER_OTLP_ENDPOINT` set, a request's trace arrives at an OTLP/HTTP receiver as
 /// one trace: the request's span → the producer's `send` span → the worker's `process` span, whose
 /// id the completion record's `traceparent` carries; attributes per OpenTelemetry's messaging
@@ -291,7 +277,14 @@ async fn one_trace_spans_the_request_the_producer_the_worker_and_the_completion_
         spans_file.display().to_string(),
     ];
     let receiver_args: Vec<&str> = receiver_args.iter().map(String::as_str).collect();
-    let _receiver = Service::spawn("otlp-receiver", &otlp_python(), &receiver_args, &[], &dir).unwrap();
+    let _receiver = Service::spawn(
+        "otlp-receiver",
+        &sluice_integration_tests::tool("otlp-proto-1.45.2", "bin/python"),
+        &receiver_args,
+        &[],
+        &dir,
+    )
+    .unwrap();
     let endpoint = format!("http://127.0.0.1:{port}");
     wait_for("the OTLP receiver", Duration::from_secs(30), async || {
         reqwest::get(format!("{endpoint}/")).await.ok().map(|_| ())
@@ -370,12 +363,8 @@ async fn one_trace_spans_the_request_the_producer_the_worker_and_the_completion_
 
     // The records carry the same spans: the task record the producer's, the completion the worker's.
     let header_of = |topic: &str| -> String {
-        sluice_integration_tests::TopicReader::snapshot(c.stack.brokers(), topic, Duration::from_secs(2))
-            .unwrap()
-            .into_iter()
-            .find(|r| r.key.as_deref() == Some(id.as_bytes()))
-            .and_then(|r| r.header("traceparent"))
-            .unwrap()
+        let values = sluice_integration_tests::kafka::header_values(c.stack.brokers(), topic, &id, "traceparent").unwrap();
+        values.into_iter().next().unwrap()
     };
     assert_eq!(
         header_of(sluice_schemas::topics::TASKS),

@@ -360,14 +360,8 @@ async fn the_request_trace_continues_through_task_progress_and_completion() {
         Duration::from_secs(240),
     );
 
-    let header_of = |topic: &str, key: &str| -> Vec<String> {
-        sluice_integration_tests::TopicReader::snapshot(c.stack.brokers(), topic, Duration::from_secs(2))
-            .unwrap()
-            .into_iter()
-            .filter(|r| r.key.as_deref() == Some(key.as_bytes()))
-            .filter_map(|r| r.header("traceparent"))
-            .collect()
-    };
+    let header_of =
+        |topic: &str, key: &str| sluice_integration_tests::kafka::header_values(c.stack.brokers(), topic, key, "traceparent").unwrap();
     let task = header_of(sluice_schemas::topics::TASKS, &id);
     let progress = header_of(sluice_schemas::topics::PROGRESS, &id);
     let completion = header_of(sluice_schemas::topics::COMPLETIONS, &id);
