@@ -12,7 +12,7 @@ BIN := $(CARGO_TARGET_DIR)/release
 STACK ?= .stack
 
 
-.PHONY: assets-cuda gpu-check alerts-test
+.PHONY: assets-cuda gpu-check alerts-test images
 .PHONY: help setup tools assets build demo test unit-test integration-test chaos bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
@@ -25,6 +25,7 @@ help:
 	@echo "make lint        rustfmt and clippy"
 	@echo "make assets-cuda ONNX Runtime's CUDA flavour with its CUDA/cuDNN libraries (PyPI)"
 	@echo "make gpu-check   the CUDA path on a GPU node"
+	@echo "make images      build the container images (buildah; local Debian bases) and run them once"
 
 setup: tools assets build
 
@@ -85,6 +86,10 @@ fmt:
 
 helm-lint:
 	scripts/helm-lint.sh
+
+# The container images, built from deploy/docker/*.Dockerfile on local bases (scripts/images.sh).
+images: build
+	scripts/images.sh
 
 # The alert rules' unit tests (promtool).
 alerts-test:
