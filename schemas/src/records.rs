@@ -113,6 +113,24 @@ pub enum CompletionStatus {
     Expired,
 }
 
+impl CompletionStatus {
+    pub const ALL: [CompletionStatus; 4] = [
+        CompletionStatus::Succeeded,
+        CompletionStatus::Failed,
+        CompletionStatus::Cancelled,
+        CompletionStatus::Expired,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CompletionStatus::Succeeded => "succeeded",
+            CompletionStatus::Failed => "failed",
+            CompletionStatus::Cancelled => "cancelled",
+            CompletionStatus::Expired => "expired",
+        }
+    }
+}
+
 /// One stored image of a completed task.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

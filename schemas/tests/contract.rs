@@ -290,6 +290,13 @@ fn fully_populated_types_validate() {
 }
 
 #[test]
+fn completion_status_names_are_their_serialized_names() {
+    for status in CompletionStatus::ALL {
+        assert_eq!(serde_json::to_value(status).unwrap().as_str(), Some(status.as_str()));
+    }
+}
+
+#[test]
 fn normalized_minimal_request_is_a_valid_task() {
     let request: TaskRequest = serde_json::from_str(r#"{"model":"terrain"}"#).unwrap();
     let (model, generation) = sluice_schemas::Catalog::default().normalize(request, || 1234).unwrap();

@@ -427,7 +427,7 @@ mod tests {
     use std::sync::Mutex;
 
     use futures::future::BoxFuture;
-    use sluice_schemas::{CompletionEvent, CompletionStatus};
+    use sluice_schemas::CompletionEvent;
     use uuid::Uuid;
 
     use super::*;
@@ -475,12 +475,7 @@ mod tests {
             event: &'a CompletionEvent,
             _trace: Option<&'a crate::publish::TraceHeaders>,
         ) -> BoxFuture<'a, Result<(), PublishError>> {
-            let kind = match event.status {
-                CompletionStatus::Succeeded => "succeeded",
-                CompletionStatus::Failed => "failed",
-                CompletionStatus::Cancelled => "cancelled",
-                CompletionStatus::Expired => "expired",
-            };
+            let kind = event.status.as_str();
             let tp = TopicPartition {
                 topic: event.source.topic.as_str().into(),
                 partition: event.source.partition,
