@@ -218,29 +218,12 @@ impl TaskPublisher {
         let wall_start = std::time::SystemTime::now();
         let sent = self.send_acked(&self.topic, &key, &payload, headers, timeout).await;
         if let Some((context, parent)) = trace {
-            use sluice_service::otlp::{Span, SpanKind};
-            let mut span = Span {
-                context: *context,
-                parent,
-                name: format!("send {}", self.topic),
-                kind: SpanKind::Producer,
-                start: wall_start,
-                end: std::time::SystemTime::now(),
-                attributes: Vec::new(),
-                error: sent.as_ref().err().map(|e| e.to_string()),
-            }
-            .attr("messaging.system", "kafka")
-            .attr("messaging.operation.type", "send")
-            .attr("messaging.operation.name", "send")
-            .attr("messaging.destination.name", self.topic.clone())
-            .attr("messaging.kafka.message.key", key.clone())
-            .attr("sluice.task.id", key.clone())
-            .attr("sluice.model", record.model.clone());
-            if let Ok((partition, offset)) = &sent {
-                span = span
-                    .attr("messaging.destination.partition.id", partition.to_string())
-                    .attr("messaging.kafka.offset", *offset);
-            }
+            use sluice_service::otlp::{KafkaOperation, Span};
+            let span = Span::kafka(KafkaOperation::Send, &self.topic, *context, parent, wall_start)
+                .message(Some(key.as_str()), sent.as_ref().ok().copied())
+                .failed(sent.as_ref().err().map(|e| e.to_string()))
+                .attr("sluice.task.id", key.clone())
+                .attr("sluice.model", record.model.clone());
             sluice_service::otlp::record(span);
         }
         sent?;

@@ -29,12 +29,20 @@ pub enum OtlpError {
     Client(String),
 }
 
-/// OpenTelemetry's span kinds (the OTLP enum values).
+/// OpenTelemetry's span kinds (the OTLP enum values) that Sluice's spans have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SpanKind {
-    Server = 2,
     Producer = 4,
     Consumer = 5,
+}
+
+/// What a Kafka span does with its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KafkaOperation {
+    /// Writes it (a PRODUCER span).
+    Send,
+    /// Handles it (a CONSUMER span).
+    Process,
 }
 
 /// An attribute value.
@@ -78,6 +86,48 @@ pub struct Span {
 }
 
 impl Span {
+    /// A span of `operation` on Kafka topic `topic` from `start` until now, named and attributed
+    /// per OpenTelemetry's messaging conventions (`send <topic>` / `process <topic>`).
+    pub fn kafka(operation: KafkaOperation, topic: &str, context: TraceContext, parent: Option<[u8; 8]>, start: SystemTime) -> Span {
+        let (name, kind) = match operation {
+            KafkaOperation::Send => ("send", SpanKind::Producer),
+            KafkaOperation::Process => ("process", SpanKind::Consumer),
+        };
+        Span {
+            context,
+            parent,
+            name: format!("{name} {topic}"),
+            kind,
+            start,
+            end: SystemTime::now(),
+            attributes: Vec::new(),
+            error: None,
+        }
+        .attr("messaging.system", "kafka")
+        .attr("messaging.operation.type", name)
+        .attr("messaging.operation.name", name)
+        .attr("messaging.destination.name", topic)
+    }
+
+    /// The record a Kafka span is about: its key, and its partition and offset where known.
+    pub fn message(mut self, key: Option<&str>, place: Option<(i32, i64)>) -> Span {
+        if let Some(key) = key {
+            self = self.attr("messaging.kafka.message.key", key);
+        }
+        if let Some((partition, offset)) = place {
+            self = self
+                .attr("messaging.destination.partition.id", partition.to_string())
+                .attr("messaging.kafka.offset", offset);
+        }
+        self
+    }
+
+    /// The span's status: ERROR with `error`'s message, when there is one.
+    pub fn failed(mut self, error: Option<String>) -> Span {
+        self.error = error;
+        self
+    }
+
     pub fn attr(mut self, key: &'static str, value: impl Into<Attr>) -> Span {
         self.attributes.push((key, value.into()));
         self
@@ -340,17 +390,17 @@ mod tests {
         let context = TraceContext::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
         let start = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
         let span = Span {
-            context,
-            parent: Some([1, 2, 3, 4, 5, 6, 7, 8]),
-            name: "process sluice.tasks.v1".into(),
-            kind: SpanKind::Consumer,
-            start,
             end: start + Duration::from_millis(5),
-            attributes: vec![],
-            error: Some("model_error".into()),
+            ..Span::kafka(
+                KafkaOperation::Process,
+                "sluice.tasks.v1",
+                context,
+                Some([1, 2, 3, 4, 5, 6, 7, 8]),
+                start,
+            )
         }
-        .attr("messaging.system", "kafka")
-        .attr("messaging.kafka.offset", 42i64);
+        .message(Some("k"), Some((3, 42)))
+        .failed(Some("model_error".into()));
         let json = request_json("sluice-worker", &[span]);
         let s = &json["resourceSpans"][0]["scopeSpans"][0]["spans"][0];
         assert_eq!(s["traceId"], "4bf92f3577b34da6a3ce929d0e0e4736");
@@ -359,9 +409,24 @@ mod tests {
         assert_eq!(s["kind"], 5);
         assert_eq!(s["startTimeUnixNano"], "1700000000123456789");
         assert_eq!(s["endTimeUnixNano"], "1700000000128456789");
+        assert_eq!(s["name"], "process sluice.tasks.v1");
+        let attributes: Vec<(&str, &Value)> = s["attributes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| (a["key"].as_str().unwrap(), &a["value"]))
+            .collect();
         assert_eq!(
-            s["attributes"][1],
-            json!({"key": "messaging.kafka.offset", "value": {"intValue": "42"}})
+            attributes,
+            [
+                ("messaging.system", &json!({"stringValue": "kafka"})),
+                ("messaging.operation.type", &json!({"stringValue": "process"})),
+                ("messaging.operation.name", &json!({"stringValue": "process"})),
+                ("messaging.destination.name", &json!({"stringValue": "sluice.tasks.v1"})),
+                ("messaging.kafka.message.key", &json!({"stringValue": "k"})),
+                ("messaging.destination.partition.id", &json!({"stringValue": "3"})),
+                ("messaging.kafka.offset", &json!({"intValue": "42"})),
+            ]
         );
         assert_eq!(s["status"], json!({"code": 2, "message": "model_error"}));
         assert_eq!(

@@ -144,8 +144,10 @@ impl Outcomes {
             return; // abandoned: not acknowledged, read again after restart
         }
         let task_id = identity.task_id;
-        if task_id.is_none() {
-            self.trace_span(&record, None, Some(failure.message.as_str()));
+        if task_id.is_none()
+            && let Some(trace) = crate::publish::TraceHeaders::of(&record)
+        {
+            self.trace_span(&record, &trace, None, Some(failure.message.as_str()));
         }
         if task_id.is_some() {
             let timings = Timings {
@@ -261,54 +263,31 @@ impl Outcomes {
         })
         .await
         .is_ok();
-        if sent {
-            self.trace_span(record, Some(event), event.error.as_ref().map(|e| e.message.as_str()));
+        if sent && let Some(trace) = &trace {
+            self.trace_span(record, trace, Some(event), event.error.as_ref().map(|e| e.message.as_str()));
         }
         sent
     }
 
     /// The worker's span of a record, from its receipt to its announced outcome, for OTLP export
     /// (OpenTelemetry's messaging conventions for a Kafka consumer).
-    fn trace_span(&self, record: &Record, event: Option<&CompletionEvent>, error: Option<&str>) {
-        use sluice_service::otlp::{Span, SpanKind, record as export};
-        let Some(trace) = crate::publish::TraceHeaders::of(record) else {
-            return;
-        };
+    fn trace_span(&self, record: &Record, trace: &crate::publish::TraceHeaders, event: Option<&CompletionEvent>, error: Option<&str>) {
+        use sluice_service::otlp::{KafkaOperation, Span};
         let o = &record.origin;
         let now = std::time::SystemTime::now();
-        let mut span = Span {
-            context: trace.context,
-            parent: Some(trace.parent),
-            name: format!("process {}", o.topic),
-            kind: SpanKind::Consumer,
-            start: now.checked_sub(record.received_at.elapsed()).unwrap_or(now),
-            end: now,
-            attributes: Vec::new(),
-            error: error.map(str::to_owned),
-        }
-        .attr("messaging.system", "kafka")
-        .attr("messaging.operation.type", "process")
-        .attr("messaging.operation.name", "process")
-        .attr("messaging.destination.name", o.topic.to_string())
-        .attr("messaging.destination.partition.id", o.partition.to_string())
-        .attr("messaging.kafka.offset", o.offset)
-        .attr("messaging.consumer.group.name", self.inner.group.clone())
-        .attr("sluice.worker.id", self.inner.worker_id.clone());
-        if let Some(key) = record.key.as_deref().and_then(|k| std::str::from_utf8(k).ok()) {
-            span = span.attr("messaging.kafka.message.key", key);
-        }
+        let start = now.checked_sub(record.received_at.elapsed()).unwrap_or(now);
+        let key = record.key.as_deref().and_then(|k| std::str::from_utf8(k).ok());
+        let mut span = Span::kafka(KafkaOperation::Process, &o.topic, trace.context, Some(trace.parent), start)
+            .message(key, Some((o.partition, o.offset)))
+            .failed(error.map(str::to_owned))
+            .attr("messaging.consumer.group.name", self.inner.group.clone())
+            .attr("sluice.worker.id", self.inner.worker_id.clone());
         if let Some(event) = event {
             span = span
                 .attr("sluice.task.id", event.task_id.to_string())
                 .attr("sluice.model", event.model.clone())
-                .attr(
-                    "sluice.task.status",
-                    serde_json::to_value(event.status)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_owned))
-                        .unwrap_or_default(),
-                );
+                .attr("sluice.task.status", event.status.as_str());
         }
-        export(span);
+        sluice_service::otlp::record(span);
     }
 }
