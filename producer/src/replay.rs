@@ -124,20 +124,7 @@ impl Range {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-}
 
-/// Where a partition's reader stands, record by record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Step {
-    /// Before `since`: skip it, not counted as read.
-    Before,
-    /// Within the range: read it.
-    Within,
-    /// Past the end (by offset or by `until`): the partition is done, this record not read.
-    Past,
-}
-
-impl Range {
     /// Where the record at `offset` stamped `timestamp` (ms) falls; `reached` says whether a
     /// record at or after `since` was seen before in this partition and is updated.
     fn step(&self, offset: i64, timestamp: Option<i64>, reached: &mut bool) -> Step {
@@ -152,6 +139,17 @@ impl Range {
         }
         Step::Within
     }
+}
+
+/// Where a partition's reader stands, record by record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Before `since`: skip it, not counted as read.
+    Before,
+    /// Within the range: read it.
+    Within,
+    /// Past the end (by offset or by `until`): the partition is done, this record not read.
+    Past,
 }
 
 /// One record to write.
