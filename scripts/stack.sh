@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The embedded local stack: a Kafka-protocol broker (tansu, sqlite storage) and an S3 server
-# (s3s-fs), both on 127.0.0.1, plus the runtime assets (ONNX Runtime, the terrain model).
+# The embedded local stack: a single-node Apache Kafka broker (KRaft, jars from Maven Central) and
+# an S3 server (s3s-fs), both on 127.0.0.1, plus the runtime assets (ONNX Runtime, the terrain model).
 #
 #   scripts/stack.sh up [DIR]             start (idempotent); writes DIR/env with `export` lines
 #   scripts/stack.sh down [DIR]           stop and keep the data
@@ -8,10 +8,13 @@
 #   scripts/stack.sh stop-s3|start-s3 [DIR]              fault injection for the chaos tests
 #   scripts/stack.sh pause-s3|resume-s3 [DIR]            (pause: SIGSTOP, a server that hangs)
 #   scripts/stack.sh stop-broker|start-broker|restart-broker [DIR]
+#   scripts/stack.sh kill-broker [DIR]                   SIGKILL, no controlled shutdown (kill -9)
+#   scripts/stack.sh topic DIR NAME PARTITIONS           one more topic (exists already: fine)
 #
 # DIR defaults to .stack. With SLUICE_STACK_OWNER_PID set, `up` also starts a watchdog that
 # takes the stack down when that process exits (tests use it, so a crashed test run never
-# leaves servers behind).
+# leaves servers behind). SLUICE_KAFKA_HEAP sets the broker's maximum heap (default 768m).
+# Logs: DIR/logs/broker.log (the broker), admin.log (scripts/kafka/StackAdmin.java), s3.log.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -20,23 +23,26 @@ dir="${2:-${SLUICE_STACK_DIR:-.stack}}"
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
-TANSU="$CACHE/tools/tansu-0.6.0/bin/tansu"
 S3S="$CACHE/tools/s3s-fs-0.14.1/bin/s3s-fs"
 BUCKET=sluice
 ACCESS_KEY=sluice
 SECRET_KEY=sluice-secret-key
 TASK_PARTITIONS="${SLUICE_TASK_PARTITIONS:-8}"
-# sqlite keeps data across broker restarts and reports correct watermarks; memory is faster but
-# loses everything on restart and miscounts high watermarks (see shared notes).
-BROKER_STORAGE="${SLUICE_BROKER_STORAGE:-sqlite}"
+KAFKA_LIB="" # the broker's classpath directory; set by need_kafka
 
 log() { echo "==> $*" >&2; }
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+free_ports() { # count: distinct free ports (all bound at once, so never the same one twice)
+  python3 -c 'import socket,sys
+ss=[socket.socket() for _ in range(int(sys.argv[1]))]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in ss))' "${1:-1}"
 }
 
-alive() { [ -f "$dir/$1.pid" ] && kill -0 "$(cat "$dir/$1.pid")" 2>/dev/null; }
+# A process that exists and is not a zombie (this machine's init can take a second to reap one).
+running() { kill -0 "$1" 2>/dev/null && ! grep -qs ') Z ' "/proc/$1/stat"; }
+
+alive() { [ -f "$dir/$1.pid" ] && running "$(cat "$dir/$1.pid")"; }
 
 wait_port() { # port seconds pidname
   local port=$1 deadline=$((SECONDS + $2))
@@ -52,65 +58,131 @@ wait_port() { # port seconds pidname
 
 port_of() { cat "$dir/$1.port" 2>/dev/null || true; }
 
-storage_url() {
-  local engine; engine="$(cat "$dir/broker.storage" 2>/dev/null || echo "$BROKER_STORAGE")"
-  echo "$engine" >"$dir/broker.storage"
-  case "$engine" in
-    sqlite) echo "sqlite://tansu.db" ;;
-    memory) echo "memory://tansu/" ;;
-    *) echo "unknown SLUICE_BROKER_STORAGE $engine (sqlite or memory)" >&2; exit 2 ;;
-  esac
+# The Kafka jars (fetched by install-tools.sh the first time; a no-op after that).
+need_kafka() { [ -n "$KAFKA_LIB" ] || KAFKA_LIB="$("$here/install-tools.sh" kafka-lib)"; }
+
+# Log4j settings for a Kafka JVM, into LOG4J: one config file, logs under DIR/logs.
+log4j() { # file level
+  LOG4J=("-Dlog4j2.configurationFile=$here/kafka/log4j2.properties" "-Dsluice.log.dir=$dir/logs"
+    "-Dsluice.log.file=$1" "-Dsluice.log.level=$2")
 }
 
-# tansu 0.6's sqlite schema has no index on record headers: every fetch looks up each record's
-# headers by scanning the whole header table, so fetches get slower with every record ever
-# written (perf: most broker CPU in sqlite row scans). An index makes the lookup direct; it
-# changes nothing else. Idempotent; python3's sqlite3 module, no sqlite3 binary needed.
-index_broker_db() {
-  [ "$(cat "$dir/broker.storage" 2>/dev/null || echo sqlite)" = sqlite ] || return 0
-  local db="$dir/broker/tansu.db"
-  for _ in $(seq 1 50); do [ -s "$db" ] && break; sleep 0.1; done
-  python3 - "$db" <<'PY' || log "could not index the broker's header table (slower fetches only)"
-import sqlite3, sys, time
-for attempt in range(50):
-    try:
-        c = sqlite3.connect(sys.argv[1], timeout=10)
-        if c.execute("select 1 from sqlite_master where type='table' and name='header'").fetchone():
-            c.execute("create index if not exists sluice_header_record on header (topition, offset_id)")
-            c.commit()
-            break
-        c.close()
-    except sqlite3.OperationalError:
-        pass
-    time.sleep(0.1)
-PY
+# Kafka's own client for the readiness check and topic creation (scripts/kafka/StackAdmin.java).
+# Short-lived: C1 only and a small serial-GC heap start it faster than the server defaults.
+admin() {
+  need_kafka
+  mkdir -p "$dir/logs"
+  log4j admin.log WARN
+  java -Xshare:auto -XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xmx128m "${LOG4J[@]}" \
+    -cp "$KAFKA_LIB/*" "$here/kafka/StackAdmin.java" "$@"
+}
+
+# A single-node KRaft cluster: one process is both broker and controller. Rewritten at each start
+# (the ports are the stored ones), so an existing stack picks up changes made here.
+write_broker_config() { # broker-port controller-port
+  cat >"$dir/broker/server.properties" <<PROPS
+# Written by scripts/stack.sh at each broker start; edit the script, not this file.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$2
+listeners=PLAINTEXT://127.0.0.1:$1,CONTROLLER://127.0.0.1:$2
+advertised.listeners=PLAINTEXT://127.0.0.1:$1
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$dir/broker/data
+# One broker: the internal topics can only have one replica.
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+# Topics exist because stack.sh or a test created them: a misspelt name fails instead of creating one.
+auto.create.topics.enable=false
+num.partitions=1
+# A group's first member starts at once, not after 3 s of waiting for others.
+group.initial.rebalance.delay.ms=0
+# Records up to 32 MiB, as Sluice's clients are configured (service/src/kafka.rs MAX_MESSAGE_BYTES),
+# not Kafka's 1 MB default: a DLQ record carries its original record base64-encoded, so a task
+# near SLUICE_MAX_TASK_BYTES (1 MiB) needs ~1.4 MB on sluice.dlq.v1. A deployment sets the same
+# on the DLQ topic (max.message.bytes); see the README's Kafka section.
+message.max.bytes=33554432
+replica.fetch.max.bytes=33554432
+# 8 partitions, not 50, for the offsets, transaction and share-state topics: each partition is a
+# log with files, index maps and a coordinator to load, for a handful of groups and producers.
+offsets.topic.num.partitions=8
+transaction.state.log.num.partitions=8
+share.coordinator.state.topic.num.partitions=8
+# 16 MiB segments with 1 MiB indexes (defaults 1 GiB and 10 MiB, the index mapped per partition):
+# test data is small, and the tests create many partitions.
+log.segment.bytes=16777216
+log.index.size.max.bytes=1048576
+# The log cleaner (compacts __consumer_offsets) holds this buffer on the heap: 16 MiB, not 128.
+log.cleaner.dedupe.buffer.size=16777216
+# After a kill -9 the restarted broker cannot register until its previous registration's session
+# expires (a clean shutdown records its epoch and skips this): 3 s, not the default 9 s, with the
+# heartbeat to its own in-process controller at a quarter of that (default 2 s of 9 s).
+broker.session.timeout.ms=3000
+broker.heartbeat.interval.ms=750
+# KIP-848 consumer groups: the broker sets the timeouts (45 s session, 5 s heartbeat by default).
+# Use the ones the worker and producer ask of classic groups (session 10 s, heartbeat 1 s), so a
+# killed member's partitions move on as soon whichever protocol a client picks.
+group.consumer.min.session.timeout.ms=6000
+group.consumer.session.timeout.ms=10000
+group.consumer.min.heartbeat.interval.ms=1000
+group.consumer.heartbeat.interval.ms=1000
+PROPS
+}
+
+# Formats the storage once (meta.properties and the metadata log), with Kafka's own tool in a JVM
+# of its own: it calls System.exit.
+format_broker() {
+  [ -f "$dir/broker/data/meta.properties" ] && return 0
+  local id # a random cluster id: 16 bytes, URL-safe base64 without padding, as Kafka's Uuid
+  id="$(python3 -c 'import base64,uuid
+while True:
+    s = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    if not s.startswith("-"): break  # would read as an option (Kafka avoids these ids too)
+print(s)')"
+  log4j broker.log INFO
+  java -Xshare:auto -XX:TieredStopAtLevel=1 -XX:+UseSerialGC "${LOG4J[@]}" -cp "$KAFKA_LIB/*" \
+    kafka.tools.StorageTool format -t "$id" -c "$dir/broker/server.properties" >>"$dir/logs/broker.log" 2>&1 \
+    || { echo "formatting the broker's storage failed; see $dir/logs/broker.log" >&2; exit 1; }
 }
 
 start_broker() {
   alive broker && return 0
-  local port; port="$(port_of broker)"
-  for attempt in 1 2 3; do
-    [ -n "$port" ] || port="$(free_port)"
-    mkdir -p "$dir/broker" "$dir/logs"
-    # tansu reads its settings from the environment too; name every one of them explicitly.
-    (cd "$dir/broker" && exec env -u CLUSTER_ID -u LISTENER_URL -u ADVERTISED_LISTENER_URL -u STORAGE_ENGINE \
-      setsid "$TANSU" broker \
-        --listener-url "tcp://127.0.0.1:$port" \
-        --advertised-listener-url "tcp://127.0.0.1:$port" \
-        --storage-engine "$(storage_url)" \
-        >>"$dir/logs/broker.log" 2>&1 </dev/null) &
+  need_kafka
+  mkdir -p "$dir/broker/data" "$dir/logs"
+  # The ports are picked once and kept, so clients reconnect to the same address after a restart.
+  local bport cport fresh=""
+  bport="$(port_of broker)" cport="$(port_of controller)"
+  if [ -z "$bport" ] || [ -z "$cport" ]; then fresh=1; fi
+  # The heap is bounded; -Xms follows a SLUICE_KAFKA_HEAP override (the JVM refuses -Xms > -Xmx).
+  local xmx="${SLUICE_KAFKA_HEAP:-768m}" xms="${SLUICE_KAFKA_HEAP:-256m}"
+  for _ in 1 2 3; do
+    if [ -n "$fresh" ]; then read -r bport cport <<<"$(free_ports 2)"; fi
+    echo "$bport" >"$dir/broker.port"
+    echo "$cport" >"$dir/controller.port"
+    write_broker_config "$bport" "$cport"
+    format_broker
+    log4j broker.log INFO
+    (cd "$dir/broker" && exec setsid java -Xms"$xms" -Xmx"$xmx" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+      -XX:+ExitOnOutOfMemoryError -Xshare:auto -Djava.awt.headless=true "${LOG4J[@]}" \
+      -cp "$KAFKA_LIB/*" kafka.Kafka "$dir/broker/server.properties" >>"$dir/logs/broker.log" 2>&1 </dev/null) &
     echo $! >"$dir/broker.pid"
-    echo "$port" >"$dir/broker.port"
-    # A taken port makes tansu panic and exit 0: check it is alive, not its exit status.
-    if wait_port "$port" 15 broker; then
-      index_broker_db
+    # Ready means a real request answered (metadata, then an acks=all produce), not a TCP accept.
+    # StackAdmin gives up early when the broker process exits (a taken port, a bad config).
+    if admin ready "127.0.0.1:$bport" "${SLUICE_KAFKA_START_TIMEOUT:-60}" "$(cat "$dir/broker.pid")"; then
       return 0
     fi
-    log "broker did not start on port $port (see $dir/logs/broker.log); trying another port"
-    kill "$(cat "$dir/broker.pid")" 2>/dev/null || true
-    rm -f "$dir/broker.port"
-    port=""
+    if alive broker || [ -z "$fresh" ]; then
+      break # hung, or it died on the ports that clients already know: new ports would not help
+    fi
+    log "broker did not start on ports $bport/$cport (see $dir/logs/broker.log); trying others"
+    rm -f "$dir/broker.port" "$dir/controller.port"
   done
+  stop broker 0
   echo "the broker failed to start; see $dir/logs/broker.log" >&2
   exit 1
 }
@@ -118,8 +190,8 @@ start_broker() {
 start_s3() {
   alive s3 && return 0
   local port; port="$(port_of s3)"
-  for attempt in 1 2 3; do
-    [ -n "$port" ] || port="$(free_port)"
+  for _ in 1 2 3; do
+    [ -n "$port" ] || port="$(free_ports 1)"
     mkdir -p "$dir/s3/$BUCKET" "$dir/logs"
     setsid "$S3S" --host 127.0.0.1 --port "$port" --access-key "$ACCESS_KEY" --secret-key "$SECRET_KEY" "$dir/s3" \
       >>"$dir/logs/s3.log" 2>&1 </dev/null &
@@ -137,28 +209,33 @@ start_s3() {
   exit 1
 }
 
-stop() { # name
+stop() { # name [seconds before SIGKILL; default 5]
   if alive "$1"; then
     local pid; pid="$(cat "$dir/$1.pid")"
-    kill -TERM "$pid" 2>/dev/null || true
-    kill -CONT "$pid" 2>/dev/null || true # a paused server handles TERM once it runs again
-    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+    if [ "${2:-5}" -gt 0 ]; then
+      kill -TERM "$pid" 2>/dev/null || true
+      kill -CONT "$pid" 2>/dev/null || true # a paused server handles TERM once it runs again
+      for _ in $(seq 1 $((${2:-5} * 20))); do running "$pid" || break; sleep 0.05; done
+    fi
     kill -KILL "$pid" 2>/dev/null || true
+    # Gone before returning: a start right after must not find it alive, nor its ports taken.
+    for _ in $(seq 1 100); do running "$pid" || break; sleep 0.05; done
   fi
   rm -f "$dir/$1.pid"
 }
 
+# A Kafka broker's controlled shutdown (leadership handed over, logs flushed and closed) takes a
+# few seconds: allow 10 before SIGKILL. (A SIGKILLed broker recovers its logs at the next start.)
+stop_broker() { stop broker 10; }
+
+topics() { # NAME:PARTITIONS...
+  admin topics "127.0.0.1:$(port_of broker)" "$@" \
+    || { echo "creating topics failed (see $dir/logs/admin.log): $*" >&2; exit 1; }
+}
+
 create_topics() {
-  local broker="tcp://127.0.0.1:$(port_of broker)"
-  local existing; existing="$("$TANSU" topic list --broker "$broker" 2>/dev/null || true)"
-  for spec in "sluice.tasks.v1:$TASK_PARTITIONS" "sluice.completions.v1:4" "sluice.dlq.v1:2" "sluice.progress.v1:4" "sluice.control.v1:2" "sluice.webhooks.retry.v1:8" "sluice.webhooks.dlq.v1:2"; do
-    local name="${spec%%:*}" partitions="${spec##*:}"
-    if ! grep -qw "$name" <<<"$existing"; then
-      "$TANSU" topic create --broker "$broker" --partitions "$partitions" "$name" >/dev/null 2>>"$dir/logs/topics.log" \
-        || grep -qw "$name" <<<"$("$TANSU" topic list --broker "$broker" 2>/dev/null)" \
-        || { echo "creating topic $name failed; see $dir/logs/topics.log" >&2; exit 1; }
-    fi
-  done
+  topics "sluice.tasks.v1:$TASK_PARTITIONS" sluice.completions.v1:4 sluice.dlq.v1:2 sluice.progress.v1:4 \
+    sluice.control.v1:2 sluice.webhooks.retry.v1:8 sluice.webhooks.dlq.v1:2
 }
 
 write_env() {
@@ -201,7 +278,7 @@ case "$cmd" in
     log "stack up: broker 127.0.0.1:$(port_of broker), S3 http://127.0.0.1:$(port_of s3); settings in $dir/env"
     ;;
   down)
-    stop broker
+    stop_broker
     stop s3
     ;;
   status)
@@ -213,14 +290,11 @@ case "$cmd" in
   start-s3) start_s3 ;;
   pause-s3) alive s3 && kill -STOP "$(cat "$dir/s3.pid")" ;;
   resume-s3) alive s3 && kill -CONT "$(cat "$dir/s3.pid")" ;;
-  stop-broker) stop broker ;;
+  stop-broker) stop_broker ;;
+  kill-broker) stop broker 0 ;;
   start-broker) start_broker ;;
-  restart-broker) stop broker; start_broker ;;
-  topic)
-    # topic DIR NAME PARTITIONS: one more topic (tests give each scenario its own).
-    "$TANSU" topic create --broker "tcp://127.0.0.1:$(port_of broker)" --partitions "${4:?partitions}" "${3:?name}" >/dev/null 2>>"$dir/logs/topics.log" \
-      || grep -qw "$3" <<<"$("$TANSU" topic list --broker "tcp://127.0.0.1:$(port_of broker)" 2>/dev/null)" \
-      || { echo "creating topic $3 failed; see $dir/logs/topics.log" >&2; exit 1; }
-    ;;
-  *) echo "usage: $0 up|down|status|stop-s3|start-s3|pause-s3|resume-s3|stop-broker|start-broker|restart-broker [DIR] | topic DIR NAME PARTITIONS" >&2; exit 2 ;;
+  restart-broker) stop_broker; start_broker ;;
+  # topic DIR NAME PARTITIONS: one more topic (tests give each scenario its own).
+  topic) topics "${3:?name}:${4:?partitions}" ;;
+  *) echo "usage: $0 up|down|status|stop-s3|start-s3|pause-s3|resume-s3|stop-broker|start-broker|restart-broker|kill-broker [DIR] | topic DIR NAME PARTITIONS" >&2; exit 2 ;;
 esac

@@ -23,7 +23,7 @@ const WEBHOOK_KEY: &[u8] = b"sluice-monitoring-webhook-secret";
 const TASKS: usize = 1_200;
 
 fn prometheus_binary() -> PathBuf {
-    sluice_integration_tests::tool("prometheus-2.42.0+ds-5+b6", "usr/bin/prometheus")
+    sluice_integration_tests::tool("prometheus-2.42.0+ds-5+deb12u1", "usr/bin/prometheus")
 }
 
 /// The chart's rules with every `for:` cut to 5 s.
