@@ -36,6 +36,44 @@ pub fn header_values(brokers: &str, topic: &str, key: &str, name: &str) -> anyho
         .collect())
 }
 
+/// Creates topics (an admin request; those that exist are left as they are).
+pub fn create_topics(brokers: &str, topics: &[(&str, u32)]) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::types::RDKafkaErrorCode;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new().set("bootstrap.servers", brokers).create()?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|(name, partitions)| NewTopic::new(name, *partitions as i32, TopicReplication::Fixed(1)))
+        .collect();
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = futures::executor::block_on(admin.create_topics(&new, &options))?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
+        }
+    }
+    Ok(())
+}
+
+/// Which records a reader sees: `read_committed` leaves out those of aborted transactions (and
+/// waits for open ones), `read_uncommitted` sees every record written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isolation {
+    ReadCommitted,
+    ReadUncommitted,
+}
+
+impl Isolation {
+    fn name(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "read_committed",
+            Isolation::ReadUncommitted => "read_uncommitted",
+        }
+    }
+}
+
 /// Reads every partition of a topic from the beginning, without a consumer group (nothing is
 /// committed, so readers never disturb each other or the workers).
 pub struct TopicReader {
@@ -44,12 +82,18 @@ pub struct TopicReader {
 }
 
 impl TopicReader {
+    /// A `read_committed` reader, as event-driven clients are.
     pub fn new(brokers: &str, topic: &str) -> anyhow::Result<TopicReader> {
+        TopicReader::with_isolation(brokers, topic, Isolation::ReadCommitted)
+    }
+
+    pub fn with_isolation(brokers: &str, topic: &str, isolation: Isolation) -> anyhow::Result<TopicReader> {
         let consumer: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", brokers)
             .set("group.id", format!("reader-{}", uuid::Uuid::new_v4()))
             .set("enable.auto.commit", "false")
             .set("fetch.wait.max.ms", "100")
+            .set("isolation.level", isolation.name())
             .create()?;
         let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
         let partitions = metadata.topics().first().map(|t| t.partitions().len()).unwrap_or(0);

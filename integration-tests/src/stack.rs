@@ -39,26 +39,21 @@ impl Stack {
     /// Starts a fresh stack under `<repo>/.stack-test/<name>-<pid>`, taken down when this
     /// process exits.
     pub fn start(name: &str) -> anyhow::Result<Stack> {
-        Stack::start_with(name, "sqlite")
-    }
-
-    /// Like [`Stack::start`], with the broker on `storage` (`sqlite` or `memory`).
-    pub fn start_with(name: &str, storage: &str) -> anyhow::Result<Stack> {
         let dir = repo_root().join(".stack-test").join(format!("{name}-{}", std::process::id()));
         if dir.exists() {
             std::fs::remove_dir_all(&dir).ok();
         }
-        Stack::bring_up(&dir, true, storage)
+        Stack::bring_up(&dir, true)
     }
 
     /// Starts (or reuses) the stack in `dir`, and leaves it running after this process.
     pub fn up(dir: &Path) -> anyhow::Result<Stack> {
-        Stack::bring_up(dir, false, "sqlite")
+        Stack::bring_up(dir, false)
     }
 
-    fn bring_up(dir: &Path, owned: bool, storage: &str) -> anyhow::Result<Stack> {
+    fn bring_up(dir: &Path, owned: bool) -> anyhow::Result<Stack> {
         let mut command = Command::new(repo_root().join("scripts/stack.sh"));
-        command.arg("up").arg(dir).env("SLUICE_BROKER_STORAGE", storage);
+        command.arg("up").arg(dir);
         if owned {
             command.env("SLUICE_STACK_OWNER_PID", std::process::id().to_string());
         }
@@ -101,6 +96,10 @@ impl Stack {
     pub fn start_broker(&self) -> anyhow::Result<()> {
         self.script("start-broker")
     }
+    /// Kills the broker with SIGKILL: no controlled shutdown, nothing flushed.
+    pub fn kill_broker(&self) -> anyhow::Result<()> {
+        self.script("kill-broker")
+    }
     pub fn down(&self) -> anyhow::Result<()> {
         self.script("down")
     }
@@ -136,19 +135,10 @@ impl Stack {
             completions: format!("{}.{scenario}", sluice_schemas::topics::COMPLETIONS),
             dlq: format!("{}.{scenario}", sluice_schemas::topics::DLQ),
         };
-        for (name, partitions) in [(&topics.tasks, task_partitions), (&topics.completions, 2), (&topics.dlq, 2)] {
-            let status = Command::new(repo_root().join("scripts/stack.sh"))
-                .args([
-                    "topic".as_ref(),
-                    self.dir.as_os_str(),
-                    name.as_ref(),
-                    partitions.to_string().as_ref(),
-                ])
-                .status()?;
-            if !status.success() {
-                bail!("creating topic {name} failed");
-            }
-        }
+        crate::kafka::create_topics(
+            self.brokers(),
+            &[(&topics.tasks, task_partitions), (&topics.completions, 2), (&topics.dlq, 2)],
+        )?;
         Ok(topics)
     }
 

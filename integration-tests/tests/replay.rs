@@ -174,8 +174,7 @@ async fn replay_by_time_reannounces_finished_tasks_without_running_them_again() 
         (&4.into(), &2.into(), &2.into()),
         "{summary}"
     );
-    // Before `since`: the two early tasks only. (tansu answers a lookup for a time after every
-    // record with offset 0; the range is cut by the records' own times.)
+    // Before `since`: the two early tasks only (the broker's time lookup ends the range).
     let out = producer_cli(
         stack,
         &[

@@ -99,24 +99,16 @@ pub struct Summary {
     pub seconds: f64,
 }
 
-/// One partition's part of a run: offsets `[start, end)`, of which only the records from the
-/// first one stamped at or after `since` on, and before the first one stamped at or after `until`.
-///
-/// The times are checked on the records themselves: the broker's answer for a time only moves
-/// `start` forward. Kafka answers "no record at or after this time" with -1, but tansu 0.6 answers
-/// offset 0, which would otherwise replay a whole partition (or, for `until`, none of it).
+/// One partition's part of a run: offsets `[start, end)`. Times were turned into offsets by the
+/// broker's own lookup (`offsets_for_times`: the first record stamped at or after the time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Range {
     pub start: i64,
     pub end: i64,
-    /// Milliseconds since the epoch.
-    pub since: Option<i64>,
-    /// Milliseconds since the epoch.
-    pub until: Option<i64>,
 }
 
 impl Range {
-    /// Offsets in the range, before the record times are read.
+    /// Offsets in the range.
     pub fn len(&self) -> i64 {
         self.end - self.start
     }
@@ -124,32 +116,6 @@ impl Range {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// Where the record at `offset` stamped `timestamp` (ms) falls; `reached` says whether a
-    /// record at or after `since` was seen before in this partition and is updated.
-    fn step(&self, offset: i64, timestamp: Option<i64>, reached: &mut bool) -> Step {
-        if offset >= self.end || matches!((self.until, timestamp), (Some(u), Some(t)) if t >= u) {
-            return Step::Past;
-        }
-        if !*reached {
-            match (self.since, timestamp) {
-                (Some(s), Some(t)) if t < s => return Step::Before,
-                _ => *reached = true,
-            }
-        }
-        Step::Within
-    }
-}
-
-/// Where a partition's reader stands, record by record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Step {
-    /// Before `since`: skip it, not counted as read.
-    Before,
-    /// Within the range: read it.
-    Within,
-    /// Past the end (by offset or by `until`): the partition is done, this record not read.
-    Past,
 }
 
 /// One record to write.
@@ -202,21 +168,16 @@ pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: D
             .collect())
     };
     let since = by_time(bounds.since)?;
+    let until = by_time(bounds.until)?;
     let mut ranges = BTreeMap::new();
     for p in partitions {
         let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
         // An explicit offset wins over a time for the same end of the range.
-        let (start, since) = match bounds.from_offsets.get(&p) {
-            Some(o) => (*o, None),
-            None => (since.get(&p).copied().unwrap_or(low), bounds.since.map(|t| t.timestamp_millis())),
-        };
-        let (end, until) = match bounds.to_offsets.get(&p) {
-            Some(o) => (*o, None),
-            None => (high, bounds.until.map(|t| t.timestamp_millis())),
-        };
+        let start = bounds.from_offsets.get(&p).or(since.get(&p)).copied().unwrap_or(low);
+        let end = bounds.to_offsets.get(&p).or(until.get(&p)).copied().unwrap_or(high);
         let start = start.clamp(low, high);
         let end = end.clamp(start, high);
-        ranges.insert(p, Range { start, end, since, until });
+        ranges.insert(p, Range { start, end });
     }
     Ok(ranges)
 }
@@ -240,12 +201,12 @@ pub async fn run(
         ..Summary::default()
     };
     let mut tpl = TopicPartitionList::new();
-    // Each open partition's range and whether its reader got to `since` yet.
-    let mut open: BTreeMap<i32, (Range, bool)> = BTreeMap::new();
+    // Each open partition's end.
+    let mut open: BTreeMap<i32, i64> = BTreeMap::new();
     for (p, range) in ranges {
         if !range.is_empty() {
             tpl.add_partition_offset(source, *p, Offset::Offset(range.start))?;
-            open.insert(*p, (*range, false));
+            open.insert(*p, range.end);
         }
     }
     if open.is_empty() {
@@ -275,13 +236,11 @@ pub async fn run(
                     }
                 };
                 let (p, o) = (m.partition(), m.offset());
-                let Some((range, reached)) = open.get_mut(&p) else { continue };
-                let range = *range;
-                let step = range.step(o, m.timestamp().to_millis(), reached);
-                if step == Step::Past || o + 1 >= range.end {
+                let Some(&end) = open.get(&p) else { continue };
+                if o + 1 >= end {
                     open.remove(&p);
                 }
-                if step != Step::Within {
+                if o >= end {
                     continue;
                 }
                 let (copy, outcome) = select(mode, &source, &m, &filter);
@@ -422,57 +381,4 @@ async fn write(producer: &FutureProducer, topic: &str, copy: Copy, origin: Strin
         .await
         .map(|_| ())
         .map_err(|(e, _)| e)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn steps(range: Range, records: &[(i64, i64)]) -> Vec<Step> {
-        let mut reached = false;
-        records.iter().map(|(o, t)| range.step(*o, Some(*t), &mut reached)).collect()
-    }
-
-    #[test]
-    fn since_skips_records_before_the_first_one_at_or_after_it_even_from_offset_zero() {
-        // What tansu answers for a time after every record: offset 0.
-        let range = Range {
-            start: 0,
-            end: 4,
-            since: Some(1_000),
-            until: None,
-        };
-        let got = steps(range, &[(0, 10), (1, 20), (2, 1_000), (3, 999)]);
-        // Like Kafka's lookup: from the first record at or after `since` on, whatever its stamp.
-        assert_eq!(got, [Step::Before, Step::Before, Step::Within, Step::Within]);
-        assert_eq!(steps(range, &[(0, 10), (1, 20)]), [Step::Before, Step::Before]);
-    }
-
-    #[test]
-    fn until_ends_the_partition_at_the_first_record_at_or_after_it() {
-        let range = Range {
-            start: 5,
-            end: 9,
-            since: None,
-            until: Some(100),
-        };
-        assert_eq!(
-            steps(range, &[(5, 10), (6, 99), (7, 100)]),
-            [Step::Within, Step::Within, Step::Past]
-        );
-        // The offset end holds too.
-        assert_eq!(steps(range, &[(8, 10), (9, 10)]), [Step::Within, Step::Past]);
-    }
-
-    #[test]
-    fn records_without_a_timestamp_are_within() {
-        let range = Range {
-            start: 0,
-            end: 2,
-            since: Some(1_000),
-            until: Some(2_000),
-        };
-        let mut reached = false;
-        assert_eq!(range.step(0, None, &mut reached), Step::Within);
-    }
 }
