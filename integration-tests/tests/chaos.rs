@@ -1,7 +1,8 @@
 //! The chaos suite: real processes and real faults — workers killed with SIGKILL and restarted,
-//! the S3 server stopped for 30 s, the broker restarted, floods of hostile records. Every task
-//! must end with a completion or a DLQ record; nothing acknowledged is lost; a task image never
-//! becomes two different objects.
+//! the S3 server stopped for 30 s, the broker killed with SIGKILL and restarted, all of them in
+//! one run, floods of hostile records. Every task must end with a completion or a DLQ record;
+//! nothing acknowledged is lost; a task image never becomes two different objects; in
+//! exactly-once delivery a `read_committed` reader sees each task's completion once.
 //!
 //! `make test` runs a fast variant; `make chaos` (`SLUICE_CHAOS=full`) the full one. Each
 //! scenario prints a summary table (`--nocapture` shows it). The workers serve the tiny
@@ -13,8 +14,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{Worker, metric_value};
-use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::cluster::{API_KEY, Worker, metric_value};
+use sluice_integration_tests::kafka::{Isolation, producer};
+use sluice_integration_tests::process::{Service, bin};
 use sluice_integration_tests::{Outcomes, Stack, TopicReader, Topics, ids_of, produce_raw, publish_tasks, terrain_task};
 use sluice_schemas::{CompletionStatus, DlqRecord};
 use tokio::sync::{Mutex, OnceCell};
@@ -46,15 +48,6 @@ async fn worker_with(stack: &Stack, id: &str, group: &str, topics: &Topics, extr
         ("SLUICE_MAX_BATCH", "16"),
         ("SLUICE_MAX_WAIT_MS", "20"),
     ];
-    // The local broker's group coordinator wedges under kill -9 every few seconds with the
-    // worker's default cooperative-sticky assignment (a member is left without partitions and
-    // commits stop returning: seen in 2 of 3 runs, and with dynamic membership in 2 of 4); with
-    // the eager range assignor and static membership it held in every run. Real Kafka is not
-    // affected; `SLUICE_CHAOS_KAFKA_OPTIONS` overrides this to try others.
-    let options = std::env::var("SLUICE_CHAOS_KAFKA_OPTIONS").unwrap_or_else(|_| "partition.assignment.strategy=range".into());
-    if !options.is_empty() {
-        env.push(("SLUICE_KAFKA_OPTIONS", &options));
-    }
     if std::env::var("SLUICE_CHAOS_STATIC").map_or(true, |v| v != "0") {
         env.push(("SLUICE_GROUP_INSTANCE_ID", id));
     }
@@ -127,6 +120,26 @@ fn table(title: &str, rows: &[(&str, String)]) {
     }
 }
 
+/// Completion records beyond the first of each task in `ids`, as a reader of `isolation` sees
+/// them once every task has one (call after [`outcomes`]).
+fn extra_completions(stack: &Stack, topics: &Topics, ids: &BTreeSet<String>, isolation: Isolation) -> usize {
+    tokio::task::block_in_place(|| {
+        let mut reader = TopicReader::with_isolation(stack.brokers(), &topics.completions, isolation).unwrap();
+        let key = |r: &sluice_integration_tests::kafka::Consumed| r.key.as_ref().map(|k| String::from_utf8_lossy(k).into_owned());
+        let mut seen: BTreeSet<String> = BTreeSet::new();
+        reader
+            .read_each(Duration::from_secs(120), |r| {
+                seen.extend(key(r).filter(|id| ids.contains(id)));
+                seen.len() == ids.len()
+            })
+            .unwrap();
+        // And whatever else was written by then.
+        reader.poll_for(Duration::from_secs(3));
+        let total = reader.records.iter().filter(|r| key(r).is_some_and(|id| ids.contains(&id))).count();
+        total - ids.len()
+    })
+}
+
 /// Duplicate completions, and tasks whose completions disagree on their images.
 fn duplicates(done: &Outcomes) -> (usize, usize) {
     let extra = done.completions.values().map(|cs| cs.len() - 1).sum();
@@ -139,14 +152,27 @@ fn duplicates(done: &Outcomes) -> (usize, usize) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() {
+async fn workers_killed_and_restarted_lose_nothing_exactly_once() {
+    workers_killed_and_restarted("exactly-once").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn workers_killed_and_restarted_lose_nothing_at_least_once() {
+    workers_killed_and_restarted("at-least-once").await;
+}
+
+/// Kill -9 in a loop, in delivery mode `mode`: nothing lost, never two objects; exactly once, a
+/// `read_committed` reader sees no duplicate completion.
+async fn workers_killed_and_restarted(mode: &str) {
     let _serial = SERIAL.lock().await;
     let stack = stack().await;
-    let topics = stack.topics("kill", 8).unwrap();
-    let (n, spread) = if full() { (2400, 60) } else { (600, 20) };
+    let topics = stack.topics(&format!("kill-{mode}"), 8).unwrap();
+    let (n, spread) = if full() { (2400, 60) } else { (400, 15) };
+    let group = format!("chaos-kill-{mode}");
+    let delivery = [("SLUICE_DELIVERY", mode)];
     let mut workers = vec![
-        worker(stack, "kill-0", "chaos-kill", &topics).await,
-        worker(stack, "kill-1", "chaos-kill", &topics).await,
+        worker_with(stack, &format!("kill-{mode}-0"), &group, &topics, &delivery).await,
+        worker_with(stack, &format!("kill-{mode}-1"), &group, &topics, &delivery).await,
     ];
     for w in &workers {
         w.wait_assigned(Duration::from_secs(60)).await.unwrap();
@@ -167,9 +193,8 @@ async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() 
         victim.service.kill9();
         kills += 1;
         victim.restart(stack).await.unwrap();
-        // The next kill comes once the group has settled again: the local broker's coordinator
-        // can wedge for good (no member owning any partition) when members die in the middle
-        // of a rebalance, which Kafka itself survives. Kills still land mid-work.
+        // The next kill comes once the group has settled again, so that every kill lands on a
+        // worker with work in flight.
         for w in &workers {
             w.wait_assigned(Duration::from_secs(60)).await.unwrap();
         }
@@ -179,18 +204,21 @@ async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() 
     let done = outcomes(stack, &topics, &ids_of(&all), Duration::from_secs(600));
     let succeeded = done.with_status(CompletionStatus::Succeeded).len();
     let (extra, differing) = duplicates(&done);
+    let ids = ids_of(&all);
+    let extra_uncommitted = extra_completions(stack, &topics, &ids, Isolation::ReadUncommitted);
     let images = stored_images(stack);
     let doubled = all.iter().filter(|(id, _)| images.get(id).copied().unwrap_or(0) > 1).count();
     let missing_images = all.iter().filter(|(id, _)| !images.contains_key(id)).count();
     table(
-        "kill -9 a random worker 2-4 s after the group settles, restart it (2 workers, static membership)",
+        &format!("kill -9 a random worker 2-4 s after the group settles, restart it (2 workers, static membership, {mode})"),
         &[
             ("tasks", n.to_string()),
             ("kills", kills.to_string()),
             ("records uncommitted at the kills (may be read again)", at_risk.to_string()),
             ("completed", succeeded.to_string()),
             ("lost", (n - done.completions.len()).to_string()),
-            ("duplicate completions", extra.to_string()),
+            ("duplicate completions, read_committed", extra.to_string()),
+            ("duplicate completions, read_uncommitted", extra_uncommitted.to_string()),
             ("tasks whose completions disagree", differing.to_string()),
             ("tasks with two image objects", doubled.to_string()),
             ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
@@ -199,6 +227,9 @@ async fn workers_killed_and_restarted_lose_nothing_and_never_make_two_objects() 
     assert!(kills >= 3, "the run saw {kills} kills");
     assert_eq!(succeeded, n, "every task completed");
     assert!(extra <= at_risk, "{extra} duplicate completions, {at_risk} records at risk");
+    if mode == "exactly-once" {
+        assert_eq!(extra, 0, "a read_committed reader saw a task's completion twice");
+    }
     assert_eq!(differing, 0);
     assert_eq!(doubled, 0);
     assert_eq!(missing_images, 0);
@@ -219,7 +250,7 @@ async fn an_s3_outage_of_30_s_dead_letters_nothing_loses_nothing_and_never_stall
     let topics = stack.topics("s3", 4).unwrap();
     let n = if full() { 1000 } else { 300 };
     let (hung, gone) = (Duration::from_secs(15), Duration::from_secs(15));
-    // A short lease span, so that read leases are extended (written to S3) during the outage.
+    // A short lease span, so that read leases are extended (committed) during the outage.
     let mut w = worker_with(stack, "s3-0", "chaos-s3", &topics, &[("SLUICE_LEASE_SPAN", "16")]).await;
     w.wait_assigned(Duration::from_secs(60)).await.unwrap();
     let started = Instant::now();
@@ -249,7 +280,7 @@ async fn an_s3_outage_of_30_s_dead_letters_nothing_loses_nothing_and_never_stall
     let poll_gap = metric_value(&metrics, "sluice_worker_poll_gap_max_seconds").unwrap_or(f64::NAN);
     let revokes = metric_value(&metrics, "sluice_worker_rebalances_total{kind=\"revoke\"}").unwrap_or(0.0) - revokes_before;
     table(
-        "S3 server hung for 15 s, then stopped for 15 s, mid-run (1 worker, lease writes during the outage)",
+        "S3 server hung for 15 s, then stopped for 15 s, mid-run (1 worker, lease commits during the outage)",
         &[
             ("tasks", n.to_string()),
             ("S3 out for", format!("{:.1} s", down.as_secs_f64())),
@@ -271,40 +302,191 @@ async fn an_s3_outage_of_30_s_dead_letters_nothing_loses_nothing_and_never_stall
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_broker_restart_loses_no_acknowledged_task() {
+async fn every_fault_in_one_run_exactly_once() {
+    every_fault_in_one_run("exactly-once").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_fault_in_one_run_at_least_once() {
+    every_fault_in_one_run("at-least-once").await;
+}
+
+/// A producer serving HTTP on `topics`, its webhooks off (this suite is about tasks).
+async fn producer_service(stack: &Stack, topics: &Topics, name: &str) -> (Service, String) {
+    let port = sluice_integration_tests::free_port();
+    let mut env = stack.vars();
+    env.extend(
+        [
+            ("SLUICE_LISTEN", format!("127.0.0.1:{port}")),
+            ("SLUICE_API_KEYS", format!("acme:{API_KEY}")),
+            (
+                "SLUICE_STATUS_PATH",
+                stack.dir.join(format!("status-{name}/view.redb")).display().to_string(),
+            ),
+            ("SLUICE_TASKS_TOPIC", topics.tasks.clone()),
+            ("SLUICE_COMPLETIONS_TOPIC", topics.completions.clone()),
+            ("SLUICE_WEBHOOKS", "false".into()),
+        ]
+        .map(|(k, v)| (k.to_owned(), v)),
+    );
+    let mut service = Service::spawn(name, &bin("sluice-producer"), &["serve"], &env, &stack.dir.join("logs")).unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    service
+        .wait_ready(&format!("{url}/healthz"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    (service, url)
+}
+
+/// What the producer answered while tasks were submitted over HTTP.
+#[derive(Debug, Default)]
+struct Submitted {
+    /// Task ids answered 202.
+    accepted: BTreeSet<String>,
+    /// 503 answers (the broker was away).
+    unavailable: usize,
+    /// Anything else.
+    other: Vec<String>,
+    /// 202 answers after the first 503 (the producer recovered by itself).
+    accepted_after_outage: usize,
+}
+
+/// Submits `n` terrain tasks over HTTP, 16 at a time, spread over `spread`.
+fn submit_paced(url: String, n: usize, spread: Duration) -> tokio::task::JoinHandle<Submitted> {
+    tokio::spawn(async move {
+        let client = reqwest::Client::new();
+        let mut out = Submitted::default();
+        let waves = n.div_ceil(16);
+        let pause = spread / waves as u32;
+        for wave in 0..waves {
+            let sends = (wave * 16..((wave + 1) * 16).min(n)).map(|i| {
+                let request = client
+                    .post(format!("{url}/v1/tasks"))
+                    .bearer_auth(API_KEY)
+                    .json(&json!({"model": "terrain", "seed": 40_000 + i, "params": {"difficulty": 1 + i % 100}}));
+                async move {
+                    match request.send().await {
+                        Ok(r) => {
+                            let status = r.status().as_u16();
+                            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+                        }
+                        Err(e) => (0, json!(e.to_string())),
+                    }
+                }
+            });
+            for (status, body) in futures::future::join_all(sends).await {
+                match status {
+                    202 => {
+                        out.accepted.insert(body["task_id"].as_str().unwrap_or_default().to_owned());
+                        out.accepted_after_outage += usize::from(out.unavailable > 0);
+                    }
+                    503 => out.unavailable += 1,
+                    _ => out.other.push(format!("{status}: {body}")),
+                }
+            }
+            tokio::time::sleep(pause).await;
+        }
+        out
+    })
+}
+
+/// Every fault at once, in delivery mode `mode`: tasks submitted over HTTP while workers are
+/// killed (-9) and restarted, the broker is killed (-9) and restarted, and the S3 server is
+/// stopped. The producer answers 503 while the broker is away and never a 202 it can't keep;
+/// nothing accepted is lost; producer and workers recover without a restart of their own.
+async fn every_fault_in_one_run(mode: &str) {
     let _serial = SERIAL.lock().await;
     let stack = stack().await;
-    let topics = stack.topics("broker", 4).unwrap();
-    let n = if full() { 1000 } else { 300 };
-    let mut w = worker(stack, "broker-0", "chaos-broker", &topics).await;
+    let topics = stack.topics(&format!("all-{mode}"), 8).unwrap();
+    let (n, spread) = if full() { (1600, 60) } else { (480, 24) };
+    let group = format!("chaos-all-{mode}");
+    let delivery = [("SLUICE_DELIVERY", mode)];
+    let mut workers = vec![
+        worker_with(stack, &format!("all-{mode}-0"), &group, &topics, &delivery).await,
+        worker_with(stack, &format!("all-{mode}-1"), &group, &topics, &delivery).await,
+    ];
+    for w in &workers {
+        w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    }
+    let (mut producer, url) = producer_service(stack, &topics, &format!("producer-{mode}")).await;
     let started = Instant::now();
-    let all = tasks(n, 20_000);
-    let publisher = publish_paced(stack, &topics.tasks, all.clone(), Duration::from_secs(12));
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    stack.stop_broker().unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let submitter = submit_paced(url, n, Duration::from_secs(spread));
+    let mut kills = 0;
+    let at = |s: u64| tokio::time::sleep_until(tokio::time::Instant::from_std(started + Duration::from_secs(s)));
+    let scale = spread / 24;
+    // The faults, one after another, while tasks arrive.
+    at(3 * scale).await;
+    workers[0].service.kill9();
+    workers[0].restart(stack).await.unwrap();
+    kills += 1;
+    at(6 * scale).await;
+    stack.kill_broker().unwrap();
+    let broker_down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
     stack.start_broker().unwrap();
-    let acked = publisher.await.unwrap();
-    let done = outcomes(stack, &topics, &acked, Duration::from_secs(600));
+    let broker_down = broker_down.elapsed();
+    at(14 * scale).await;
+    workers[1].service.kill9();
+    workers[1].restart(stack).await.unwrap();
+    kills += 1;
+    at(16 * scale).await;
+    stack.stop_s3().unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stack.start_s3().unwrap();
+    at(20 * scale).await;
+    workers[0].service.kill9();
+    workers[0].restart(stack).await.unwrap();
+    kills += 1;
+    let submitted = submitter.await.unwrap();
+    let done = outcomes(stack, &topics, &submitted.accepted, Duration::from_secs(600));
     let (extra, differing) = duplicates(&done);
+    let extra_uncommitted = extra_completions(stack, &topics, &submitted.accepted, Isolation::ReadUncommitted);
+    let images = stored_images(stack);
+    let doubled = submitted
+        .accepted
+        .iter()
+        .filter(|id| images.get(*id).copied().unwrap_or(0) > 1)
+        .count();
     table(
-        "broker (tansu, sqlite) stopped for 3 s and restarted mid-run (1 worker)",
+        &format!("every fault in one run: 3 worker kill -9s, broker kill -9 for 5 s, S3 stopped for 5 s ({mode})"),
         &[
-            ("tasks sent", n.to_string()),
-            ("acknowledged by the broker", acked.len().to_string()),
+            ("tasks submitted over HTTP", n.to_string()),
+            ("answered 202", submitted.accepted.len().to_string()),
+            ("answered 503 (broker away)", submitted.unavailable.to_string()),
+            ("answered 202 after the first 503", submitted.accepted_after_outage.to_string()),
+            ("other answers", submitted.other.len().to_string()),
+            ("worker kills", kills.to_string()),
+            ("broker down for", format!("{:.1} s", broker_down.as_secs_f64())),
             (
-                "acknowledged and completed",
+                "accepted and completed",
                 done.with_status(CompletionStatus::Succeeded).len().to_string(),
             ),
-            ("acknowledged and lost", (acked.len() - done.completions.len()).to_string()),
-            ("duplicate completions", extra.to_string()),
+            ("accepted and lost", (submitted.accepted.len() - done.completions.len()).to_string()),
+            ("duplicate completions, read_committed", extra.to_string()),
+            ("duplicate completions, read_uncommitted", extra_uncommitted.to_string()),
+            ("tasks with two image objects", doubled.to_string()),
             ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
         ],
     );
-    assert!(w.service.running(), "the worker rode out the restart");
-    assert_eq!(done.with_status(CompletionStatus::Succeeded), acked);
+    assert!(submitted.other.is_empty(), "{:?}", &submitted.other[..submitted.other.len().min(5)]);
+    assert!(submitted.unavailable > 0, "the broker's absence was answered with 503");
+    assert!(submitted.accepted_after_outage > 0, "the producer took tasks again by itself");
+    assert!(producer.running(), "the producer rode out the broker's restart");
+    assert_eq!(
+        done.with_status(CompletionStatus::Succeeded),
+        submitted.accepted,
+        "every accepted task completed"
+    );
     assert_eq!(differing, 0);
-    w.service.terminate(Duration::from_secs(30)).unwrap();
+    assert_eq!(doubled, 0);
+    if mode == "exactly-once" {
+        assert_eq!(extra, 0, "a read_committed reader saw a task's completion twice");
+    }
+    for w in &mut workers {
+        assert!(w.service.running(), "{} rode out the broker and S3 faults", w.id);
+        w.service.terminate(Duration::from_secs(30)).unwrap();
+    }
+    producer.terminate(Duration::from_secs(30)).unwrap();
 }
 
 /// A hostile record of kind `i % KINDS`: its bytes and the DLQ reason it must get.

@@ -58,6 +58,10 @@ pub struct KafkaArgs {
     /// its partitions back without a rebalance.
     #[arg(long, env = "SLUICE_GROUP_INSTANCE_ID")]
     pub group_instance_id: Option<String>,
+    /// The consumer group protocol: `classic` (cooperative-sticky assignment, static membership)
+    /// or `consumer` (KIP-848: the broker assigns, no group-wide rebalance barrier).
+    #[arg(long, env = "SLUICE_GROUP_PROTOCOL", value_enum, default_value_t = GroupProtocol::Classic)]
+    pub group_protocol: GroupProtocol,
     #[arg(long, env = "SLUICE_TASKS_TOPIC", default_value = sluice_schemas::topics::TASKS)]
     pub tasks_topic: String,
     #[arg(long, env = "SLUICE_COMPLETIONS_TOPIC", default_value = sluice_schemas::topics::COMPLETIONS)]
@@ -73,6 +77,23 @@ pub struct KafkaArgs {
     /// Records larger than this go to the DLQ as `too_large` without being parsed.
     #[arg(long, env = "SLUICE_MAX_TASK_BYTES", default_value_t = 1 << 20)]
     pub max_task_bytes: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GroupProtocol {
+    Classic,
+    Consumer,
+}
+
+/// How outcomes reach the completion and DLQ topics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeliveryMode {
+    /// Each outcome is published, then its offset committed: a worker killed in between
+    /// announces the task again when it is redelivered.
+    AtLeastOnce,
+    /// Outcomes and the offsets that cover them are committed in one Kafka transaction: a
+    /// `read_committed` reader sees each task's outcome once.
+    ExactlyOnce,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -202,6 +223,14 @@ pub struct BatchingArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct DeliveryArgs {
+    /// `exactly-once` or `at-least-once` (see the README's delivery guarantees).
+    #[arg(long, env = "SLUICE_DELIVERY", value_enum, default_value_t = DeliveryMode::ExactlyOnce)]
+    pub delivery: DeliveryMode,
+    /// The transactional id of exactly-once delivery: stable per worker identity, so that a
+    /// restarted worker fences its previous instance and aborts its open transaction (default:
+    /// `<group>.<group instance id or worker id>`).
+    #[arg(long, env = "SLUICE_TRANSACTIONAL_ID")]
+    pub transactional_id: Option<String>,
     /// Tasks read but not yet finished before the worker pauses its partitions (it resumes at
     /// half). Unstarted tasks cost only their record, and a revoke hands them on untouched; the
     /// limit should cover a couple of seconds of throughput, because fetching takes up to a
@@ -229,8 +258,8 @@ pub struct DeliveryArgs {
     #[arg(long, env = "SLUICE_RETRY_BASE_DELAY_MS", default_value_t = 200)]
     pub retry_base_delay_ms: u64,
     /// Records a partition's read lease covers beyond the record that extended it (one lease
-    /// write per this many records; see the README's delivery guarantees). Tests lower it to
-    /// exercise lease writes.
+    /// commit per this many records; see the README's delivery guarantees). Tests lower it to
+    /// exercise lease commits.
     #[arg(long, env = "SLUICE_LEASE_SPAN", default_value_t = crate::redelivery::LEASE_SPAN, hide = true)]
     pub lease_span: i64,
 }
@@ -248,6 +277,14 @@ impl DeliveryArgs {
 }
 
 impl Config {
+    /// The transactional id of exactly-once delivery.
+    pub fn transactional_id(&self) -> String {
+        self.delivery.transactional_id.clone().unwrap_or_else(|| {
+            let identity = self.kafka.group_instance_id.clone().unwrap_or_else(|| self.worker_id());
+            format!("{}.{identity}", self.kafka.group_id)
+        })
+    }
+
     pub fn worker_id(&self) -> String {
         self.worker_id.clone().unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "worker".into());

@@ -270,7 +270,7 @@ pub(crate) struct PartitionsRevoked<'a> {
     pub assigned_now: usize,
     pub drained: Duration,
     pub abandoned: usize,
-    pub commits: &'a [(TopicPartition, i64)],
+    pub commits: &'a [crate::offsets::Commit],
     pub commit_error: Option<String>,
 }
 
@@ -289,7 +289,7 @@ impl Emit for PartitionsRevoked<'_> {
             partitions = ?self.partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
             drained_ms = self.drained.as_millis() as u64,
             abandoned = self.abandoned,
-            commits = ?self.commits.iter().map(|(tp, o)| (tp.partition, *o)).collect::<Vec<_>>(),
+            commits = ?self.commits.iter().map(|c| (c.tp.partition, c.offset)).collect::<Vec<_>>(),
             commit_error = self.commit_error,
             "partitions revoked"
         );

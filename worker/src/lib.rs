@@ -4,6 +4,7 @@
 
 pub mod adaptive;
 mod batcher;
+mod commit;
 pub mod config;
 mod control;
 mod encode;

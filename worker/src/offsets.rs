@@ -4,6 +4,10 @@
 //! Tasks finish out of order — inside a batch, across batches, and when a poison record goes to
 //! the DLQ at once — so the committable offset of a partition is the lowest offset still
 //! pending, or one past the last record read when none is.
+//!
+//! Each commit also carries the partition's read lease as its metadata (how far records may have
+//! been started: see [`crate::redelivery`]); the tracker keeps the lease found at assignment,
+//! the one wanted and the one the broker acknowledged.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
@@ -28,6 +32,46 @@ impl TopicPartition {
     }
 }
 
+/// A partition's read lease: offsets below `confirmed` may be started by this consumer; records
+/// below `previous` may have been started by an earlier one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// The lease end committed by the partition's previous owner (0 when none).
+    pub previous: i64,
+    /// The lease end the next commit writes (never below `previous`).
+    pub wanted: i64,
+    /// The lease end the broker acknowledged.
+    pub confirmed: i64,
+}
+
+/// What the tracker knows of a record's partition lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseState {
+    /// The record's assignment is over.
+    Gone,
+    /// Not read yet (or the last read or write failed less than a second ago: `may_try` false).
+    Unknown {
+        may_try: bool,
+    },
+    Known {
+        lease: Lease,
+        may_try: bool,
+    },
+}
+
+/// After a failed lease read or write, how long records are checked rather than waiting on the
+/// broker again.
+const LEASE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// One partition's commit: the next offset to read and, as its metadata, the read lease.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Commit {
+    pub tp: TopicPartition,
+    pub offset: i64,
+    pub generation: u64,
+    pub lease_end: i64,
+}
+
 #[derive(Debug)]
 struct Partition {
     generation: u64,
@@ -43,12 +87,33 @@ struct Partition {
     draining: bool,
     /// The lowest offset released unfinished while draining: commits stop below it.
     released: Option<i64>,
+    /// `None` until the previous owner's lease is read: until then nothing is committed, since
+    /// a commit would overwrite that lease.
+    lease: Option<Lease>,
+    /// When a lease read or write last failed.
+    lease_failed_at: Option<Instant>,
 }
 
 impl Partition {
     fn committable(&self) -> Option<i64> {
         let c = self.pending.keys().next().copied().or(self.next)?;
         Some(self.released.map_or(c, |r| r.min(c)))
+    }
+
+    /// The commit this partition needs now, if any: a new offset or a longer lease.
+    fn commit(&self, tp: &TopicPartition) -> Option<Commit> {
+        let lease = self.lease?;
+        let offset = self.committable()?;
+        (self.committed != Some(offset) || lease.wanted > lease.confirmed).then(|| Commit {
+            tp: tp.clone(),
+            offset,
+            generation: self.generation,
+            lease_end: lease.wanted,
+        })
+    }
+
+    fn may_try(&self) -> bool {
+        self.lease_failed_at.is_none_or(|t| t.elapsed() >= LEASE_RETRY_AFTER)
     }
 }
 
@@ -65,6 +130,12 @@ struct State {
 pub struct Offsets {
     state: Mutex<State>,
     finished: Condvar,
+    /// Woken when a commit is wanted before the next tick (a lease extension).
+    pub(crate) commit_wanted: tokio::sync::Notify,
+    /// Woken on every acknowledgement (the transactional committer commits as they come).
+    pub(crate) acked: tokio::sync::Notify,
+    /// Woken after every successful commit (lease extensions wait on it).
+    committed_now: tokio::sync::Notify,
 }
 
 impl Offsets {
@@ -95,6 +166,8 @@ impl Offsets {
                     committed: None,
                     draining: false,
                     released: None,
+                    lease: None,
+                    lease_failed_at: None,
                 },
             );
         }
@@ -134,7 +207,85 @@ impl Offsets {
         state.in_flight -= 1;
         drop(state);
         self.finished.notify_all();
+        self.acked.notify_one();
         true
+    }
+
+    /// The lease of `origin`'s partition, under `origin`'s assignment.
+    pub fn lease(&self, origin: &Origin) -> LeaseState {
+        let state = self.lock();
+        match state.partitions.get(&TopicPartition::of(origin)) {
+            Some(p) if p.generation == origin.generation => match p.lease {
+                Some(lease) => LeaseState::Known {
+                    lease,
+                    may_try: p.may_try(),
+                },
+                None => LeaseState::Unknown { may_try: p.may_try() },
+            },
+            _ => LeaseState::Gone,
+        }
+    }
+
+    /// Records the lease the previous owner committed (`Ok(end)`, 0 for none), or that reading
+    /// it failed. A lease already known is kept.
+    pub fn found_lease(&self, origin: &Origin, found: Result<i64, ()>) {
+        let mut state = self.lock();
+        let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin)) else {
+            return;
+        };
+        if p.generation != origin.generation || p.lease.is_some() {
+            return;
+        }
+        match found {
+            Ok(end) => {
+                p.lease = Some(Lease {
+                    previous: end,
+                    wanted: end,
+                    confirmed: end,
+                });
+                p.lease_failed_at = None;
+            }
+            Err(()) => p.lease_failed_at = Some(Instant::now()),
+        }
+    }
+
+    /// Asks for the lease of `origin`'s partition to reach `end` with the next commit, and wakes
+    /// the committer.
+    pub fn want_lease(&self, origin: &Origin, end: i64) {
+        let mut state = self.lock();
+        let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin)) else {
+            return;
+        };
+        if p.generation != origin.generation {
+            return;
+        }
+        if let Some(lease) = &mut p.lease {
+            lease.wanted = lease.wanted.max(end);
+        }
+        drop(state);
+        self.commit_wanted.notify_one();
+    }
+
+    /// Waits until the broker acknowledged a lease of `origin`'s partition beyond `offset`;
+    /// false when `timeout` passed first (noted: records are checked for a second) or the
+    /// assignment ended.
+    pub async fn lease_covers(&self, origin: &Origin, offset: i64, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.committed_now.notified();
+            match self.lease(origin) {
+                LeaseState::Known { lease, .. } if lease.confirmed > offset => return true,
+                LeaseState::Known { .. } => {}
+                _ => return false,
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                let mut state = self.lock();
+                if let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin)) {
+                    p.lease_failed_at = Some(Instant::now());
+                }
+                return false;
+            }
+        }
     }
 
     /// Whether work on `origin` should start: it belongs to a current assignment that is not
@@ -190,29 +341,28 @@ impl Offsets {
             .map(|t| t.elapsed())
     }
 
-    /// Offsets that can be committed and differ from the last commit.
-    pub fn commit_candidates(&self) -> Vec<(TopicPartition, i64)> {
+    /// The commits wanted now: offsets that moved, leases to extend. Partitions whose previous
+    /// lease is not known yet are left out.
+    pub fn commit_candidates(&self) -> Vec<Commit> {
         let state = self.lock();
-        let mut out: Vec<_> = state
-            .partitions
-            .iter()
-            .filter_map(|(tp, p)| {
-                let c = p.committable()?;
-                (p.committed != Some(c)).then(|| (tp.clone(), c))
-            })
-            .collect();
+        let mut out: Vec<_> = state.partitions.iter().filter_map(|(tp, p)| p.commit(tp)).collect();
         out.sort();
         out
     }
 
     /// Notes a successful commit.
-    pub fn committed(&self, commits: &[(TopicPartition, i64)]) {
+    pub fn committed(&self, commits: &[Commit]) {
         let mut state = self.lock();
-        for (tp, offset) in commits {
-            if let Some(p) = state.partitions.get_mut(tp) {
-                p.committed = Some(p.committed.map_or(*offset, |c| c.max(*offset)));
+        for c in commits {
+            if let Some(p) = state.partitions.get_mut(&c.tp).filter(|p| p.generation == c.generation) {
+                p.committed = Some(p.committed.map_or(c.offset, |o| o.max(c.offset)));
+                if let Some(lease) = &mut p.lease {
+                    lease.confirmed = lease.confirmed.max(c.lease_end);
+                }
             }
         }
+        drop(state);
+        self.committed_now.notify_waiters();
     }
 
     /// The last committed offset of every assigned partition.
@@ -247,23 +397,37 @@ impl Offsets {
         }
     }
 
-    /// Stops tracking `partitions` and returns their final commit candidates. Records still in
-    /// flight are abandoned: their acknowledgements will be ignored, and the new owner reads them
-    /// again from the committed offset.
-    pub fn revoke(&self, partitions: &[TopicPartition]) -> Vec<(TopicPartition, i64)> {
+    /// Stops tracking `partitions` and returns their final commits. Records still in flight are
+    /// abandoned: their acknowledgements will be ignored, and the new owner reads them again
+    /// from the committed offset.
+    pub fn revoke(&self, partitions: &[TopicPartition]) -> Vec<Commit> {
         let mut state = self.lock();
         let mut out = Vec::new();
         for tp in partitions {
             if let Some(p) = state.partitions.remove(tp) {
                 state.in_flight -= p.pending.len();
-                if let Some(c) = p.committable().filter(|c| p.committed != Some(*c)) {
-                    out.push((tp.clone(), c));
-                }
+                out.extend(p.commit(tp));
             }
         }
         drop(state);
         self.finished.notify_all();
         out
+    }
+
+    /// Marks the leases of `partitions` known (none stored), as the redelivery check does on
+    /// their first records.
+    #[cfg(test)]
+    pub(crate) fn lease_known(&self, partitions: &[TopicPartition]) {
+        let mut state = self.lock();
+        for tp in partitions {
+            if let Some(p) = state.partitions.get_mut(tp) {
+                p.lease.get_or_insert(Lease {
+                    previous: 0,
+                    wanted: 0,
+                    confirmed: 0,
+                });
+            }
+        }
     }
 
     /// Whether `offset` of `tp` is read and not yet finished.
@@ -300,41 +464,61 @@ mod tests {
         }
     }
 
+    /// Assigns `partitions` with their leases known.
+    fn assign(offsets: &Offsets, partitions: &[TopicPartition]) {
+        offsets.assign(partitions);
+        offsets.lease_known(partitions);
+    }
+
+    fn pairs(commits: Vec<Commit>) -> Vec<(TopicPartition, i64)> {
+        commits.into_iter().map(|c| (c.tp, c.offset)).collect()
+    }
+
+    fn commit(offsets: &Offsets, tp: TopicPartition, offset: i64) {
+        let generation = offsets.lock().partitions[&tp].generation;
+        offsets.committed(&[Commit {
+            tp,
+            offset,
+            generation,
+            lease_end: 0,
+        }]);
+    }
+
     #[test]
     fn commits_only_below_the_lowest_unfinished_offset() {
         let offsets = Offsets::new();
-        offsets.assign(&[tp(0)]);
+        assign(&offsets, &[tp(0)]);
         let o: Vec<_> = (10..15).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
-        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 10)]);
+        assert_eq!(pairs(offsets.commit_candidates()), vec![(tp(0), 10)]);
         // Finish out of order: 12, 14, 10.
         assert!(offsets.ack(&o[2]) && offsets.ack(&o[4]) && offsets.ack(&o[0]));
-        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 11)]);
-        offsets.committed(&[(tp(0), 11)]);
+        assert_eq!(pairs(offsets.commit_candidates()), vec![(tp(0), 11)]);
+        commit(&offsets, tp(0), 11);
         assert!(offsets.commit_candidates().is_empty());
         assert!(offsets.ack(&o[1]));
-        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 13)]);
+        assert_eq!(pairs(offsets.commit_candidates()), vec![(tp(0), 13)]);
         assert!(offsets.ack(&o[3]));
-        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 15)]);
+        assert_eq!(pairs(offsets.commit_candidates()), vec![(tp(0), 15)]);
         assert_eq!(offsets.in_flight(), 0);
     }
 
     #[test]
     fn uncommitted_counts_finished_records_until_their_commit() {
         let offsets = Offsets::new();
-        offsets.assign(&[tp(0)]);
+        assign(&offsets, &[tp(0)]);
         let o: Vec<_> = (20..24).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
         assert_eq!(offsets.uncommitted(), 4);
         assert!(offsets.ack(&o[0]) && offsets.ack(&o[1]));
         assert_eq!(offsets.in_flight(), 2);
         assert_eq!(offsets.uncommitted(), 4, "finished but not committed: read again after a crash");
-        offsets.committed(&[(tp(0), 22)]);
+        commit(&offsets, tp(0), 22);
         assert_eq!(offsets.uncommitted(), 2);
     }
 
     #[test]
     fn a_draining_partition_releases_unstarted_work_and_commits_below_it() {
         let offsets = Arc::new(Offsets::new());
-        offsets.assign(&[tp(0)]);
+        assign(&offsets, &[tp(0)]);
         let o: Vec<_> = (0..4).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
         assert!(offsets.should_start(&o[0]), "not draining: work starts");
         assert!(offsets.ack(&o[0]));
@@ -350,31 +534,31 @@ mod tests {
         assert!(offsets.ack(&o[1]), "work in progress finishes");
         assert_eq!(drainer.join().unwrap(), 0, "the drain waited only for record 1");
         // Records 2 and 3 were released unfinished: the commit stops at 2.
-        assert_eq!(offsets.revoke(&[tp(0)]), vec![(tp(0), 2)]);
+        assert_eq!(pairs(offsets.revoke(&[tp(0)])), vec![(tp(0), 2)]);
     }
 
     #[test]
     fn partitions_are_independent() {
         let offsets = Offsets::new();
-        offsets.assign(&[tp(0), tp(1)]);
+        assign(&offsets, &[tp(0), tp(1)]);
         let a = offsets.track(&tp(0), 0).unwrap();
         let _b = offsets.track(&tp(1), 7).unwrap();
         assert!(offsets.ack(&a));
-        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 1), (tp(1), 7)]);
+        assert_eq!(pairs(offsets.commit_candidates()), vec![(tp(0), 1), (tp(1), 7)]);
     }
 
     #[test]
     fn acks_from_a_revoked_assignment_are_ignored() {
         let offsets = Offsets::new();
-        offsets.assign(&[tp(0)]);
+        assign(&offsets, &[tp(0)]);
         let old = offsets.track(&tp(0), 5).unwrap();
-        assert_eq!(offsets.revoke(&[tp(0)]), vec![(tp(0), 5)]);
+        assert_eq!(pairs(offsets.revoke(&[tp(0)])), vec![(tp(0), 5)]);
         assert_eq!(offsets.in_flight(), 0);
-        offsets.assign(&[tp(0)]);
+        assign(&offsets, &[tp(0)]);
         assert!(!offsets.ack(&old), "an ack from before the revoke must not count");
         let new = offsets.track(&tp(0), 5).unwrap();
         assert!(offsets.ack(&new));
-        assert_eq!(offsets.commit_candidates(), vec![(tp(0), 6)]);
+        assert_eq!(pairs(offsets.commit_candidates()), vec![(tp(0), 6)]);
     }
 
     #[test]
@@ -387,7 +571,7 @@ mod tests {
     #[test]
     fn wait_drained_returns_when_the_last_record_finishes() {
         let offsets = Arc::new(Offsets::new());
-        offsets.assign(&[tp(0)]);
+        assign(&offsets, &[tp(0)]);
         let o = offsets.track(&tp(0), 1).unwrap();
         let o2 = offsets.clone();
         let finisher = std::thread::spawn(move || {
@@ -401,5 +585,54 @@ mod tests {
         // And gives up after the timeout with what is left.
         offsets.track(&tp(0), 2).unwrap();
         assert_eq!(offsets.wait_drained(&[tp(0)], Duration::from_millis(20)), 1);
+    }
+
+    #[test]
+    fn nothing_commits_until_the_previous_lease_is_known() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0)]);
+        let o = offsets.track(&tp(0), 3).unwrap();
+        assert!(offsets.ack(&o));
+        assert!(offsets.commit_candidates().is_empty(), "a commit would overwrite the stored lease");
+        offsets.found_lease(&o, Ok(40));
+        let c = offsets.commit_candidates();
+        assert_eq!((c[0].offset, c[0].lease_end), (4, 40), "the previous lease is written back");
+    }
+
+    #[tokio::test]
+    async fn a_lease_extension_is_a_commit_even_when_no_offset_moved() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0)]);
+        let o = offsets.track(&tp(0), 0).unwrap();
+        offsets.found_lease(&o, Ok(0));
+        commit(&offsets, tp(0), 0);
+        assert!(offsets.commit_candidates().is_empty());
+        offsets.want_lease(&o, 16);
+        let c = offsets.commit_candidates();
+        assert_eq!((c[0].offset, c[0].lease_end), (0, 16));
+        assert!(
+            !offsets.lease_covers(&o, 0, Duration::from_millis(10)).await,
+            "not acknowledged yet"
+        );
+        offsets.committed(&c);
+        assert!(offsets.lease_covers(&o, 15, Duration::from_millis(10)).await);
+        assert!(!offsets.lease_covers(&o, 16, Duration::from_millis(10)).await);
+        assert!(offsets.commit_candidates().is_empty());
+    }
+
+    #[test]
+    fn leases_belong_to_their_assignment() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0)]);
+        let old = offsets.track(&tp(0), 0).unwrap();
+        offsets.assign(&[tp(0)]);
+        assert_eq!(offsets.lease(&old), LeaseState::Gone);
+        offsets.found_lease(&old, Ok(9));
+        let new = offsets.track(&tp(0), 0).unwrap();
+        assert_eq!(
+            offsets.lease(&new),
+            LeaseState::Unknown { may_try: true },
+            "a stale read is not kept"
+        );
     }
 }

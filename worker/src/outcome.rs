@@ -259,7 +259,7 @@ impl Outcomes {
         let i = &self.inner;
         let trace = crate::publish::TraceHeaders::of(record);
         let sent = retry(i.retry, "publish_completion", &i.metrics, &i.abandon, || {
-            i.publisher.completion(event, trace.as_ref())
+            i.publisher.completion(&record.origin, event, trace.as_ref())
         })
         .await
         .is_ok();

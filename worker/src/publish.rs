@@ -1,5 +1,6 @@
-//! Publishing completion events and DLQ records. A task's offset is acknowledged only after the
-//! broker has acknowledged its record (acks=all, idempotent producer).
+//! Publishing completion events and DLQ records. At least once, a task's offset is acknowledged
+//! only after the broker has acknowledged its record (acks=all, idempotent producer); exactly
+//! once, its records are held in the [`Outbox`] for the transaction that commits its offset.
 
 use std::time::Duration;
 
@@ -10,8 +11,9 @@ use sluice_schemas::{CompletionEvent, DlqRecord, HEADER_SCHEMA_VERSION, Original
 use thiserror::Error;
 use uuid::Uuid;
 
+use crate::commit::{OutRecord, Outbox};
 use crate::retry::Retriable;
-use crate::task::{Failure, Record};
+use crate::task::{Failure, Origin, Record};
 
 #[derive(Debug, Error)]
 #[error("publishing to {topic} failed: {message}")]
@@ -83,8 +85,14 @@ impl TraceHeaders {
 }
 
 pub(crate) trait Publish: Send + Sync {
-    /// Publishes a completion event, keyed by its task id, and waits for the acknowledgement.
-    fn completion<'a>(&'a self, event: &'a CompletionEvent, trace: Option<&'a TraceHeaders>) -> BoxFuture<'a, Result<(), PublishError>>;
+    /// Publishes the completion event of the record at `origin`, keyed by its task id, and waits
+    /// for the acknowledgement.
+    fn completion<'a>(
+        &'a self,
+        origin: &'a Origin,
+        event: &'a CompletionEvent,
+        trace: Option<&'a TraceHeaders>,
+    ) -> BoxFuture<'a, Result<(), PublishError>>;
     /// Publishes the DLQ record of `record` and waits for the acknowledgement.
     fn dead_letter<'a>(
         &'a self,
@@ -94,10 +102,19 @@ pub(crate) trait Publish: Send + Sync {
     ) -> BoxFuture<'a, Result<(), PublishError>>;
 }
 
-/// The Kafka publisher (acks=all, idempotent producer).
+/// Where the publisher's records go.
+#[derive(Clone)]
+pub(crate) enum Destination {
+    /// Sent at once (acks=all, idempotent producer).
+    Broker(FutureProducer),
+    /// Held for the transaction that commits the record's offset.
+    Outbox(std::sync::Arc<Outbox>),
+}
+
+/// The Kafka publisher.
 #[derive(Clone)]
 pub(crate) struct Publisher {
-    producer: FutureProducer,
+    destination: Destination,
     completions_topic: String,
     dlq_topic: String,
     worker_id: String,
@@ -106,9 +123,9 @@ pub(crate) struct Publisher {
 }
 
 impl Publisher {
-    pub(crate) fn new(producer: FutureProducer, completions_topic: String, dlq_topic: String, worker_id: String) -> Publisher {
+    pub(crate) fn new(destination: Destination, completions_topic: String, dlq_topic: String, worker_id: String) -> Publisher {
         Publisher {
-            producer,
+            destination,
             completions_topic,
             dlq_topic,
             worker_id,
@@ -116,12 +133,32 @@ impl Publisher {
         }
     }
 
-    async fn send(&self, topic: &str, key: Option<&[u8]>, payload: &[u8], headers: OwnedHeaders) -> Result<(), PublishError> {
-        let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(payload).headers(headers);
+    async fn send(
+        &self,
+        origin: &Origin,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: Vec<u8>,
+        headers: OwnedHeaders,
+    ) -> Result<(), PublishError> {
+        let producer = match &self.destination {
+            Destination::Broker(producer) => producer,
+            Destination::Outbox(outbox) => {
+                let record = OutRecord {
+                    topic: topic.to_owned(),
+                    key: key.map(<[u8]>::to_vec),
+                    payload,
+                    headers,
+                };
+                outbox.push(origin, record);
+                return Ok(());
+            }
+        };
+        let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(&payload).headers(headers);
         if let Some(key) = key {
             record = record.key(key);
         }
-        self.producer
+        producer
             .send(record, self.queue_timeout)
             .await
             .map(|_| ())
@@ -131,7 +168,7 @@ impl Publisher {
             })
     }
 
-    async fn publish_completion(&self, event: &CompletionEvent, trace: Option<&TraceHeaders>) -> Result<(), PublishError> {
+    async fn publish_completion(&self, origin: &Origin, event: &CompletionEvent, trace: Option<&TraceHeaders>) -> Result<(), PublishError> {
         let payload = serde_json::to_vec(event).expect("completion serializes");
         let key = event.task_id.to_string();
         let headers = OwnedHeaders::new()
@@ -147,7 +184,8 @@ impl Publisher {
             Some(t) => t.add_to(headers),
             None => headers,
         };
-        self.send(&self.completions_topic, Some(key.as_bytes()), &payload, headers).await
+        self.send(origin, &self.completions_topic, Some(key.as_bytes()), payload, headers)
+            .await
     }
 
     /// Publishes a DLQ record: the original key unchanged, the original value and headers kept
@@ -199,13 +237,19 @@ impl Publisher {
             Some(t) => t.add_to(headers),
             None => headers,
         };
-        self.send(&self.dlq_topic, record.key.as_deref(), &payload, headers).await
+        self.send(&record.origin, &self.dlq_topic, record.key.as_deref(), payload, headers)
+            .await
     }
 }
 
 impl Publish for Publisher {
-    fn completion<'a>(&'a self, event: &'a CompletionEvent, trace: Option<&'a TraceHeaders>) -> BoxFuture<'a, Result<(), PublishError>> {
-        Box::pin(self.publish_completion(event, trace))
+    fn completion<'a>(
+        &'a self,
+        origin: &'a Origin,
+        event: &'a CompletionEvent,
+        trace: Option<&'a TraceHeaders>,
+    ) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(self.publish_completion(origin, event, trace))
     }
 
     fn dead_letter<'a>(

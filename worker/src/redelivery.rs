@@ -3,28 +3,24 @@
 //!
 //! Checking every task's manifest would cost a storage round trip per task, yet only redelivered
 //! records can have results. [`RedeliveryCheck`] decides per record; it is asked by the decode
-//! stage, on the async runtime, never by the Kafka poll thread, so a slow or unreachable store
-//! never stalls polling (nor costs the worker its group membership).
+//! stage, on the async runtime, never by the Kafka poll thread, so a slow broker or store never
+//! stalls polling (nor costs the worker its group membership).
 //!
-//! Today's implementation, [`ObjectStoreLeases`], keeps a *read lease* per partition beside the
-//! results: a consumer never starts a record at or beyond its partition's lease end without first
-//! recording a larger one. So on a new assignment every record below the stored lease end may
-//! have been started by an earlier owner and is checked, and every record at or beyond it is new
-//! and runs at once. Replayed and redriven records (header `sluice-origin`) are always checked.
-//!
-//! A broker that keeps commit metadata (Apache Kafka does; the local broker drops it) would carry
-//! the lease end in the metadata of each offset commit instead: an implementation reads the
-//! committed offset's metadata at assignment and writes the new lease end with the next commit,
-//! with no storage objects at all. It plugs in here, as another `RedeliveryCheck`.
+//! [`CommitMetadataLeases`] keeps a *read lease* per partition in the metadata of the group's
+//! offset commits: a consumer never starts a record at or beyond its partition's lease end
+//! without first committing a larger one, and every commit carries the lease (the tracker in
+//! [`crate::offsets`] writes it). So on a new assignment every record below the committed lease
+//! end may have been started by an earlier owner and is checked, and every record at or beyond
+//! it is new and runs at once. The lease is read from the broker (an offset fetch) on the
+//! partition's first record, not in the rebalance callback, and nothing is read from storage.
+//! Replayed and redriven records (header `sluice-origin`) are always checked.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::offsets::TopicPartition;
-use crate::sink::Sink;
+use crate::offsets::{LeaseState, Offsets, TopicPartition};
 use crate::task::Origin;
 
 /// Decides, per record, whether an earlier delivery may have started it.
@@ -41,145 +37,93 @@ pub const LEASE_SPAN: i64 = 4096;
 /// The longest a lease read or write may take before the record is checked instead.
 const LEASE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// After a failed lease read or write, how long to check records instead of trying again.
-const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// How a lease end is written in a commit's metadata.
+const METADATA_PREFIX: &str = "sluice-lease:";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Partition {
-    /// The assignment this state belongs to.
-    generation: u64,
-    /// The lease end found in storage at assignment (0 when there was none); `None` while it
-    /// could not be read.
-    previous: Option<i64>,
-    /// This consumer may start records below this without writing a new lease.
-    lease_end: i64,
-    /// When a lease read or write last failed.
-    failed_at: Option<Instant>,
+/// The commit metadata that records lease end `end`.
+pub(crate) fn lease_metadata(end: i64) -> String {
+    format!("{METADATA_PREFIX}{end}")
 }
 
-impl Partition {
-    fn may_try(&self) -> bool {
-        self.failed_at.is_none_or(|t| t.elapsed() >= RETRY_AFTER)
-    }
+/// The lease end in a commit's metadata; 0 when there is none (no commit yet, or one written by
+/// another tool).
+pub(crate) fn parse_lease_metadata(metadata: &str) -> i64 {
+    metadata.strip_prefix(METADATA_PREFIX).and_then(|end| end.parse().ok()).unwrap_or(0)
 }
 
-/// What the lease logic decides for one record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Admission {
-    /// Check for existing results before running it.
-    check: bool,
-    /// Write this lease end before starting the record.
-    extend_to: Option<i64>,
+/// Reads the metadata committed with a partition's offset (blocking: an offset fetch).
+pub(crate) trait CommittedMetadata: Send + Sync + 'static {
+    fn committed_metadata(&self, tp: &TopicPartition, timeout: Duration) -> Result<String, String>;
 }
 
-/// Lease state of the partitions seen under their current assignment. Pure bookkeeping;
-/// [`ObjectStoreLeases`] adds the storage.
-#[derive(Debug)]
-struct LeaseTable {
+/// Read leases in the consumer group's commit metadata.
+pub struct CommitMetadataLeases {
+    offsets: Arc<Offsets>,
+    reader: Arc<dyn CommittedMetadata>,
     span: i64,
-    partitions: HashMap<TopicPartition, Partition>,
 }
 
-impl LeaseTable {
-    fn new(span: i64) -> LeaseTable {
-        LeaseTable {
+impl CommitMetadataLeases {
+    pub(crate) fn new(offsets: Arc<Offsets>, reader: Arc<dyn CommittedMetadata>, span: i64) -> CommitMetadataLeases {
+        CommitMetadataLeases {
+            offsets,
+            reader,
             span: span.max(1),
-            partitions: HashMap::new(),
         }
     }
 
-    /// The state of `origin`'s partition, fresh when the record comes from a new assignment.
-    fn state(&mut self, origin: &Origin) -> &mut Partition {
-        let fresh = Partition {
-            generation: origin.generation,
-            previous: None,
-            lease_end: 0,
-            failed_at: None,
-        };
-        let p = self.partitions.entry(TopicPartition::of(origin)).or_insert(fresh);
-        if p.generation != origin.generation {
-            *p = fresh;
+    /// Reads the previous owner's lease of `origin`'s partition into the tracker.
+    async fn read_previous(&self, origin: &Origin) {
+        let (reader, tp) = (self.reader.clone(), TopicPartition::of(origin));
+        let read = tokio::task::spawn_blocking(move || reader.committed_metadata(&tp, LEASE_TIMEOUT)).await;
+        match read {
+            Ok(Ok(metadata)) => self.offsets.found_lease(origin, Ok(parse_lease_metadata(&metadata))),
+            other => {
+                let error = match other {
+                    Ok(Err(e)) => e,
+                    Err(e) => e.to_string(),
+                    Ok(Ok(_)) => unreachable!(),
+                };
+                tracing::warn!(
+                    partition = origin.partition,
+                    error,
+                    "read lease unreadable; checking records for earlier results until it can be read"
+                );
+                self.offsets.found_lease(origin, Err(()));
+            }
         }
-        p
-    }
-
-    /// Decides for the record at `offset`. While the previous lease is unknown every record is
-    /// checked and no lease is written: a new one must never be smaller than the old.
-    fn admit(&self, p: &Partition, offset: i64, replayed: bool) -> Admission {
-        match p.previous {
-            Some(previous) => Admission {
-                check: replayed || offset < previous,
-                extend_to: (offset >= p.lease_end).then(|| (offset + self.span).max(previous)),
-            },
-            None => Admission {
-                check: true,
-                extend_to: None,
-            },
-        }
-    }
-}
-
-/// Read leases in the object store, one small object per group and partition.
-pub struct ObjectStoreLeases {
-    sink: Sink,
-    group: String,
-    table: Mutex<LeaseTable>,
-}
-
-impl ObjectStoreLeases {
-    pub fn new(sink: Sink, group: String, span: i64) -> ObjectStoreLeases {
-        ObjectStoreLeases {
-            sink,
-            group,
-            table: Mutex::new(LeaseTable::new(span)),
-        }
-    }
-
-    fn with<R>(&self, origin: &Origin, f: impl FnOnce(&LeaseTable, &mut Partition) -> R) -> R {
-        let mut table = self.table.lock().expect("lease table");
-        let mut p = *table.state(origin);
-        let r = f(&table, &mut p);
-        *table.state(origin) = p;
-        r
     }
 
     async fn admit_now(&self, origin: &Origin, replayed: bool) -> bool {
-        let tp = TopicPartition::of(origin);
-        if self.with(origin, |_, p| p.previous.is_none() && p.may_try()) {
-            let read = tokio::time::timeout(LEASE_TIMEOUT, self.sink.lease(&self.group, &tp.topic, tp.partition)).await;
-            self.with(origin, |_, p| match read {
-                Ok(Ok(previous)) => {
-                    p.previous = Some(previous.unwrap_or(0));
-                    p.failed_at = None;
-                }
-                other => {
-                    tracing::warn!(partition = tp.partition, error = ?other.map(|r| r.err()), "read lease unreadable; checking records for earlier results until it can be read");
-                    p.failed_at = Some(Instant::now());
-                }
-            });
+        if self.offsets.lease(origin) == (LeaseState::Unknown { may_try: true }) {
+            self.read_previous(origin).await;
         }
-        let (admission, may_try) = self.with(origin, |table, p| (table.admit(p, origin.offset, replayed), p.may_try()));
-        let Some(end) = admission.extend_to else { return admission.check };
+        let LeaseState::Known { lease, may_try } = self.offsets.lease(origin) else {
+            return true; // unknown: check everything, and commit nothing that would overwrite it
+        };
+        let check = replayed || origin.offset < lease.previous;
+        if origin.offset < lease.confirmed {
+            return check;
+        }
         if !may_try {
-            return true;
+            return true; // the last extension failed a moment ago
         }
-        let written = tokio::time::timeout(LEASE_TIMEOUT, self.sink.put_lease(&self.group, &tp.topic, tp.partition, end)).await;
-        self.with(origin, |_, p| match written {
-            Ok(Ok(())) => {
-                p.lease_end = p.lease_end.max(end);
-                p.failed_at = None;
-                admission.check
-            }
-            other => {
-                tracing::warn!(partition = tp.partition, end, error = ?other.map(|r| r.err()), "could not record the read lease; checking records until it can be");
-                p.failed_at = Some(Instant::now());
-                true
-            }
-        })
+        if origin.offset >= lease.wanted {
+            self.offsets.want_lease(origin, (origin.offset + self.span).max(lease.previous));
+        }
+        if self.offsets.lease_covers(origin, origin.offset, LEASE_TIMEOUT).await {
+            return check;
+        }
+        tracing::warn!(
+            partition = origin.partition,
+            offset = origin.offset,
+            "could not commit the read lease; checking records until it can be"
+        );
+        true
     }
 }
 
-impl RedeliveryCheck for ObjectStoreLeases {
+impl RedeliveryCheck for CommitMetadataLeases {
     fn admit<'a>(&'a self, origin: &'a Origin, replayed: bool) -> BoxFuture<'a, bool> {
         Box::pin(self.admit_now(origin, replayed))
     }
@@ -187,115 +131,128 @@ impl RedeliveryCheck for ObjectStoreLeases {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
 
-    fn origin(offset: i64, generation: u64) -> Origin {
-        Origin {
+    use super::*;
+    use crate::offsets::Commit;
+
+    fn tp() -> TopicPartition {
+        TopicPartition {
             topic: "t".into(),
             partition: 0,
-            offset,
-            generation,
         }
     }
 
-    /// The table's decision for `offset`, then the lease recorded when it asked for one.
-    fn admit(t: &mut LeaseTable, offset: i64, replayed: bool) -> Admission {
-        let o = origin(offset, 1);
-        let p = *t.state(&o);
-        let a = t.admit(&p, offset, replayed);
-        if let Some(end) = a.extend_to {
-            t.state(&o).lease_end = end;
+    /// The broker's side, in process: committed metadata per partition, and a committer that
+    /// writes what the tracker asks for.
+    #[derive(Default)]
+    struct Broker {
+        metadata: Mutex<HashMap<TopicPartition, String>>,
+        reads: Mutex<usize>,
+    }
+
+    impl CommittedMetadata for Broker {
+        fn committed_metadata(&self, tp: &TopicPartition, _: Duration) -> Result<String, String> {
+            *self.reads.lock().unwrap() += 1;
+            Ok(self.metadata.lock().unwrap().get(tp).cloned().unwrap_or_default())
         }
-        a
     }
 
-    fn known(t: &mut LeaseTable, previous: i64) {
-        t.state(&origin(0, 1)).previous = Some(previous);
-    }
-
-    #[test]
-    fn records_below_the_previous_lease_are_checked_the_rest_are_not() {
-        let mut t = LeaseTable::new(LEASE_SPAN);
-        known(&mut t, 100);
-        let a = admit(&mut t, 40, false);
-        assert!(a.check);
-        assert_eq!(a.extend_to, Some(40 + LEASE_SPAN), "extends past the record");
-        assert!(admit(&mut t, 99, false).check);
-        assert_eq!(
-            admit(&mut t, 100, false),
-            Admission {
-                check: false,
-                extend_to: None
+    impl Broker {
+        /// Commits whatever the tracker wants, as the commit loop would, until `stop`.
+        fn commit(&self, offsets: &Offsets) -> Vec<Commit> {
+            let commits = offsets.commit_candidates();
+            for c in &commits {
+                self.metadata.lock().unwrap().insert(c.tp.clone(), lease_metadata(c.lease_end));
             }
-        );
-        assert!(admit(&mut t, 100, true).check, "replayed records are always checked");
+            offsets.committed(&commits);
+            commits
+        }
+    }
+
+    /// A worker: its tracker, its check, and a committer task serving lease extensions.
+    fn worker(broker: &Arc<Broker>, span: i64) -> (Arc<Offsets>, CommitMetadataLeases, tokio::task::JoinHandle<()>) {
+        let offsets = Arc::new(Offsets::new());
+        offsets.assign(&[tp()]);
+        let check = CommitMetadataLeases::new(offsets.clone(), broker.clone(), span);
+        let committer = {
+            let (offsets, broker) = (offsets.clone(), broker.clone());
+            tokio::spawn(async move {
+                loop {
+                    offsets.commit_wanted.notified().await;
+                    broker.commit(&offsets);
+                }
+            })
+        };
+        (offsets, check, committer)
+    }
+
+    async fn admit(offsets: &Offsets, check: &CommitMetadataLeases, offset: i64, replayed: bool) -> bool {
+        let origin = offsets.track(&tp(), offset).expect("assigned");
+        check.admit(&origin, replayed).await
     }
 
     #[test]
-    fn a_new_lease_never_ends_before_the_previous_one() {
-        let mut t = LeaseTable::new(LEASE_SPAN);
-        known(&mut t, 10 * LEASE_SPAN);
-        assert_eq!(admit(&mut t, 3, false).extend_to, Some(10 * LEASE_SPAN));
-    }
-
-    #[test]
-    fn the_lease_is_extended_before_a_record_beyond_it() {
-        let mut t = LeaseTable::new(LEASE_SPAN);
-        known(&mut t, 0);
-        let first = admit(&mut t, 0, false);
-        assert_eq!(
-            first,
-            Admission {
-                check: false,
-                extend_to: Some(LEASE_SPAN)
-            }
-        );
-        assert_eq!(admit(&mut t, LEASE_SPAN - 1, false).extend_to, None);
-        assert_eq!(admit(&mut t, LEASE_SPAN, false).extend_to, Some(2 * LEASE_SPAN));
-    }
-
-    #[test]
-    fn an_unknown_lease_means_checking_everything_and_writing_nothing() {
-        let mut t = LeaseTable::new(LEASE_SPAN);
-        assert_eq!(
-            admit(&mut t, 1_000_000, false),
-            Admission {
-                check: true,
-                extend_to: None
-            }
-        );
-    }
-
-    #[test]
-    fn a_new_assignment_starts_from_scratch() {
-        let mut t = LeaseTable::new(LEASE_SPAN);
-        known(&mut t, 50);
-        admit(&mut t, 60, false);
-        let again = *t.state(&origin(70, 2));
-        assert_eq!(
-            (again.previous, again.lease_end),
-            (None, 0),
-            "read the lease again after a reassignment"
-        );
+    fn metadata_round_trips_and_foreign_metadata_means_no_lease() {
+        assert_eq!(parse_lease_metadata(&lease_metadata(4096)), 4096);
+        assert_eq!(parse_lease_metadata(""), 0);
+        assert_eq!(parse_lease_metadata("written by some other tool"), 0);
     }
 
     #[tokio::test]
-    async fn leases_live_in_the_store_and_a_later_owner_checks_below_them() {
-        let dir = std::env::temp_dir().join(format!("sluice-leases-{}", uuid::Uuid::new_v4()));
-        let sink = Sink::from_url(&format!("file://{}", dir.display())).unwrap();
-        let first = ObjectStoreLeases::new(sink.clone(), "g".into(), 10);
-        assert!(!first.admit(&origin(0, 1), false).await, "nothing stored: new records run at once");
-        assert!(!first.admit(&origin(5, 1), false).await);
-        assert_eq!(
-            sink.lease("g", "t", 0).await.unwrap(),
-            Some(10),
-            "recorded before the record started"
+    async fn leases_live_in_commit_metadata_and_a_later_owner_checks_below_them() {
+        let broker = Arc::new(Broker::default());
+        let (offsets, first, committer) = worker(&broker, 10);
+        assert!(
+            !admit(&offsets, &first, 0, false).await,
+            "nothing committed: new records run at once"
         );
-        // A second owner (another process) finds the lease.
-        let second = ObjectStoreLeases::new(sink.clone(), "g".into(), 10);
-        assert!(second.admit(&origin(6, 1), false).await, "may have been started before");
-        assert_eq!(sink.lease("g", "t", 0).await.unwrap(), Some(16), "extended past the record");
-        assert!(!second.admit(&origin(10, 1), false).await, "beyond the old lease: new");
-        std::fs::remove_dir_all(dir).unwrap();
+        assert!(!admit(&offsets, &first, 5, false).await);
+        assert_eq!(
+            broker.metadata.lock().unwrap()[&tp()],
+            lease_metadata(10),
+            "committed before the record started"
+        );
+        assert!(admit(&offsets, &first, 6, true).await, "replayed records are always checked");
+        committer.abort();
+        // A second owner (another process) finds the lease in the group's commits.
+        let (offsets, second, committer) = worker(&broker, 10);
+        assert!(admit(&offsets, &second, 6, false).await, "may have been started before");
+        assert_eq!(
+            broker.metadata.lock().unwrap()[&tp()],
+            lease_metadata(10),
+            "still covered by the old lease: nothing to write"
+        );
+        assert!(!admit(&offsets, &second, 10, false).await, "beyond the old lease: new");
+        assert_eq!(
+            broker.metadata.lock().unwrap()[&tp()],
+            lease_metadata(20),
+            "extended past the record"
+        );
+        assert_eq!(*broker.reads.lock().unwrap(), 2, "one offset fetch per assignment");
+        committer.abort();
+    }
+
+    #[tokio::test]
+    async fn a_new_lease_never_ends_before_the_previous_one() {
+        let broker = Arc::new(Broker::default());
+        broker.metadata.lock().unwrap().insert(tp(), lease_metadata(1_000));
+        let (offsets, check, committer) = worker(&broker, 10);
+        assert!(admit(&offsets, &check, 3, false).await);
+        assert_eq!(broker.metadata.lock().unwrap()[&tp()], lease_metadata(1_000));
+        committer.abort();
+    }
+
+    #[tokio::test]
+    async fn a_lease_that_cannot_be_committed_means_checking() {
+        let broker = Arc::new(Broker::default());
+        let offsets = Arc::new(Offsets::new());
+        offsets.assign(&[tp()]);
+        let check = CommitMetadataLeases::new(offsets.clone(), broker.clone(), 10);
+        // No committer runs: the extension is never acknowledged.
+        tokio::time::pause();
+        assert!(admit(&offsets, &check, 0, false).await, "not covered by a committed lease: checked");
+        assert!(admit(&offsets, &check, 1, false).await, "and the next one at once, without waiting");
     }
 }

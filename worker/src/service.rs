@@ -16,7 +16,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::adaptive::{Adaptive, BatchSize};
 use crate::batcher::Batcher;
-use crate::config::Config;
+use crate::commit::{Committer, Outbox, Transactional};
+use crate::config::{Config, DeliveryMode, GroupProtocol};
 use crate::engine::{Engine, EngineError, Runtime};
 use crate::faults::Faults;
 use crate::http::{self, AppState};
@@ -25,8 +26,8 @@ use crate::models::Registry;
 use crate::offsets::Offsets;
 use crate::outcome::{OutcomeSettings, Outcomes};
 use crate::pipeline::{self, Shared};
-use crate::publish::Publisher;
-use crate::redelivery::ObjectStoreLeases;
+use crate::publish::{Destination, Publisher};
+use crate::redelivery::CommitMetadataLeases;
 use crate::retry::RetryPolicy;
 use crate::serving::{Health, ReloadOverrides, Serving, ServingError};
 use crate::sink::{Sink, SinkError};
@@ -154,14 +155,31 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
 
     let k = &config.kafka;
     let kafka = |what: &'static str| move |source| StartError::Kafka { what, source };
+    // Progress records (and, at least once, outcomes) go out at once on this producer.
     let producer: FutureProducer = k
         .client
         .producer_config(&worker_id, 30_000, 20)
         .create()
         .map_err(kafka("creating the Kafka producer"))?;
-    let offsets = Arc::new(Offsets::new());
+    let fatal = CancellationToken::new();
     let d = &config.delivery;
-    let context = SourceContext::new(offsets.clone(), metrics.clone(), d.drain_timeout(), k.tasks_topic.clone());
+    let outbox = Arc::new(Outbox::default());
+    let committer = Arc::new(match d.delivery {
+        DeliveryMode::AtLeastOnce => Committer::at_least_once(),
+        DeliveryMode::ExactlyOnce => Committer::exactly_once(Transactional {
+            producer: transactional_producer(&config, &worker_id).await?,
+            outbox: outbox.clone(),
+            fatal: fatal.clone(),
+        }),
+    });
+    let offsets = Arc::new(Offsets::new());
+    let context = SourceContext::new(
+        offsets.clone(),
+        committer.clone(),
+        metrics.clone(),
+        d.drain_timeout(),
+        k.tasks_topic.clone(),
+    );
     let max_poll_interval = (d.drain_timeout().as_millis() as u64 + 20_000).max(30_000).to_string();
     let mut consumer_settings = vec![
         ("group.id", k.group_id.as_str()),
@@ -169,16 +187,12 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         ("enable.auto.commit", "false"),
         ("enable.auto.offset.store", "false"),
         ("auto.offset.reset", "earliest"),
-        ("partition.assignment.strategy", "cooperative-sticky"),
-        ("session.timeout.ms", "10000"),
-        ("heartbeat.interval.ms", "1000"),
         // The poll thread never waits on inference or storage; the longest it blocks is a
         // revoke's drain plus its commit. This is also how long a rebalance waits for members
-        // that are gone, so keep it short: with 300 s a group on the local broker stalled for
-        // minutes after a member was killed mid-rebalance.
+        // that are gone, so keep it short.
         ("max.poll.interval.ms", &max_poll_interval),
-        // Long-poll fetches: with a 10 ms wait an idle worker and tansu burn most of a core each
-        // in fetch round trips; 100 ms costs ~50 ms of pickup latency and nothing at idle.
+        // Long-poll fetches: with a 10 ms wait an idle worker burns CPU in fetch round trips;
+        // 100 ms costs ~50 ms of pickup latency and nothing at idle.
         ("fetch.wait.max.ms", "100"),
         ("statistics.interval.ms", "5000"),
         // librdkafka prefetches up to 64 MB per partition by default; the worker bounds its own
@@ -186,6 +200,15 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         // large records without slowing steady consumption.
         ("queued.max.messages.kbytes", "16384"),
     ];
+    match k.group_protocol {
+        GroupProtocol::Classic => consumer_settings.extend([
+            ("partition.assignment.strategy", "cooperative-sticky"),
+            ("session.timeout.ms", "10000"),
+            ("heartbeat.interval.ms", "1000"),
+        ]),
+        // Session and heartbeat are the broker's settings under KIP-848, and it assigns.
+        GroupProtocol::Consumer => consumer_settings.push(("group.protocol", "consumer")),
+    }
     if let Some(instance) = &k.group_instance_id {
         consumer_settings.push(("group.instance.id", instance.as_str()));
     }
@@ -199,7 +222,6 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         .subscribe(&[k.tasks_topic.as_str()])
         .map_err(kafka("subscribing to the tasks topic"))?;
 
-    let fatal = CancellationToken::new();
     let app = Arc::new(AppState {
         metrics: metrics.clone(),
         health: health_rx,
@@ -242,7 +264,10 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     let outcomes = Outcomes::new(OutcomeSettings {
         offsets: offsets.clone(),
         publisher: Arc::new(Publisher::new(
-            producer.clone(),
+            match d.delivery {
+                DeliveryMode::AtLeastOnce => Destination::Broker(producer.clone()),
+                DeliveryMode::ExactlyOnce => Destination::Outbox(outbox.clone()),
+            },
             k.completions_topic.clone(),
             k.dlq_topic.clone(),
             worker_id.clone(),
@@ -268,7 +293,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     let shared = Arc::new(Shared {
         offsets: offsets.clone(),
         outcomes,
-        redelivery: Arc::new(ObjectStoreLeases::new(sink.clone(), k.group_id.clone(), d.lease_span)),
+        redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), consumer.clone(), d.lease_span)),
         sink,
         serving: serving.clone(),
         adaptive: adaptive.clone(),
@@ -309,7 +334,8 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         tokio::spawn(batcher.run()),
         tokio::spawn(pipeline::engine(requests, shared.clone(), engine.slots() + 1)),
     ];
-    let committer = tokio::spawn(source::commit_loop(
+    let commit_loop = tokio::spawn(crate::commit::commit_loop(
+        committer.clone(),
         consumer.clone(),
         offsets.clone(),
         d.commit_interval(),
@@ -371,11 +397,11 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     // commit can block indefinitely, and the worker must still exit.
     control.close.cancel();
     let final_commit = {
-        let (c, o, m) = (consumer.clone(), offsets.clone(), metrics.clone());
-        tokio::task::spawn_blocking(move || source::commit_now(&c, &o, &m))
+        let (committer, c, o, m) = (committer.clone(), consumer.clone(), offsets.clone(), metrics.clone());
+        tokio::task::spawn_blocking(move || committer.commit_now(&c, &o, &m))
     };
     bounded("final commit", Duration::from_secs(10), final_commit).await;
-    bounded("committer", Duration::from_secs(2), committer).await;
+    bounded("committer", Duration::from_secs(2), commit_loop).await;
     bounded(
         "leaving the group",
         Duration::from_secs(10),
@@ -397,6 +423,43 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     drop(shared);
     let _ = std::thread::Builder::new()
         .name("sluice-kafka-drop".into())
-        .spawn(move || drop((consumer, producer)));
+        .spawn(move || drop((consumer, producer, committer)));
     Ok(exit)
+}
+
+/// How long a transaction may stay open: the longest a worker killed mid-transaction, and not
+/// restarted under the same identity, holds back `read_committed` readers of its partitions.
+/// Long enough to ride out a broker restart (~7 s measured here) without aborting.
+const TRANSACTION_TIMEOUT_MS: u64 = 15_000;
+
+/// The producer of exactly-once delivery, its transactions initialized: a previous instance
+/// with the same transactional id is fenced and its open transaction aborted.
+async fn transactional_producer(config: &Config, worker_id: &str) -> Result<FutureProducer, StartError> {
+    use rdkafka::producer::Producer;
+    let id = config.transactional_id();
+    let producer: FutureProducer = config
+        .kafka
+        .client
+        // A record not delivered within the transaction's lifetime fails it (librdkafka requires
+        // message.timeout.ms <= transaction.timeout.ms); the committer aborts and retries.
+        .producer_config(worker_id, TRANSACTION_TIMEOUT_MS, 5)
+        .set("transactional.id", &id)
+        // An open transaction of a worker that died holds back read_committed readers until
+        // it is aborted: by the same identity's next start, or after this long.
+        .set("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS.to_string())
+        .create()
+        .map_err(|source| StartError::Kafka {
+            what: "creating the transactional producer",
+            source,
+        })?;
+    let init = producer.clone();
+    tokio::task::spawn_blocking(move || init.init_transactions(Duration::from_secs(30)))
+        .await
+        .map_err(|e| StartError::Model(format!("initializing transactions: {e}")))?
+        .map_err(|source| StartError::Kafka {
+            what: "initializing transactions (SLUICE_DELIVERY=exactly-once)",
+            source,
+        })?;
+    tracing::info!(transactional_id = id, "exactly-once delivery: transactions initialized");
+    Ok(producer)
 }

@@ -28,7 +28,7 @@ pub enum SinkError {
     /// [`Retriable`]).
     #[error("object store: {0}")]
     Store(#[from] object_store::Error),
-    /// An object in the store (a manifest, a lease) is not one a worker wrote.
+    /// An object in the store (a manifest) is not one a worker wrote.
     #[error("{key} is unreadable: {reason}")]
     Unreadable { key: String, reason: String },
 }
@@ -247,41 +247,6 @@ impl Sink {
         let _permit = self.permit().await;
         self.store.put(&self.key(task_id, "manifest.json"), PutPayload::from(body)).await?;
         Ok(manifest)
-    }
-
-    fn lease_key(&self, group: &str, topic: &str, partition: i32) -> Path {
-        self.prefix
-            .clone()
-            .join("_leases")
-            .join(group)
-            .join(topic)
-            .join(partition.to_string())
-    }
-
-    /// The read lease of a partition: no consumer of `group` ever started a record at or beyond
-    /// this offset (see [`crate::redelivery`]). `None` when there is none yet. Lease requests
-    /// don't queue behind image uploads: they gate the start of new records.
-    pub(crate) async fn lease(&self, group: &str, topic: &str, partition: i32) -> Result<Option<i64>, SinkError> {
-        let key = self.lease_key(group, topic, partition);
-        match self.store.get(&key).await {
-            Ok(result) => {
-                let bytes = result.bytes().await?;
-                let text = String::from_utf8_lossy(&bytes);
-                text.trim().parse().map(Some).map_err(|e| SinkError::Unreadable {
-                    key: key.to_string(),
-                    reason: format!("lease is not an offset: {e}"),
-                })
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Records a partition's read lease.
-    pub(crate) async fn put_lease(&self, group: &str, topic: &str, partition: i32, end: i64) -> Result<(), SinkError> {
-        let key = self.lease_key(group, topic, partition);
-        self.store.put(&key, PutPayload::from(end.to_string().into_bytes())).await?;
-        Ok(())
     }
 
     /// The store and the prefix under it (for tools that walk it, such as `sync-models`).

@@ -2,22 +2,22 @@
 //! blocks polling (no member is kicked for exceeding `max.poll.interval.ms`). Backpressure pauses
 //! the assigned partitions when too many tasks are in flight and resumes them when half have
 //! finished. Rebalance callbacks run on this thread: on a revoke, in-flight tasks of the revoked
-//! partitions get up to the drain timeout to finish, then what is done is committed.
+//! partitions get up to the drain timeout to finish, then what is done is committed (in the
+//! worker's delivery mode: [`crate::commit`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::message::{Headers, Message};
 use rdkafka::statistics::Statistics;
-use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::events::{
-    Emit, LagObserved, OffsetsCommitted, PartitionsAssigned, PartitionsRevoked, Paused, PollGap, RebalanceFailed, RecordReceived,
-};
+use crate::commit::Committer;
+use crate::events::{Emit, LagObserved, PartitionsAssigned, PartitionsRevoked, Paused, PollGap, RebalanceFailed, RecordReceived};
 use crate::metrics::Metrics;
 use crate::offsets::{Offsets, TopicPartition};
 use crate::task::Record;
@@ -25,6 +25,7 @@ use crate::task::Record;
 /// Consumer callbacks: rebalances, statistics (for lag).
 pub(crate) struct SourceContext {
     offsets: Arc<Offsets>,
+    committer: Arc<Committer>,
     metrics: Metrics,
     drain_timeout: Duration,
     paused: AtomicBool,
@@ -32,9 +33,16 @@ pub(crate) struct SourceContext {
 }
 
 impl SourceContext {
-    pub(crate) fn new(offsets: Arc<Offsets>, metrics: Metrics, drain_timeout: Duration, topic: String) -> SourceContext {
+    pub(crate) fn new(
+        offsets: Arc<Offsets>,
+        committer: Arc<Committer>,
+        metrics: Metrics,
+        drain_timeout: Duration,
+        topic: String,
+    ) -> SourceContext {
         SourceContext {
             offsets,
+            committer,
             metrics,
             drain_timeout,
             paused: AtomicBool::new(false),
@@ -55,12 +63,15 @@ fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
         .collect()
 }
 
-fn list_of(commits: &[(TopicPartition, i64)]) -> TopicPartitionList {
-    let mut tpl = TopicPartitionList::new();
-    for (tp, offset) in commits {
-        let _ = tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(*offset));
+/// The consumer reads the read leases back from its group's commits.
+impl crate::redelivery::CommittedMetadata for TaskConsumer {
+    fn committed_metadata(&self, tp: &TopicPartition, timeout: Duration) -> Result<String, String> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&tp.topic, tp.partition);
+        let committed = self.committed_offsets(tpl, timeout).map_err(|e| e.to_string())?;
+        let element = committed.find_partition(&tp.topic, tp.partition);
+        Ok(element.map(|e| e.metadata().to_owned()).unwrap_or_default())
     }
-    tpl
 }
 
 impl ClientContext for SourceContext {
@@ -92,12 +103,7 @@ impl ConsumerContext for SourceContext {
             let partitions = partitions_of(tpl);
             let started = Instant::now();
             let abandoned = self.offsets.wait_drained(&partitions, self.drain_timeout);
-            let commits = self.offsets.revoke(&partitions);
-            let committed = if commits.is_empty() {
-                Ok(())
-            } else {
-                consumer.commit(&list_of(&commits), CommitMode::Sync)
-            };
+            let (commits, committed) = self.committer.commit_revoked(consumer, &self.offsets, &partitions);
             PartitionsRevoked {
                 partitions: &partitions,
                 assigned_now: self.offsets.assigned().len(),
@@ -127,51 +133,6 @@ impl ConsumerContext for SourceContext {
             Rebalance::Error(e) => RebalanceFailed { error: &e.to_string() }.emit(&self.metrics),
             Rebalance::Revoke(_) => {}
         }
-    }
-}
-
-/// Commits every committable offset now. Returns how many partitions were committed.
-pub(crate) fn commit_now(consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics) -> usize {
-    let commits = offsets.commit_candidates();
-    if commits.is_empty() {
-        return 0;
-    }
-    let result = consumer.commit(&list_of(&commits), CommitMode::Sync);
-    if result.is_ok() {
-        offsets.committed(&commits);
-    }
-    OffsetsCommitted {
-        partitions: commits.len(),
-        error: result.as_ref().err().map(|e| e.to_string()).as_deref(),
-    }
-    .emit(metrics);
-    if result.is_ok() { commits.len() } else { 0 }
-}
-
-/// Commits on a timer until `stop` fires. A synchronous commit can block for as long as the
-/// broker is unreachable, so one runs at a time on the blocking pool, and a tick that finds the
-/// previous one still running skips rather than piling up.
-pub(crate) async fn commit_loop(
-    consumer: Arc<TaskConsumer>,
-    offsets: Arc<Offsets>,
-    interval: Duration,
-    metrics: Metrics,
-    stop: CancellationToken,
-) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut running: Option<tokio::task::JoinHandle<usize>> = None;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => return,
-        }
-        if running.as_ref().is_some_and(|r| !r.is_finished()) {
-            tracing::warn!("the previous offset commit has not returned; skipping this one");
-            continue;
-        }
-        let (c, o, m) = (consumer.clone(), offsets.clone(), metrics.clone());
-        running = Some(tokio::task::spawn_blocking(move || commit_now(&c, &o, &m)));
     }
 }
 

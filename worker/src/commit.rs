@@ -1,0 +1,394 @@
+//! Committing finished offsets, each with its partition's read lease as metadata
+//! ([`crate::redelivery`]), in one of two delivery modes:
+//!
+//! - **at least once**: outcome records were published (and acknowledged) before their offsets
+//!   were acknowledged to the tracker; the consumer commits offsets on a timer. A worker killed
+//!   between the two announces a task twice.
+//! - **exactly once**: outcome records wait in the [`Outbox`] until their offsets can be
+//!   committed (a partition commits in order, tasks finish out of order); then the records and
+//!   the offsets that cover them go to the broker in one Kafka transaction, with the consumer's
+//!   group metadata, so a `read_committed` reader sees each outcome once and a fenced (zombie)
+//!   worker commits nothing. The cost is that an outcome is visible only once every earlier task
+//!   of its partition has finished, and a transaction's round trips.
+//!
+//! One commit runs at a time (the timer's, the revoke callback's and the final one share a lock),
+//! and each computes what to commit under that lock: offsets never move backwards.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::consumer::Consumer;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::OwnedHeaders;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+use tokio_util::sync::CancellationToken;
+
+use crate::events::{Emit, OffsetsCommitted};
+use crate::metrics::Metrics;
+use crate::offsets::{Commit, Offsets, TopicPartition};
+use crate::redelivery::lease_metadata;
+use crate::source::TaskConsumer;
+use crate::task::Origin;
+
+/// How long one transactional step may block.
+const TXN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The offsets of `commits`, each with its lease as metadata.
+pub(crate) fn list_of(commits: &[Commit]) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::new();
+    for c in commits {
+        let mut e = tpl.add_partition(&c.tp.topic, c.tp.partition);
+        if e.set_offset(Offset::Offset(c.offset)).is_ok() {
+            e.set_metadata(lease_metadata(c.lease_end));
+        }
+    }
+    tpl
+}
+
+/// One outcome record waiting for its transaction.
+#[derive(Clone)]
+pub(crate) struct OutRecord {
+    pub topic: String,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    pub headers: OwnedHeaders,
+}
+
+/// Outcome records waiting for their offsets to become committable, by origin.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    held: Mutex<BTreeMap<(TopicPartition, i64), (u64, Vec<OutRecord>)>>,
+}
+
+type Taken = Vec<((TopicPartition, i64), (u64, Vec<OutRecord>))>;
+
+impl Outbox {
+    pub(crate) fn push(&self, origin: &Origin, record: OutRecord) {
+        let mut held = self.held.lock().expect("outbox");
+        let entry = held
+            .entry((TopicPartition::of(origin), origin.offset))
+            .or_insert_with(|| (origin.generation, Vec::new()));
+        if entry.0 != origin.generation {
+            *entry = (origin.generation, Vec::new()); // left over from an earlier assignment
+        }
+        entry.1.push(record);
+    }
+
+    /// Takes the records below each commit's offset that belong to its assignment; drops those
+    /// of earlier assignments.
+    fn take(&self, commits: &[Commit]) -> Taken {
+        let mut held = self.held.lock().expect("outbox");
+        let mut out = Vec::new();
+        for c in commits {
+            let keys: Vec<_> = held
+                .range((c.tp.clone(), i64::MIN)..(c.tp.clone(), c.offset))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in keys {
+                let (generation, records) = held.remove(&k).expect("listed");
+                if generation == c.generation {
+                    out.push((k, (generation, records)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Puts back what a failed transaction took.
+    fn restore(&self, taken: Taken) {
+        self.held.lock().expect("outbox").extend(taken);
+    }
+
+    /// Drops the records of partitions no longer assigned: their tasks are read again.
+    fn forget(&self, partitions: &[TopicPartition]) {
+        self.held.lock().expect("outbox").retain(|(tp, _), _| !partitions.contains(tp));
+    }
+
+    /// Records waiting.
+    pub(crate) fn len(&self) -> usize {
+        self.held.lock().expect("outbox").values().map(|(_, r)| r.len()).sum()
+    }
+}
+
+/// The transactional side of exactly-once delivery.
+pub(crate) struct Transactional {
+    pub producer: FutureProducer,
+    pub outbox: Arc<Outbox>,
+    /// Fired on an error the producer cannot recover from (fenced by a newer instance of the same
+    /// transactional id, or a fatal producer error): the worker exits.
+    pub fatal: CancellationToken,
+}
+
+/// Commits offsets in the worker's delivery mode.
+pub(crate) struct Committer {
+    transactional: Option<Transactional>,
+    lock: Mutex<()>,
+}
+
+impl Committer {
+    pub(crate) fn at_least_once() -> Committer {
+        Committer {
+            transactional: None,
+            lock: Mutex::new(()),
+        }
+    }
+
+    pub(crate) fn exactly_once(t: Transactional) -> Committer {
+        Committer {
+            transactional: Some(t),
+            lock: Mutex::new(()),
+        }
+    }
+
+    pub(crate) fn is_transactional(&self) -> bool {
+        self.transactional.is_some()
+    }
+
+    /// Commits what can be committed now. Returns how many partitions were committed. Blocks.
+    pub(crate) fn commit_now(&self, consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics) -> usize {
+        let _one = self.lock.lock().expect("commit lock");
+        let commits = offsets.commit_candidates();
+        let outbox_waiting = self.transactional.as_ref().is_some_and(|t| t.outbox.len() > 0);
+        if commits.is_empty() && !outbox_waiting {
+            return 0;
+        }
+        let result = self.commit(consumer, &commits);
+        if result.is_ok() {
+            offsets.committed(&commits);
+        }
+        OffsetsCommitted {
+            partitions: commits.len(),
+            error: result.as_ref().err().map(|e| e.to_string()).as_deref(),
+        }
+        .emit(metrics);
+        if result.is_ok() { commits.len() } else { 0 }
+    }
+
+    /// The final commit of revoked partitions; their held records are dropped afterwards.
+    /// Blocks.
+    pub(crate) fn commit_revoked(
+        &self,
+        consumer: &TaskConsumer,
+        offsets: &Offsets,
+        partitions: &[TopicPartition],
+    ) -> (Vec<Commit>, Result<(), KafkaError>) {
+        let _one = self.lock.lock().expect("commit lock");
+        let commits = offsets.revoke(partitions);
+        let result = if commits.is_empty() {
+            Ok(())
+        } else {
+            self.commit(consumer, &commits)
+        };
+        if let Some(t) = &self.transactional {
+            t.outbox.forget(partitions);
+        }
+        (commits, result)
+    }
+
+    fn commit(&self, consumer: &TaskConsumer, commits: &[Commit]) -> Result<(), KafkaError> {
+        match &self.transactional {
+            None => consumer.commit(&list_of(commits), rdkafka::consumer::CommitMode::Sync),
+            Some(t) => t.commit(consumer, commits),
+        }
+    }
+}
+
+impl Transactional {
+    /// One transaction: the held records below `commits`, then the offsets, then commit. On
+    /// failure the transaction is aborted and the records held again for the next one; only an
+    /// error the producer cannot recover from ends the worker.
+    fn commit(&self, consumer: &TaskConsumer, commits: &[Commit]) -> Result<(), KafkaError> {
+        let taken = self.outbox.take(commits);
+        if commits.is_empty() && taken.is_empty() {
+            return Ok(());
+        }
+        let result = self.transaction(consumer, commits, &taken);
+        if let Err(e) = &result {
+            if is_fatal(e) {
+                tracing::error!(error = %e, "the transactional producer failed for good (fenced by a newer instance?); the worker exits");
+                self.fatal.cancel();
+            } else if let Err(abort) = retrying(|| self.producer.abort_transaction(TXN_TIMEOUT)) {
+                tracing::error!(error = %abort, "aborting a failed transaction failed; the worker exits");
+                self.fatal.cancel();
+            }
+            self.outbox.restore(taken);
+        }
+        result
+    }
+
+    fn transaction(&self, consumer: &TaskConsumer, commits: &[Commit], taken: &Taken) -> Result<(), KafkaError> {
+        self.producer.begin_transaction()?;
+        for (_, (_, records)) in taken {
+            for r in records {
+                self.enqueue(r)?;
+            }
+        }
+        if !commits.is_empty() {
+            // Only a consumer with no group has none.
+            let group = consumer
+                .group_metadata()
+                .ok_or(KafkaError::MessageProduction(RDKafkaErrorCode::InvalidArgument))?;
+            let offsets = list_of(commits);
+            retrying(|| self.producer.send_offsets_to_transaction(&offsets, &group, TXN_TIMEOUT))?;
+        }
+        // Flushes every record of the transaction first.
+        retrying(|| self.producer.commit_transaction(TXN_TIMEOUT))
+    }
+
+    /// Queues one record of the open transaction (its delivery is awaited by the commit).
+    fn enqueue(&self, r: &OutRecord) -> Result<(), KafkaError> {
+        loop {
+            let mut record = FutureRecord::<[u8], [u8]>::to(&r.topic)
+                .payload(&r.payload)
+                .headers(r.headers.clone());
+            if let Some(key) = &r.key {
+                record = record.key(key);
+            }
+            match self.producer.send_result(record) {
+                Ok(_delivery) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    self.producer.poll(Duration::from_millis(10));
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+    }
+}
+
+fn is_fatal(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(t) if t.is_fatal())
+}
+
+/// Runs a transactional step again while it fails with an error librdkafka calls retriable (a
+/// timeout while the broker is away), for up to two minutes: a broker restart must not cost the
+/// worker its process.
+fn retrying(mut step: impl FnMut() -> Result<(), KafkaError>) -> Result<(), KafkaError> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        match step() {
+            Err(KafkaError::Transaction(t)) if t.is_retriable() && std::time::Instant::now() < deadline => {
+                tracing::warn!(error = %t, "transactional step failed; retrying");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Commits until `stop` fires: on a timer, and at once when the tracker asks (a lease extension)
+/// or, in exactly-once mode, whenever a task was acknowledged — transactions run back to back
+/// while tasks finish, each taking what finished during the one before. A commit can block for
+/// as long as the broker is unreachable, so it runs on the blocking pool, one at a time.
+pub(crate) async fn commit_loop(
+    committer: Arc<Committer>,
+    consumer: Arc<TaskConsumer>,
+    offsets: Arc<Offsets>,
+    interval: Duration,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let eager = committer.is_transactional();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = offsets.commit_wanted.notified() => {}
+            _ = offsets.acked.notified(), if eager => {}
+            _ = stop.cancelled() => return,
+        }
+        let (c, k, o, m) = (committer.clone(), consumer.clone(), offsets.clone(), metrics.clone());
+        let mut running = tokio::task::spawn_blocking(move || c.commit_now(&k, &o, &m));
+        loop {
+            tokio::select! {
+                _ = &mut running => break,
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(10)) => {
+                    tracing::warn!("an offset commit has not returned for 10 s (broker unreachable?)");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tp(p: i32) -> TopicPartition {
+        TopicPartition {
+            topic: "t".into(),
+            partition: p,
+        }
+    }
+
+    fn origin(p: i32, offset: i64, generation: u64) -> Origin {
+        Origin {
+            topic: "t".into(),
+            partition: p,
+            offset,
+            generation,
+        }
+    }
+
+    fn record(name: &str) -> OutRecord {
+        OutRecord {
+            topic: name.into(),
+            key: None,
+            payload: Vec::new(),
+            headers: OwnedHeaders::new(),
+        }
+    }
+
+    fn commit(p: i32, offset: i64, generation: u64) -> Commit {
+        Commit {
+            tp: tp(p),
+            offset,
+            generation,
+            lease_end: 0,
+        }
+    }
+
+    fn topics(taken: &Taken) -> Vec<String> {
+        taken.iter().flat_map(|(_, (_, rs))| rs.iter().map(|r| r.topic.clone())).collect()
+    }
+
+    #[test]
+    fn a_transaction_takes_exactly_the_records_its_offsets_cover() {
+        let outbox = Outbox::default();
+        outbox.push(&origin(0, 3, 1), record("dlq-3"));
+        outbox.push(&origin(0, 3, 1), record("failed-3"));
+        outbox.push(&origin(0, 5, 1), record("done-5")); // finished before 4: waits for it
+        outbox.push(&origin(1, 0, 1), record("done-p1"));
+        let taken = outbox.take(&[commit(0, 4, 1)]);
+        assert_eq!(topics(&taken), ["dlq-3", "failed-3"]);
+        assert_eq!(outbox.len(), 2);
+        outbox.restore(taken);
+        assert_eq!(outbox.len(), 4, "an aborted transaction's records are held again");
+        let taken = outbox.take(&[commit(0, 6, 1), commit(1, 1, 1)]);
+        assert_eq!(topics(&taken), ["dlq-3", "failed-3", "done-5", "done-p1"]);
+        assert_eq!(outbox.len(), 0);
+    }
+
+    #[test]
+    fn records_of_an_earlier_assignment_are_never_committed() {
+        let outbox = Outbox::default();
+        outbox.push(&origin(0, 1, 1), record("old"));
+        assert!(outbox.take(&[commit(0, 2, 2)]).is_empty(), "the partition was assigned again since");
+        assert_eq!(outbox.len(), 0, "and the stale record is dropped");
+        outbox.push(&origin(0, 1, 1), record("old"));
+        outbox.push(&origin(0, 1, 2), record("new"));
+        assert_eq!(topics(&outbox.take(&[commit(0, 2, 2)])), ["new"]);
+    }
+
+    #[test]
+    fn revoked_partitions_are_forgotten() {
+        let outbox = Outbox::default();
+        outbox.push(&origin(0, 1, 1), record("a"));
+        outbox.push(&origin(1, 1, 1), record("b"));
+        outbox.forget(&[tp(0)]);
+        assert_eq!(outbox.len(), 1);
+    }
+}
