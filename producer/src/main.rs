@@ -231,6 +231,8 @@ async fn copy_range(mode: Mode, publish: &PublishArgs, range: &RangeArgs, source
         .config(&[
             ("group.id", &format!("sluice-replay-{}", uuid::Uuid::new_v4())),
             ("enable.auto.commit", "false"),
+            // A DLQ record of an aborted worker transaction was never a verdict: not redriven.
+            ("isolation.level", "read_committed"),
             ("enable.partition.eof", "false"),
             ("fetch.wait.max.ms", "100"),
         ])

@@ -224,7 +224,23 @@ pub async fn run(
         let filter = filter.clone();
         tokio::task::spawn_blocking(move || {
             let mut open = open;
+            let mut checked = std::time::Instant::now();
             while !open.is_empty() {
+                // A transactional topic's (the DLQ's, in exactly-once delivery) last offsets
+                // can be commit markers, which are never delivered: the consumer's position
+                // moves past them, so a partition is also done once its position reaches the end.
+                if checked.elapsed() >= Duration::from_millis(200) {
+                    checked = std::time::Instant::now();
+                    if let Ok(positions) = consumer.position() {
+                        for e in positions.elements_for_topic(&source) {
+                            if let (Offset::Offset(at), Some(&end)) = (e.offset(), open.get(&e.partition()))
+                                && at >= end
+                            {
+                                open.remove(&e.partition());
+                            }
+                        }
+                    }
+                }
                 let Some(message) = consumer.poll(Duration::from_millis(200)) else {
                     continue;
                 };

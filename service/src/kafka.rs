@@ -58,10 +58,15 @@ impl KafkaClientArgs {
     /// member: the group id only names the client and never commits. Fetches answer within
     /// 100 ms — these readers serve people (task status, cancels): with librdkafka's 500 ms
     /// default the status view stayed seconds behind a running task on the local broker.
+    ///
+    /// They read `read_committed` (librdkafka's default, set here so an override is deliberate):
+    /// records of an aborted worker transaction are never shown, and a transaction's records
+    /// appear together once it commits.
     pub fn whole_topic_config(&self, client: &str) -> ClientConfig {
         let group = format!("{client}-{}", std::process::id());
         self.config(&[
             ("group.id", group.as_str()),
+            ("isolation.level", "read_committed"),
             ("enable.auto.commit", "false"),
             ("enable.partition.eof", "false"),
             ("auto.offset.reset", "earliest"),

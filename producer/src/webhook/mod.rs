@@ -155,6 +155,9 @@ impl Notifier {
             // static membership on the local broker).
             ("enable.auto.commit", "false"),
             ("auto.offset.reset", "earliest"),
+            // Only completions of committed worker transactions are announced (exactly-once
+            // delivery); an aborted one's records are skipped.
+            ("isolation.level", "read_committed"),
             ("partition.assignment.strategy", "cooperative-sticky"),
             ("session.timeout.ms", "10000"),
             ("heartbeat.interval.ms", "1000"),
