@@ -13,7 +13,7 @@ STACK ?= .stack
 
 
 .PHONY: assets-cuda gpu-check alerts-test images
-.PHONY: help setup tools assets build demo test unit-test integration-test chaos bench stack-up stack-down stack-status lint fmt helm-lint clean
+.PHONY: help setup tools stack-tools assets build demo test unit-test integration-test chaos bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
 	@echo "make demo        set up and run the pipeline end to end on the local stack"
@@ -32,6 +32,10 @@ setup: tools assets build
 tools:
 	scripts/install-tools.sh all
 
+# The broker and the S3 server only: what the demo and the local stack need.
+stack-tools:
+	scripts/install-tools.sh stack
+
 assets:
 	@scripts/fetch-assets.sh >/dev/null
 
@@ -46,7 +50,7 @@ gpu-check: setup
 build:
 	$(CARGO) build --release --locked --bins
 
-stack-up: tools assets
+stack-up: stack-tools assets
 	scripts/stack.sh up $(STACK)
 
 stack-down:
@@ -55,7 +59,7 @@ stack-down:
 stack-status:
 	scripts/stack.sh status $(STACK)
 
-demo: setup stack-up
+demo: stack-tools assets build stack-up
 	$(BIN)/sluice-demo
 
 unit-test: assets build

@@ -138,6 +138,11 @@ what="${1:-all}"
 case "$what" in
   s3s-fs) install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary ;;
   kafka) install_kafka ;;
+  # What the local stack runs (make stack-up, make demo): the broker and the S3 server.
+  stack)
+    install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
+    install_kafka
+    ;;
   # The Kafka classpath directory on stdout (fetched first if needed); scripts/stack.sh uses it.
   kafka-lib) install_kafka; echo "$(kafka_root)/lib" ;;
   prometheus) install_prometheus ;;
@@ -155,5 +160,5 @@ case "$what" in
     # The trace receiver of the OTLP test (scripts/otlp-receiver.py): OpenTelemetry's protobufs.
     install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python
     ;;
-  *) echo "usage: $0 [all|kafka|kafka-lib|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|stack|kafka|kafka-lib|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto]" >&2; exit 2 ;;
 esac

@@ -269,7 +269,7 @@ watchdog() {
 
 case "$cmd" in
   up)
-    "$here/install-tools.sh" all
+    "$here/install-tools.sh" stack
     start_broker
     start_s3
     create_topics
