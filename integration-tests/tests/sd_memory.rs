@@ -118,6 +118,9 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
     let stack = stack().await;
     let topics = stack.topics("sd-reload", 4).unwrap();
     let mut worker = worker(stack, "reload", &topics, &[("SLUICE_MAX_WAIT_MS", "20")]).await;
+    // Reloads under load: the worker owns its partitions before the first reload (joining the
+    // group takes ~3 s on the broker; reloads before it measure an idle worker's baseline).
+    worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
     let kafka = producer(stack.brokers()).unwrap();
     let client = reqwest::Client::new();
     let mut tasks = Vec::new();
