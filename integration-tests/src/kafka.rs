@@ -16,6 +16,8 @@ pub struct Consumed {
     pub key: Option<Vec<u8>>,
     pub value: Vec<u8>,
     pub headers: HashMap<String, Vec<u8>>,
+    /// When this reader received it (benchmarks time visibility with it).
+    pub received: Instant,
 }
 
 impl Consumed {
@@ -134,6 +136,7 @@ impl TopicReader {
                         .headers()
                         .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec())).collect())
                         .unwrap_or_default(),
+                    received: Instant::now(),
                 });
             }
         }

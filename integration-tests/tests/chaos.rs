@@ -51,6 +51,11 @@ async fn worker_with(stack: &Stack, id: &str, group: &str, topics: &Topics, extr
     if std::env::var("SLUICE_CHAOS_STATIC").map_or(true, |v| v != "0") {
         env.push(("SLUICE_GROUP_INSTANCE_ID", id));
     }
+    // SLUICE_CHAOS_GROUP_PROTOCOL=consumer runs the suite on KIP-848 groups (default: classic).
+    let protocol = std::env::var("SLUICE_CHAOS_GROUP_PROTOCOL").ok();
+    if let Some(p) = &protocol {
+        env.push(("SLUICE_GROUP_PROTOCOL", p.as_str()));
+    }
     env.extend_from_slice(extra);
     Worker::on_topics(stack, id, group, topics, &env).await.unwrap()
 }

@@ -42,7 +42,7 @@ async fn main() -> anyhow::Result<()> {
     if which == "all" {
         // One process per benchmark: ONNX Runtime has one environment per process, and the
         // adaptive benchmark caps its CPU arena.
-        for which in ["pipeline", "adaptive", "adaptive-sd", "status-view"] {
+        for which in ["pipeline", "delivery", "group", "adaptive", "adaptive-sd", "status-view"] {
             let status = std::process::Command::new(std::env::current_exe()?).arg(which).status()?;
             anyhow::ensure!(status.success(), "benchmark {which} failed");
         }
@@ -58,9 +58,15 @@ async fn main() -> anyhow::Result<()> {
     if which == "adaptive-sd" {
         return adaptive::run_sd(&stack).await;
     }
+    if which == "delivery" {
+        return delivery::run(&stack).await;
+    }
+    if which == "group" {
+        return group::run(&stack).await;
+    }
     anyhow::ensure!(
         which == "pipeline",
-        "unknown benchmark {which:?}: all, pipeline, adaptive, adaptive-sd or status-view"
+        "unknown benchmark {which:?}: all, pipeline, delivery, group, adaptive, adaptive-sd or status-view"
     );
     // `sluice-bench pipeline [terrain|tiny|sd]`: one model only.
     let only = std::env::args().nth(2);
@@ -78,7 +84,9 @@ async fn main() -> anyhow::Result<()> {
         rows.push(sd_pipeline(&stack, 256, 20, 2, 16).await?);
     }
     println!();
-    println!("## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (tansu, sqlite) and S3 (s3s-fs), one worker, CPU");
+    println!(
+        "## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (Apache Kafka 4.3.1, one KRaft node) and S3 (s3s-fs), one worker, CPU"
+    );
     println!();
     println!(
         "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker / broker / S3 |"
@@ -101,6 +109,11 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A benchmark's size setting: `name` from the environment, else `default`.
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 fn pid_of(dir: &Path, name: &str) -> u32 {
@@ -323,6 +336,303 @@ async fn end_to_end(
     })
 }
 
+/// delivery: the ~1 ms model through one worker in each delivery mode, side by side on one
+/// stack. Throughput: tasks all on the topic before the worker starts, counted as a
+/// `read_committed` consumer sees their completions (in exactly-once mode a completion is
+/// visible only once its transaction commits). Latency: tasks fed at a steady rate well below
+/// capacity, from the send to the completion being visible to that consumer.
+mod delivery {
+    use super::*;
+    use std::collections::HashMap;
+
+    const MODES: [&str; 2] = ["at-least-once", "exactly-once"];
+
+    struct Row {
+        mode: &'static str,
+        throughput: f64,
+        rate: usize,
+        p50_ms: f64,
+        p99_ms: f64,
+        max_ms: f64,
+    }
+
+    pub async fn run(stack: &Stack) -> anyhow::Result<()> {
+        let tasks = env_or("SLUICE_BENCH_DELIVERY_TASKS", 10_000);
+        let paced = env_or("SLUICE_BENCH_DELIVERY_PACED_TASKS", 2_000);
+        let rate = env_or("SLUICE_BENCH_DELIVERY_RATE", 200);
+        let mut rows = Vec::new();
+        // Twice, alternating, so neither mode always runs on the warmer machine.
+        for round in 0..2 {
+            for mode in MODES {
+                eprintln!("== delivery {mode}, round {}", round + 1);
+                let throughput = throughput(stack, mode, tasks).await?;
+                let (p50_ms, p99_ms, max_ms) = latency(stack, mode, paced, rate).await?;
+                rows.push(Row {
+                    mode,
+                    throughput,
+                    rate,
+                    p50_ms,
+                    p99_ms,
+                    max_ms,
+                });
+            }
+        }
+        println!();
+        println!("## delivery modes: the ~1 ms model through one worker, completions read read_committed");
+        println!();
+        println!(
+            "| mode | throughput, tasks/s ({tasks} queued) | completion latency at {rate} tasks/s, ms p50 / p99 / max ({paced} tasks) |"
+        );
+        println!("|---|---|---|");
+        for r in &rows {
+            println!(
+                "| {} | {:.0} | {:.0} / {:.0} / {:.0} (at {}/s) |",
+                r.mode, r.throughput, r.p50_ms, r.p99_ms, r.max_ms, r.rate
+            );
+        }
+        for mode in MODES {
+            let of: Vec<&Row> = rows.iter().filter(|r| r.mode == mode).collect();
+            let mean = |f: fn(&Row) -> f64| of.iter().map(|r| f(r)).sum::<f64>() / of.len() as f64;
+            println!(
+                "| {mode}, mean of {} | {:.0} | {:.0} / {:.0} / {:.0} |",
+                of.len(),
+                mean(|r| r.throughput),
+                mean(|r| r.p50_ms),
+                mean(|r| r.p99_ms),
+                mean(|r| r.max_ms)
+            );
+        }
+        Ok(())
+    }
+
+    async fn worker(stack: &Stack, mode: &str, topics: &sluice_integration_tests::stack::Topics) -> anyhow::Result<Worker> {
+        let models = stack.tiny_models()?.display().to_string();
+        let group = format!("delivery-{}", uuid::Uuid::new_v4());
+        let mut settings = vec![
+            ("SLUICE_GROUP_ID", group.as_str()),
+            ("SLUICE_MODEL_DIR", models.as_str()),
+            ("SLUICE_MAX_BATCH", "64"),
+            ("SLUICE_MAX_BATCH_ROWS", "64"),
+            ("SLUICE_MAX_WAIT_MS", "20"),
+            ("SLUICE_DELIVERY", mode),
+        ];
+        settings.extend(topics.worker_env());
+        Worker::start(stack, &format!("delivery-{mode}"), &settings).await
+    }
+
+    /// Reads `n` completions `read_committed` on a thread of its own, handing each one's task id
+    /// and the moment it became visible.
+    fn read(stack: &Stack, topic: &str, n: usize) -> std::thread::JoinHandle<anyhow::Result<Vec<(String, Instant)>>> {
+        let (brokers, topic) = (stack.brokers().to_owned(), topic.to_owned());
+        std::thread::spawn(move || {
+            let mut reader = TopicReader::new(&brokers, &topic)?;
+            let mut seen = Vec::new();
+            reader.read_each(Duration::from_secs(900), |r| {
+                if let Ok(c) = serde_json::from_slice::<CompletionEvent>(&r.value) {
+                    seen.push((c.task_id.to_string(), r.received));
+                }
+                seen.len() >= n
+            })?;
+            Ok(seen)
+        })
+    }
+
+    async fn throughput(stack: &Stack, mode: &str, tasks: usize) -> anyhow::Result<f64> {
+        let topics = stack.topics(&format!("delivery-tp-{}", uuid::Uuid::new_v4().simple()), 8)?;
+        let kafka = producer(stack.brokers())?;
+        let all: Vec<_> = (0..tasks).map(|i| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32)).collect();
+        for chunk in all.chunks(2000) {
+            publish_tasks(&kafka, &topics.tasks, chunk).await?;
+        }
+        let reader = read(stack, &topics.completions, tasks);
+        let w = worker(stack, mode, &topics).await?;
+        let mut seen = tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
+        drop(w);
+        seen.sort_by_key(|(_, t)| *t);
+        // Steady state: skip the first 10% (group join, first batches).
+        let skip = seen.len() / 10;
+        let span = seen[seen.len() - 1].1 - seen[skip].1;
+        Ok((seen.len() - skip - 1) as f64 / span.as_secs_f64())
+    }
+
+    async fn latency(stack: &Stack, mode: &str, tasks: usize, rate: usize) -> anyhow::Result<(f64, f64, f64)> {
+        let topics = stack.topics(&format!("delivery-lat-{}", uuid::Uuid::new_v4().simple()), 8)?;
+        let kafka = producer(stack.brokers())?;
+        let reader = read(stack, &topics.completions, tasks);
+        let w = worker(stack, mode, &topics).await?;
+        // Tasks in groups of 10 every 10 / rate seconds; each group's send time noted.
+        let all: Vec<_> = (0..tasks)
+            .map(|i| terrain_task(i as u64 + 1_000_000, 128, 128, 1 + (i % 100) as u32))
+            .collect();
+        let mut sent: HashMap<String, Instant> = HashMap::new();
+        let tick = Duration::from_secs_f64(10.0 / rate as f64);
+        let mut next = Instant::now();
+        for chunk in all.chunks(10) {
+            tokio::time::sleep_until(next.into()).await;
+            let at = Instant::now();
+            publish_tasks(&kafka, &topics.tasks, chunk).await?;
+            sent.extend(chunk.iter().map(|(id, _)| (id.clone(), at)));
+            next += tick;
+        }
+        let seen = tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
+        drop(w);
+        // The first second (group join) is left out.
+        let warm = rate;
+        let mut ms: Vec<f64> = seen
+            .iter()
+            .filter_map(|(id, at)| sent.get(id).map(|s| (*at - *s).as_secs_f64() * 1000.0))
+            .collect();
+        anyhow::ensure!(ms.len() == seen.len(), "completions of tasks never sent");
+        let mut ms = ms.split_off(warm.min(ms.len() / 2));
+        ms.sort_by(f64::total_cmp);
+        let at = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+        Ok((at(0.5), at(0.99), ms[ms.len() - 1]))
+    }
+}
+
+/// group: how long partitions stop when a worker joins a running group and when it leaves
+/// again (SIGTERM, as a scale-down sends), for each consumer group protocol, both with static
+/// membership as the chart runs them. Tasks are fed at a steady rate; a `read_committed` reader
+/// notes when each completion becomes visible; a partition's stop is the longest gap between its
+/// completions around the event. Partitions that stay with the first worker should not stop at
+/// all (an incremental rebalance); the ones that move stop for the handover.
+mod group {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    struct Seen {
+        partition: i32,
+        worker: String,
+        at: Instant,
+    }
+
+    /// Longest gaps (s) around an event at `t`: among partitions that stayed where they were,
+    /// and among those that `moved`. A partition's gap: from its last completion before `t` (or `t`)
+    /// to each next one, while the next one falls within `window` after `t`.
+    fn stops(seen: &[Seen], t: Instant, window: Duration, moved: &dyn Fn(i32) -> bool) -> (f64, f64, usize) {
+        let mut by: BTreeMap<i32, Vec<Instant>> = BTreeMap::new();
+        for s in seen {
+            by.entry(s.partition).or_default().push(s.at);
+        }
+        let (mut stayed, mut moving, mut n_moved) = (0f64, 0f64, 0);
+        for (p, times) in by {
+            let before = times.iter().filter(|a| **a < t).max().copied().unwrap_or(t);
+            let mut prev = before;
+            let mut gap = 0f64;
+            for a in times.iter().filter(|a| **a >= t && **a <= t + window) {
+                gap = gap.max((*a - prev).as_secs_f64());
+                prev = *a;
+            }
+            if moved(p) {
+                n_moved += 1;
+                moving = moving.max(gap);
+            } else {
+                stayed = stayed.max(gap);
+            }
+        }
+        (stayed, moving, n_moved)
+    }
+
+    pub async fn run(stack: &Stack) -> anyhow::Result<()> {
+        let rate = env_or("SLUICE_BENCH_GROUP_RATE", 200);
+        let phase = Duration::from_secs(env_or("SLUICE_BENCH_GROUP_PHASE_S", 12) as u64);
+        let mut rows = Vec::new();
+        for (label, protocol) in [
+            ("classic, cooperative-sticky, static", "classic"),
+            ("consumer (KIP-848), static", "consumer"),
+        ] {
+            eprintln!("== group protocol {protocol}");
+            let topics = stack.topics(&format!("group-{}", uuid::Uuid::new_v4().simple()), 8)?;
+            let group = format!("group-{}", uuid::Uuid::new_v4());
+            let models = stack.tiny_models()?.display().to_string();
+            let env = |id: &'static str| {
+                vec![
+                    ("SLUICE_MODEL_DIR", models.clone()),
+                    ("SLUICE_MAX_BATCH", "16".to_owned()),
+                    ("SLUICE_MAX_WAIT_MS", "20".to_owned()),
+                    ("SLUICE_GROUP_PROTOCOL", protocol.to_owned()),
+                    ("SLUICE_GROUP_INSTANCE_ID", format!("{id}-{protocol}")),
+                ]
+            };
+            let start = |id: &'static str| {
+                let env = env(id);
+                let (group, topics) = (group.clone(), topics.clone());
+                async move {
+                    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    Worker::on_topics(stack, &format!("{id}-{protocol}"), &group, &topics, &env).await
+                }
+            };
+            let first = start("a").await?;
+            first.wait_assigned(Duration::from_secs(60)).await?;
+            let total = rate * phase.as_secs() as usize * 3;
+            let (brokers, completions) = (stack.brokers().to_owned(), topics.completions.clone());
+            let reader = std::thread::spawn(move || -> anyhow::Result<Vec<Seen>> {
+                let mut reader = TopicReader::new(&brokers, &completions)?;
+                let mut seen = Vec::new();
+                reader.read_each(Duration::from_secs(600), |r| {
+                    if let Ok(c) = serde_json::from_slice::<CompletionEvent>(&r.value) {
+                        seen.push(Seen {
+                            partition: c.source.partition,
+                            worker: c.worker_id,
+                            at: r.received,
+                        });
+                    }
+                    seen.len() >= total
+                })?;
+                Ok(seen)
+            });
+            // Feed for three phases: alone, joined by a second worker, alone again.
+            let kafka = producer(stack.brokers())?;
+            let feeder = {
+                let topic = topics.tasks.clone();
+                tokio::spawn(async move {
+                    let tick = Duration::from_secs_f64(10.0 / rate as f64);
+                    let mut next = Instant::now();
+                    for i in (0..total).step_by(10) {
+                        tokio::time::sleep_until(next.into()).await;
+                        let chunk: Vec<_> = (i..i + 10)
+                            .map(|j| terrain_task(j as u64, 128, 128, 1 + (j % 100) as u32))
+                            .collect();
+                        publish_tasks(&kafka, &topic, &chunk).await?;
+                        next += tick;
+                    }
+                    anyhow::Ok(())
+                })
+            };
+            tokio::time::sleep(phase).await;
+            let joined = Instant::now();
+            let mut second = start("b").await?;
+            tokio::time::sleep(phase).await;
+            let left = Instant::now();
+            second.service.terminate(Duration::from_secs(60))?;
+            feeder.await??;
+            let seen = tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
+            drop(first);
+            let b = format!("b-{protocol}");
+            // Partitions the second worker served while it was there.
+            let on_b: std::collections::BTreeSet<i32> = seen.iter().filter(|s| s.worker == b).map(|s| s.partition).collect();
+            let window = phase;
+            let steady = stops(&seen, joined - phase / 2, phase / 2, &|_| false).0;
+            let (join_stayed, join_moved, moved) = stops(&seen, joined, window, &|p| on_b.contains(&p));
+            let (leave_stayed, leave_moved, _) = stops(&seen, left, window, &|p| on_b.contains(&p));
+            rows.push((label, steady, join_stayed, join_moved, moved, leave_stayed, leave_moved, seen.len()));
+        }
+        println!();
+        println!(
+            "## consumer group protocols: a second worker joins a running one, then leaves (SIGTERM); 8 partitions, {rate} tasks/s, longest stop of a partition in seconds"
+        );
+        println!();
+        println!(
+            "| protocol | steady state | join: partitions that stayed | join: partitions that moved (n) | leave: partitions that stayed | leave: partitions that moved back | completions |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for (label, steady, js, jm, n, ls, lm, total) in rows {
+            println!("| {label} | {steady:.2} | {js:.2} | {jm:.2} ({n}) | {ls:.2} | {lm:.2} | {total} |");
+        }
+        Ok(())
+    }
+}
+
 /// adaptive: under a CPU arena cap, the same tasks through [`Adaptive`] with a large maximum
 /// (it learns what fits) against each fixed batch size, batch 1 included. In process, on the
 /// engine the worker uses, so that the table measures batching and not the broker.
@@ -438,10 +748,6 @@ mod adaptive {
             steady_batch,
             steady_after,
         })
-    }
-
-    fn env_or(name: &str, default: usize) -> usize {
-        std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
     }
 
     /// terrain-tiny (~1 ms per 128x128 image) under a 64 MiB CPU arena cap.
