@@ -447,6 +447,12 @@ async fn transactional_producer(config: &Config, worker_id: &str) -> Result<Futu
         // An open transaction of a worker that died holds back read_committed readers until
         // it is aborted: by the same identity's next start, or after this long.
         .set("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS.to_string())
+        // Transactions run back to back: the next one's AddOffsetsToTxn reaches the coordinator
+        // while it still writes the previous one's markers and is answered
+        // CONCURRENT_TRANSACTIONS; librdkafka retries after retry.backoff.ms, 100 ms by default
+        // — a tenth of a second added to every transaction (measured: completion latency p50
+        // 196 ms against 57 ms at-least-once). 10 ms, doubling up to the 1 s maximum.
+        .set("retry.backoff.ms", "10")
         .create()
         .map_err(|source| StartError::Kafka {
             what: "creating the transactional producer",

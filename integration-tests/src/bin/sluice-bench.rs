@@ -417,6 +417,9 @@ mod delivery {
             ("SLUICE_DELIVERY", mode),
         ];
         settings.extend(topics.worker_env());
+        // Extra worker settings, as in the pipeline benchmark.
+        let extra = std::env::var("SLUICE_BENCH_WORKER_ENV").unwrap_or_default();
+        settings.extend(extra.split(';').filter_map(|kv| kv.split_once('=')));
         Worker::start(stack, &format!("delivery-{mode}"), &settings).await
     }
 
