@@ -33,6 +33,17 @@ async fn stack() -> &'static Stack {
     STACK.get_or_init(|| async { Stack::start("chaos").expect("stack starts") }).await
 }
 
+/// The group protocol and membership the suite's workers use, as its tables name them.
+fn membership() -> String {
+    let protocol = std::env::var("SLUICE_CHAOS_GROUP_PROTOCOL").unwrap_or_else(|_| "classic".into());
+    let kind = if std::env::var("SLUICE_CHAOS_STATIC").map_or(true, |v| v != "0") {
+        "static"
+    } else {
+        "dynamic"
+    };
+    format!("{protocol} protocol, {kind} membership")
+}
+
 /// A worker serving the tiny model, in `group` on `topics`, with static membership (its id is
 /// its `group.instance.id`, as a pod name would be), so a restarted worker takes its
 /// partitions back at once.
@@ -215,7 +226,10 @@ async fn workers_killed_and_restarted(mode: &str) {
     let doubled = all.iter().filter(|(id, _)| images.get(id).copied().unwrap_or(0) > 1).count();
     let missing_images = all.iter().filter(|(id, _)| !images.contains_key(id)).count();
     table(
-        &format!("kill -9 a random worker 2-4 s after the group settles, restart it (2 workers, static membership, {mode})"),
+        &format!(
+            "kill -9 a random worker 2-4 s after the group settles, restart it (2 workers, {}, {mode})",
+            membership()
+        ),
         &[
             ("tasks", n.to_string()),
             ("kills", kills.to_string()),
@@ -453,7 +467,10 @@ async fn every_fault_in_one_run(mode: &str) {
         .filter(|id| images.get(*id).copied().unwrap_or(0) > 1)
         .count();
     table(
-        &format!("every fault in one run: 3 worker kill -9s, broker kill -9 for 5 s, S3 stopped for 5 s ({mode})"),
+        &format!(
+            "every fault in one run: 3 worker kill -9s, broker kill -9 for 5 s, S3 stopped for 5 s ({}, {mode})",
+            membership()
+        ),
         &[
             ("tasks submitted over HTTP", n.to_string()),
             ("answered 202", submitted.accepted.len().to_string()),

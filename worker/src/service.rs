@@ -211,6 +211,14 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     }
     if let Some(instance) = &k.group_instance_id {
         consumer_settings.push(("group.instance.id", instance.as_str()));
+        if k.group_protocol == GroupProtocol::Consumer {
+            // Measured (sluice-bench group, the chaos suite): a KIP-848 static member that leaves
+            // keeps its partitions until its session expires (10 s of stop on a scale-down), and
+            // one restarted after kill -9 is fenced (UNRELEASED_INSTANCE_ID, fatal) until then.
+            tracing::warn!(
+                "SLUICE_GROUP_PROTOCOL=consumer with SLUICE_GROUP_INSTANCE_ID: a leaving worker's partitions wait out its session, and a restarted one exits until that session expires; leave SLUICE_GROUP_INSTANCE_ID unset with the consumer protocol"
+            );
+        }
     }
     let consumer: Arc<TaskConsumer> = Arc::new(
         k.client
@@ -320,6 +328,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     let control = SourceControl {
         stop_reading: CancellationToken::new(),
         close: CancellationToken::new(),
+        fatal: fatal.clone(),
     };
     let poll_thread = {
         let (consumer, offsets, control, metrics) = (consumer.clone(), offsets.clone(), control.clone(), metrics.clone());

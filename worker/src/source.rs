@@ -143,6 +143,9 @@ pub(crate) struct SourceControl {
     pub stop_reading: CancellationToken,
     /// Leave: commit what is finished and leave the group.
     pub close: CancellationToken,
+    /// Set by the poll loop when the consumer failed for good: the worker exits (crash-only)
+    /// and its supervisor starts it again.
+    pub fatal: CancellationToken,
 }
 
 /// The poll loop. Runs until `control.close`; then commits and leaves the group.
@@ -189,6 +192,14 @@ pub(crate) fn poll_loop(
         }
         match consumer.poll(Duration::from_millis(100)) {
             None => {}
+            // librdkafka's consumer is unusable after a fatal error; one seen here: a KIP-848
+            // static member restarted before its previous instance's session expired
+            // (UNRELEASED_INSTANCE_ID).
+            Some(Err(e @ rdkafka::error::KafkaError::MessageConsumptionFatal(_))) => {
+                tracing::error!(error = %e, "the Kafka consumer failed for good; the worker exits");
+                control.fatal.cancel();
+                break;
+            }
             Some(Err(e)) if last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) => {
                 tracing::warn!(error = %e, "consumer error");
                 last_error_log = Some(Instant::now());

@@ -538,24 +538,29 @@ mod group {
 
     pub async fn run(stack: &Stack) -> anyhow::Result<()> {
         let rate = env_or("SLUICE_BENCH_GROUP_RATE", 200);
-        let phase = Duration::from_secs(env_or("SLUICE_BENCH_GROUP_PHASE_S", 12) as u64);
+        let phase = Duration::from_secs(env_or("SLUICE_BENCH_GROUP_PHASE_S", 15) as u64);
         let mut rows = Vec::new();
-        for (label, protocol) in [
-            ("classic, cooperative-sticky, static", "classic"),
-            ("consumer (KIP-848), static", "consumer"),
-        ] {
-            eprintln!("== group protocol {protocol}");
+        let runs = [
+            ("classic, cooperative-sticky, static", "classic", true),
+            ("consumer (KIP-848), static", "consumer", true),
+            ("consumer (KIP-848), dynamic", "consumer", false),
+        ];
+        for (label, protocol, static_membership) in runs {
+            eprintln!("== {label}");
             let topics = stack.topics(&format!("group-{}", uuid::Uuid::new_v4().simple()), 8)?;
             let group = format!("group-{}", uuid::Uuid::new_v4());
             let models = stack.tiny_models()?.display().to_string();
             let env = |id: &'static str| {
-                vec![
+                let mut env = vec![
                     ("SLUICE_MODEL_DIR", models.clone()),
                     ("SLUICE_MAX_BATCH", "16".to_owned()),
                     ("SLUICE_MAX_WAIT_MS", "20".to_owned()),
                     ("SLUICE_GROUP_PROTOCOL", protocol.to_owned()),
-                    ("SLUICE_GROUP_INSTANCE_ID", format!("{id}-{protocol}")),
-                ]
+                ];
+                if static_membership {
+                    env.push(("SLUICE_GROUP_INSTANCE_ID", format!("{id}-{protocol}")));
+                }
+                env
             };
             let start = |id: &'static str| {
                 let env = env(id);
