@@ -150,9 +150,7 @@ impl Notifier {
     ) -> anyhow::Result<Notifier> {
         let mut consumer_settings = vec![
             ("group.id", settings.group.as_str()),
-            // Offsets are committed explicitly, each as soon as the records before it finished
-            // (stored offsets with auto-commit left partitions unfetched after a restart with
-            // static membership on the local broker).
+            // Offsets are committed explicitly, each as soon as the records before it finished.
             ("enable.auto.commit", "false"),
             ("auto.offset.reset", "earliest"),
             // Only completions of committed worker transactions are announced (exactly-once
