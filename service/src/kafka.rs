@@ -10,9 +10,57 @@ pub struct KafkaClientArgs {
     #[arg(long = "kafka-brokers", env = "SLUICE_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     pub brokers: String,
     /// Extra librdkafka properties, `key=value`, comma-separated (TLS, SASL, tuning). Applied
-    /// after Sluice's own settings, so they can override them.
-    #[arg(long = "kafka-option", env = "SLUICE_KAFKA_OPTIONS", value_delimiter = ',', value_parser = parse_key_value)]
-    pub options: Vec<(String, String)>,
+    /// after Sluice's own settings, so they can override them. Values (SASL passwords) are
+    /// never printed: not in `--help`, not in errors, not in `Debug`.
+    #[arg(
+        long = "kafka-option",
+        env = "SLUICE_KAFKA_OPTIONS",
+        value_delimiter = ',',
+        value_parser = KafkaOptionParser,
+        hide_env_values = true
+    )]
+    pub options: Vec<KafkaOption>,
+}
+
+/// One extra librdkafka property. Its `Debug` shows the key only: values are often secrets.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KafkaOption {
+    pub key: String,
+    pub value: String,
+}
+
+impl std::fmt::Debug for KafkaOption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}=<redacted>", self.key)
+    }
+}
+
+impl KafkaOption {
+    /// Parses `key=value`; the error never repeats the input (it may hold a password).
+    pub fn parse(s: &str) -> Result<KafkaOption, &'static str> {
+        let (k, v) = s.split_once('=').ok_or("expected key=value (the value is not shown)")?;
+        if k.trim().is_empty() {
+            return Err("empty key before '=' (the value is not shown)");
+        }
+        Ok(KafkaOption {
+            key: k.trim().to_owned(),
+            value: v.trim().to_owned(),
+        })
+    }
+}
+
+/// clap's own value errors quote the value; this parser's name the flag only.
+#[derive(Clone)]
+struct KafkaOptionParser;
+
+impl clap::builder::TypedValueParser for KafkaOptionParser {
+    type Value = KafkaOption;
+
+    fn parse_ref(&self, _cmd: &clap::Command, arg: Option<&clap::Arg>, value: &std::ffi::OsStr) -> Result<KafkaOption, clap::Error> {
+        let name = arg.map(|a| a.to_string()).unwrap_or_else(|| "--kafka-option".into());
+        let fail = |why: &str| clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("invalid {name}: {why}\n"));
+        KafkaOption::parse(value.to_str().ok_or_else(|| fail("not UTF-8"))?).map_err(fail)
+    }
 }
 
 /// Largest record Sluice produces (a DLQ record carries the original record, base64-encoded).
@@ -27,8 +75,8 @@ impl KafkaClientArgs {
         for (k, v) in settings {
             config.set(*k, *v);
         }
-        for (k, v) in &self.options {
-            config.set(k, v);
+        for o in &self.options {
+            config.set(&o.key, &o.value);
         }
         config
     }
@@ -126,15 +174,6 @@ impl WholeTopics {
     }
 }
 
-/// Parses `key=value`.
-pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
-    let (k, v) = s.split_once('=').ok_or_else(|| format!("expected key=value, got {s:?}"))?;
-    if k.trim().is_empty() {
-        return Err(format!("empty key in {s:?}"));
-    }
-    Ok((k.trim().to_owned(), v.trim().to_owned()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,7 +182,10 @@ mod tests {
     fn user_options_override_sluice_settings() {
         let args = KafkaClientArgs {
             brokers: "b:1".into(),
-            options: vec![("linger.ms".into(), "0".into()), ("security.protocol".into(), "SASL_SSL".into())],
+            options: vec![
+                KafkaOption::parse("linger.ms=0").unwrap(),
+                KafkaOption::parse("security.protocol=SASL_SSL").unwrap(),
+            ],
         };
         let config = args.producer_config("c", 1000, 5);
         assert_eq!(config.get("linger.ms"), Some("0"));
@@ -153,8 +195,26 @@ mod tests {
 
     #[test]
     fn parses_key_values() {
-        assert_eq!(parse_key_value("a.b = c=d"), Ok(("a.b".into(), "c=d".into())));
-        assert!(parse_key_value("nokey").is_err());
-        assert!(parse_key_value("=v").is_err());
+        let o = KafkaOption::parse("a.b = c=d").unwrap();
+        assert_eq!((o.key.as_str(), o.value.as_str()), ("a.b", "c=d"));
+        assert!(KafkaOption::parse("nokey").is_err());
+        assert!(KafkaOption::parse("=v").is_err());
+    }
+
+    /// A SASL password never reaches `Debug`, `--help` or a parse error.
+    #[test]
+    fn option_values_are_never_printed() {
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Cli {
+            #[command(flatten)]
+            kafka: KafkaClientArgs,
+        }
+        let ok = Cli::try_parse_from(["x", "--kafka-option", "sasl.password=hunter2"]).unwrap();
+        assert!(!format!("{ok:?}").contains("hunter2"), "{ok:?}");
+        assert_eq!(ok.kafka.options[0].value, "hunter2");
+        let bad = Cli::try_parse_from(["x", "--kafka-option", "sasl.password:hunter2"]).unwrap_err();
+        assert!(!bad.to_string().contains("hunter2"), "{bad}");
+        assert!(bad.to_string().contains("--kafka-option"), "{bad}");
     }
 }
