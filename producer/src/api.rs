@@ -1,5 +1,5 @@
 //! The HTTP API: `POST /v1/tasks`, `GET /v1/tasks/{id}`, `GET /v1/tasks`, `GET /v1/models`,
-//! `GET /metrics`, `GET /healthz`, `GET /openapi.json`.
+//! `GET /healthz`, `GET /openapi.json`; and, on a listener of its own, `GET /metrics`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,10 +51,6 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
             .route("/v1/tasks/{id}/cancel", post(cancel_task))
             .route("/openapi.json", get(|| async { Json(OPENAPI.clone()) }))
             .route(
-                "/metrics",
-                get(|State(s): State<Arc<AppState>>| async move { sluice_service::metrics::render(&s.metrics.registry) }),
-            )
-            .route(
                 "/healthz",
                 get(|State(s): State<Arc<AppState>>| async move {
                     let view = match &s.view_caught_up {
@@ -68,6 +64,14 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
             .layer(DefaultBodyLimit::max(max_body_bytes)),
     )
     .with_state(state)
+}
+
+/// The metrics listener's routes: `GET /metrics` only.
+pub fn metrics_router(metrics: Metrics) -> Router {
+    json_errors(Router::new().route(
+        "/metrics",
+        get(move || async move { sluice_service::metrics::render(&metrics.registry) }),
+    ))
 }
 
 /// `GET /v1/models`: every served model with its kind, bounds and defaults (the catalog minus

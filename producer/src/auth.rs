@@ -1,7 +1,9 @@
-//! Caller authentication: bearer API keys, each bound to a tenant.
+//! Caller authentication: bearer API keys, each bound to a tenant. Closed by default: without
+//! keys the producer refuses to start unless anonymous access is asked for by name.
 
 use std::collections::HashMap;
 
+use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -10,44 +12,76 @@ pub enum AuthError {
     Missing,
     #[error("unknown API key")]
     Unknown,
-    #[error("invalid API key entry {0:?}: expected tenant:key")]
-    BadEntry(String),
+    /// The entry's position only: an entry without `:` may be a bare key.
+    #[error("API key entry {0} is malformed: expected tenant:key (its text is not shown)")]
+    BadEntry(usize),
+    #[error("no API keys: set SLUICE_API_KEYS (tenant:key,…), or SLUICE_ALLOW_ANONYMOUS=true for an open API")]
+    NoKeys,
 }
 
-/// The configured keys. Empty means authentication is off.
-#[derive(Debug, Clone, Default)]
+/// The configured keys, by their SHA-256: a lookup compares digests, never the key's bytes,
+/// so its timing says nothing about a key.
+#[derive(Clone)]
 pub struct ApiKeys {
-    tenants: HashMap<String, String>,
+    tenants: HashMap<[u8; 32], String>,
+    anonymous: bool,
+}
+
+impl std::fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut tenants: Vec<&String> = self.tenants.values().collect();
+        tenants.sort();
+        f.debug_struct("ApiKeys")
+            .field("tenants", &tenants)
+            .field("anonymous", &self.anonymous)
+            .finish()
+    }
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
 }
 
 impl ApiKeys {
+    /// `tenant:key` entries (blank ones skipped); at least one is required.
     pub fn parse(entries: &[String]) -> Result<ApiKeys, AuthError> {
         let mut tenants = HashMap::new();
-        for entry in entries.iter().filter(|e| !e.trim().is_empty()) {
-            let (tenant, key) = entry.split_once(':').ok_or_else(|| AuthError::BadEntry(entry.clone()))?;
+        for (i, entry) in entries.iter().enumerate().filter(|(_, e)| !e.trim().is_empty()) {
+            let (tenant, key) = entry.split_once(':').ok_or(AuthError::BadEntry(i + 1))?;
             let (tenant, key) = (tenant.trim(), key.trim());
             if tenant.is_empty() || key.is_empty() {
-                return Err(AuthError::BadEntry(entry.clone()));
+                return Err(AuthError::BadEntry(i + 1));
             }
-            tenants.insert(key.to_owned(), tenant.to_owned());
+            tenants.insert(digest(key), tenant.to_owned());
         }
-        Ok(ApiKeys { tenants })
+        if tenants.is_empty() {
+            return Err(AuthError::NoKeys);
+        }
+        Ok(ApiKeys { tenants, anonymous: false })
     }
 
-    pub fn enabled(&self) -> bool {
-        !self.tenants.is_empty()
+    /// No keys: every caller is tenant `default` (`SLUICE_ALLOW_ANONYMOUS=true`, local use).
+    pub fn anonymous() -> ApiKeys {
+        ApiKeys {
+            tenants: HashMap::new(),
+            anonymous: true,
+        }
+    }
+
+    pub fn is_anonymous(&self) -> bool {
+        self.anonymous
     }
 
     /// The tenant of an `Authorization` header value.
     pub fn tenant(&self, authorization: Option<&str>) -> Result<String, AuthError> {
-        if !self.enabled() {
+        if self.anonymous {
             return Ok("default".to_owned());
         }
         let key = authorization
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim)
             .ok_or(AuthError::Missing)?;
-        self.tenants.get(key).cloned().ok_or(AuthError::Unknown)
+        self.tenants.get(&digest(key)).cloned().ok_or(AuthError::Unknown)
     }
 }
 
@@ -66,15 +100,22 @@ mod tests {
     }
 
     #[test]
-    fn no_keys_means_open_and_default_tenant() {
-        let keys = ApiKeys::parse(&[]).unwrap();
-        assert!(!keys.enabled());
-        assert_eq!(keys.tenant(None), Ok("default".into()));
+    fn no_keys_is_refused_and_anonymous_is_asked_for() {
+        assert_eq!(ApiKeys::parse(&[]).unwrap_err(), AuthError::NoKeys);
+        assert_eq!(ApiKeys::parse(&[" ".into(), "".into()]).unwrap_err(), AuthError::NoKeys);
+        let open = ApiKeys::anonymous();
+        assert!(open.is_anonymous());
+        assert_eq!(open.tenant(None), Ok("default".into()));
     }
 
+    /// A malformed entry is named by position; neither its text nor any key is printed.
     #[test]
-    fn rejects_malformed_entries() {
-        assert!(ApiKeys::parse(&["nokey".into()]).is_err());
+    fn rejects_malformed_entries_without_printing_them() {
+        let e = ApiKeys::parse(&["acme:ok".into(), "s3cr3t-key".into()]).unwrap_err();
+        assert_eq!(e, AuthError::BadEntry(2));
+        assert!(!e.to_string().contains("s3cr3t"), "{e}");
         assert!(ApiKeys::parse(&[":k".into()]).is_err());
+        let keys = ApiKeys::parse(&["acme:s3cr3t".into()]).unwrap();
+        assert!(!format!("{keys:?}").contains("s3cr3t"), "{keys:?}");
     }
 }

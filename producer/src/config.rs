@@ -132,11 +132,19 @@ pub struct ServeArgs {
     /// HTTP listen address.
     #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// Address of the metrics listener (`GET /metrics`, Prometheus text), apart from the API:
+    /// a scraper needs no API key and callers of the API cannot read it.
+    #[arg(long, env = "SLUICE_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
     /// API keys, `tenant:key` pairs, comma-separated. Requests carry `Authorization: Bearer
-    /// <key>` and are published under the key's tenant. Without keys the API is open and every
-    /// task belongs to tenant `default` (for local use only).
+    /// <key>` and are published under the key's tenant. Required unless
+    /// `SLUICE_ALLOW_ANONYMOUS=true`.
     #[arg(long, env = "SLUICE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
+    /// Serve without API keys: every caller is tenant `default` and sees every task (local use
+    /// only). Without keys and without this, the producer refuses to start.
+    #[arg(long, env = "SLUICE_ALLOW_ANONYMOUS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub allow_anonymous: bool,
     /// Largest accepted request body, bytes.
     #[arg(long, env = "SLUICE_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
     pub max_body_bytes: usize,

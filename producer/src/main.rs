@@ -66,10 +66,12 @@ fn publisher(args: &PublishArgs, metrics: &Metrics) -> anyhow::Result<TaskPublis
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     sluice_service::otlp::init("sluice-producer")?;
     let metrics = Metrics::new();
-    let keys = ApiKeys::parse(&args.api_keys)?;
-    if !keys.enabled() {
-        tracing::warn!("no SLUICE_API_KEYS: the API is open and every task belongs to tenant `default`");
-    }
+    let keys = if args.allow_anonymous && args.api_keys.iter().all(|k| k.trim().is_empty()) {
+        tracing::warn!("SLUICE_ALLOW_ANONYMOUS: the API is open and every task belongs to tenant `default`");
+        ApiKeys::anonymous()
+    } else {
+        ApiKeys::parse(&args.api_keys)?
+    };
     let catalog = Catalog::load(args.publish.model_catalog.as_deref())?;
     tracing::info!(models = ?catalog.names(), "model catalog");
     let store = Arc::new(
@@ -153,10 +155,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         publish_timeout: Duration::from_millis(args.publish.publish_timeout_ms),
         events_max: Duration::from_secs_f64(args.events_max_seconds.clamp(0.05, 86_400.0)),
     });
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
+        .await
+        .with_context(|| format!("binding the metrics listener {}", args.metrics_listen))?;
+    let metrics_router = api::metrics_router(state.metrics.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(metrics_listener, metrics_router).await {
+            tracing::error!(error = %e, "metrics listener stopped");
+        }
+    });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(listen = %args.listen, topic = %args.publish.tasks_topic, "producer listening");
+    tracing::info!(listen = %args.listen, metrics = %args.metrics_listen, topic = %args.publish.tasks_topic, "producer listening");
     axum::serve(listener, api::router(state, args.max_body_bytes))
         .with_graceful_shutdown(shutdown::terminated())
         .await?;

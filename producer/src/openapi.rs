@@ -206,13 +206,6 @@ pub fn document() -> Value {
                     }}}}}
                 }
             },
-            "/metrics": {
-                "get": {
-                    "operationId": "metrics",
-                    "security": [],
-                    "responses": {"200": {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": {"type": "string"}}}}}
-                }
-            },
             "/openapi.json": {
                 "get": {
                     "operationId": "openapi",

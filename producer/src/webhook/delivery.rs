@@ -110,11 +110,7 @@ impl Deliverer {
             Ok(u) => u,
             Err(r) => return give_up(Refused, r.0),
         };
-        let host = format!(
-            "{}:{}",
-            url.host_str().unwrap_or_default(),
-            url.port_or_known_default().unwrap_or(0)
-        );
+        let host = host_of(url.as_str());
         let timestamp = chrono::Utc::now().timestamp();
         let Some(signature) = self.secrets.signature(request.tenant, request.event_id, timestamp, request.body) else {
             return give_up(Refused, format!("no webhook secret is configured for tenant {:?}", request.tenant));
@@ -183,9 +179,14 @@ impl Deliverer {
     }
 }
 
-/// An error with its sources, e.g. "error sending request: connection refused".
+/// An error with its sources, e.g. "error sending request for url (host:port): connection
+/// refused". The URL is cut to its host: paths and queries often carry tokens, and this text is
+/// logged and kept in retry and DLQ records.
 fn describe(e: &reqwest::Error) -> String {
     let mut text = if e.is_timeout() { "timed out".to_owned() } else { e.to_string() };
+    if let Some(url) = e.url() {
+        text = text.replace(url.as_str(), &host_of(url.as_str()));
+    }
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
         text.push_str(": ");
@@ -193,6 +194,14 @@ fn describe(e: &reqwest::Error) -> String {
         source = s.source();
     }
     text
+}
+
+/// `host:port` of a URL, for logs: never its path or query (they often carry tokens).
+pub fn host_of(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(u) => format!("{}:{}", u.host_str().unwrap_or_default(), u.port_or_known_default().unwrap_or(0)),
+        Err(_) => "(not a URL)".to_owned(),
+    }
 }
 
 /// What an HTTP answer means.

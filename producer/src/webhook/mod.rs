@@ -37,7 +37,7 @@ use crate::metrics::Metrics;
 use crate::presign::Presigner;
 use crate::status::{Change, StatusStore, TaskStatus};
 use crate::view::CaughtUp;
-use delivery::{Attempt, Deliverer, Request};
+use delivery::{Attempt, Deliverer, Request, host_of};
 use schedule::RetrySchedule;
 
 /// At most one `progress` delivery per task this often.
@@ -524,7 +524,7 @@ impl Notifier {
             .webhook_deliveries
             .with_label_values(&[delivery.event.as_str(), reason.as_str()])
             .inc();
-        tracing::warn!(event_id = %delivery.event_id, task_id = %delivery.task_id, url = %delivery.url, reason = reason.as_str(), %error, "webhook given up");
+        tracing::warn!(event_id = %delivery.event_id, task_id = %delivery.task_id, host = %host_of(&delivery.url), reason = reason.as_str(), %error, "webhook given up");
         let record = WebhookDlqRecord {
             version: SCHEMA_VERSION,
             event_id: delivery.event_id,
