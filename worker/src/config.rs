@@ -32,7 +32,7 @@ pub struct Config {
     /// Address of the HTTP server (`/metrics`, `/healthz`, `/readyz`, `/admin/reload`).
     #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:9090")]
     pub listen: SocketAddr,
-    /// Bearer token required by `/admin/*` (without one, bind the listener to loopback).
+    /// Bearer token required by `/admin/*`; without one they answer 404 (admin is off).
     #[arg(long, env = "SLUICE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Name of this worker in completion events and logs (default: hostname-pid).

@@ -234,7 +234,12 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         metrics: metrics.clone(),
         health: health_rx,
         serving: serving.clone(),
-        admin_token: config.admin_token.clone().filter(|t| !t.is_empty()),
+        admin_token: config
+            .admin_token
+            .as_deref()
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(crate::http::token_digest),
         fatal: fatal.clone(),
         offsets: offsets.clone(),
     });

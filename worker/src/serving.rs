@@ -50,6 +50,9 @@ pub enum ServingError {
     MissingFile { name: String, path: String },
     #[error("model {name}: {source}")]
     Load { name: String, source: EngineError },
+    /// A reload option out of its bounds; nothing was changed.
+    #[error("{field}: {message}")]
+    InvalidOption { field: &'static str, message: String },
     /// The worker can no longer serve and must be restarted.
     #[error("fatal: {0}")]
     Fatal(String),
@@ -105,9 +108,50 @@ pub struct ReloadOverrides {
     pub gpu_mem_limit: Option<usize>,
 }
 
+/// The smallest CUDA arena a reload may ask for: below it no model loads, and the fallback
+/// would have nothing to fall back to.
+pub const MIN_GPU_MEM_LIMIT: usize = 256 << 20;
+
+impl ReloadOverrides {
+    /// `base` with these changes, or the first one out of bounds: `intra_threads` at most four
+    /// per core (0: ONNX Runtime's choice), `gpu_mem_limit` on CUDA workers only and at least
+    /// [`MIN_GPU_MEM_LIMIT`].
+    pub fn apply(&self, base: &SessionOptions) -> Result<SessionOptions, ServingError> {
+        let mut options = base.clone();
+        if let Some(t) = self.intra_threads {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if t > 4 * cores {
+                return Err(ServingError::InvalidOption {
+                    field: "intra_threads",
+                    message: format!("{t} is more than 4 per core ({cores} cores); 0 lets ONNX Runtime choose"),
+                });
+            }
+            options.intra_threads = t;
+        }
+        if let Some(limit) = self.gpu_mem_limit {
+            let Device::Cuda { mem_limit, .. } = &mut options.device else {
+                return Err(ServingError::InvalidOption {
+                    field: "gpu_mem_limit",
+                    message: "this worker runs on CPU; gpu_mem_limit applies to CUDA workers".into(),
+                });
+            };
+            if limit < MIN_GPU_MEM_LIMIT {
+                return Err(ServingError::InvalidOption {
+                    field: "gpu_mem_limit",
+                    message: format!("{limit} bytes is below the minimum of {MIN_GPU_MEM_LIMIT}"),
+                });
+            }
+            *mem_limit = Some(limit);
+        }
+        Ok(options)
+    }
+}
+
 struct Loaded {
     /// The file the current sessions were loaded from, held open for the fallback.
     file: File,
+    /// The options they were loaded with: the fallback's, whatever a failed reload asked for.
+    options: SessionOptions,
     placement: Placement,
     /// False once a reload failed for good: nothing may run on a model that is not loaded.
     serving: bool,
@@ -176,6 +220,7 @@ impl Serving {
                     path,
                     state: RwLock::new(Loaded {
                         file,
+                        options: options.clone(),
                         placement,
                         serving: true,
                     }),
@@ -238,19 +283,13 @@ impl Serving {
             Some(m) => vec![m.to_owned()],
             None => self.names(),
         };
-        {
-            let mut options = self.options.lock().await;
-            if let Some(t) = overrides.intra_threads {
-                options.intra_threads = t;
-            }
-            if let (Some(limit), Device::Cuda { mem_limit, .. }) = (overrides.gpu_mem_limit, &mut options.device) {
-                *mem_limit = Some(limit);
-            }
-        }
+        // Later reloads start from these options only if every model loaded with them.
+        let mut base = self.options.lock().await;
+        let options = overrides.apply(&base)?;
         let mut reports = Vec::new();
         for name in names {
             self.health.send_modify(|h| h.reloading += 1);
-            let report = self.reload_one(&name).await;
+            let report = self.reload_one(&name, &options).await;
             self.health.send_modify(|h| h.reloading -= 1);
             match report {
                 Ok(report) => reports.push(report),
@@ -270,22 +309,32 @@ impl Serving {
                 }
             }
         }
+        if reports.iter().all(|r| r.result == ReloadResult::Reloaded) {
+            *base = options;
+        }
         Ok(reports)
     }
 
-    async fn reload_one(&self, name: &str) -> Result<ReloadReport, ServingError> {
+    async fn reload_one(&self, name: &str, options: &SessionOptions) -> Result<ReloadReport, ServingError> {
         let served = &self.models[name];
         let started = Instant::now();
         // Stop taking batches for this model; wait for those in flight.
         let mut state = served.state.write().await;
-        let result = self.swap(name, served, &mut state, started).await;
+        let result = self.swap(name, served, &mut state, options, started).await;
         if result.is_err() {
             state.serving = false;
         }
         result
     }
 
-    async fn swap(&self, name: &str, served: &Served, state: &mut Loaded, started: Instant) -> Result<ReloadReport, ServingError> {
+    async fn swap(
+        &self,
+        name: &str,
+        served: &Served,
+        state: &mut Loaded,
+        options: &SessionOptions,
+        started: Instant,
+    ) -> Result<ReloadReport, ServingError> {
         let drain_ms = started.elapsed().as_millis() as u64;
         let before = self.snapshot();
 
@@ -318,7 +367,6 @@ impl Serving {
             )));
         }
 
-        let options = self.options.lock().await.clone();
         let new_file = File::open(&served.path);
         let attempt = match &new_file {
             Ok(file) => {
@@ -340,6 +388,7 @@ impl Serving {
             Ok(placement) => {
                 *state = Loaded {
                     file: new_file.expect("opened"),
+                    options: options.clone(),
                     placement,
                     serving: true,
                 };
@@ -347,7 +396,11 @@ impl Serving {
             }
             Err(error) => {
                 tracing::warn!(model = name, error = %error, "new model failed to load; loading the previous one");
-                match self.engine.load(name, loader(&served.adapter, fd_path(&state.file), options)).await {
+                match self
+                    .engine
+                    .load(name, loader(&served.adapter, fd_path(&state.file), state.options.clone()))
+                    .await
+                {
                     Ok(placement) => {
                         state.placement = placement;
                         (ReloadResult::FellBack, Some(error.to_string()))
