@@ -13,11 +13,15 @@ use crate::stack::{Stack, Topics};
 pub const API_KEY: &str = "test-key";
 /// The API key of a second tenant, `rival`.
 pub const RIVAL_KEY: &str = "rival-key";
+/// The workers' `SLUICE_ADMIN_TOKEN` (a test sets it empty to turn admin off).
+pub const ADMIN_TOKEN: &str = "test-admin-token";
 
 pub struct Cluster {
     pub stack: Stack,
     pub producer: Service,
     pub producer_url: String,
+    /// The producer's metrics listener.
+    pub producer_metrics_url: String,
     pub workers: Vec<Worker>,
     producer_env: Vec<(String, String)>,
 }
@@ -36,6 +40,7 @@ impl Worker {
         let mut env = stack.vars();
         env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
         env.push(("SLUICE_WORKER_ID".into(), id.into()));
+        env.push(("SLUICE_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()));
         env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         let mut service = Service::spawn(id, &bin("sluice-worker"), &[], &env, &stack.dir.join("logs"))?;
         let url = format!("http://127.0.0.1:{port}");
@@ -78,6 +83,18 @@ impl Worker {
         })
         .await
         .map(|_| ())
+    }
+
+    /// `POST /admin/reload` with the admin token: the status and the JSON body.
+    pub async fn reload(&self, body: &Value) -> (u16, Value) {
+        let response = reqwest::Client::new()
+            .post(format!("{}/admin/reload", self.url))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(body)
+            .send()
+            .await
+            .expect("POST /admin/reload");
+        (response.status().as_u16(), response.json().await.unwrap_or(Value::Null))
     }
 
     /// The worker's `/metrics` text.
@@ -152,10 +169,11 @@ impl Cluster {
     /// Like [`Cluster::start`], with settings for every service (the producer too).
     pub async fn start_with(name: &str, workers: usize, worker_env: &[(&str, &str)], common: &[(&str, &str)]) -> anyhow::Result<Cluster> {
         let stack = Stack::start(name)?;
-        let port = free_port();
+        let (port, metrics_port) = (free_port(), free_port());
         let mut env = stack.vars();
         env.extend(common.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+        env.push(("SLUICE_METRICS_LISTEN".into(), format!("127.0.0.1:{metrics_port}")));
         env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY},rival:{RIVAL_KEY}")));
         env.push((
             "SLUICE_STATUS_PATH".into(),
@@ -184,6 +202,7 @@ impl Cluster {
             stack,
             producer,
             producer_url,
+            producer_metrics_url: format!("http://127.0.0.1:{metrics_port}"),
             workers: started,
             producer_env: env,
         })
@@ -218,7 +237,7 @@ impl Cluster {
 
     /// The producer's `/metrics` text.
     pub async fn producer_metrics(&self) -> anyhow::Result<String> {
-        Ok(reqwest::get(format!("{}/metrics", self.producer_url)).await?.text().await?)
+        Ok(reqwest::get(format!("{}/metrics", self.producer_metrics_url)).await?.text().await?)
     }
 
     /// `POST /v1/tasks` with the test key; returns the status and the JSON body.

@@ -337,6 +337,10 @@ async fn producer_service(stack: &Stack, topics: &Topics, name: &str) -> (Servic
     env.extend(
         [
             ("SLUICE_LISTEN", format!("127.0.0.1:{port}")),
+            (
+                "SLUICE_METRICS_LISTEN",
+                format!("127.0.0.1:{}", sluice_integration_tests::free_port()),
+            ),
             ("SLUICE_API_KEYS", format!("acme:{API_KEY}")),
             (
                 "SLUICE_STATUS_PATH",

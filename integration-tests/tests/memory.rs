@@ -171,13 +171,7 @@ async fn concurrent_singles_do_not_make_each_other_fail() {
 }
 
 async fn reload(worker: &Worker) -> (u16, Value) {
-    let response = reqwest::Client::new()
-        .post(format!("{}/admin/reload", worker.url))
-        .json(&serde_json::json!({"model": "terrain"}))
-        .send()
-        .await
-        .unwrap();
-    (response.status().as_u16(), response.json().await.unwrap_or(Value::Null))
+    worker.reload(&serde_json::json!({"model": "terrain"})).await
 }
 
 /// RSS bound after the warm-up reloads, above the warm baseline.

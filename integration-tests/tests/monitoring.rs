@@ -150,7 +150,7 @@ async fn backlog_alerts_fire_with_no_worker_up_and_resolve_on_a_real_prometheus_
         .unwrap();
     worker.wait_assigned(Duration::from_secs(90)).await.unwrap();
     let address = |url: &str| url.trim_start_matches("http://").to_owned();
-    let prometheus = Prometheus::start(&c.stack.dir, &address(&c.producer_url), &[&address(&worker.url)]).await;
+    let prometheus = Prometheus::start(&c.stack.dir, &address(&c.producer_metrics_url), &[&address(&worker.url)]).await;
     wait_for("a first worker scrape", Duration::from_secs(30), async || {
         let up = prometheus
             .api("/api/v1/query", &[("query", "up{job=\"sluice-worker\"} == 1")])

@@ -122,7 +122,6 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
     // group takes ~3 s on the broker; reloads before it measure an idle worker's baseline).
     worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
     let kafka = producer(stack.brokers()).unwrap();
-    let client = reqwest::Client::new();
     let mut tasks = Vec::new();
     let mut rss = Vec::new();
     let mut device_free = Vec::new();
@@ -130,14 +129,8 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
         let wave: Vec<_> = (0..2).map(|j| sd_task(i * 2 + j, 64, 4, 1 + (j as u32))).collect();
         publish_tasks(&kafka, &topics.tasks, &wave).await.unwrap();
         tasks.extend(wave);
-        let response = client
-            .post(format!("{}/admin/reload", worker.url))
-            .json(&serde_json::json!({"model": "sd-tiny"}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status().as_u16(), 200);
-        let report: Value = response.json().await.unwrap();
+        let (status, report) = worker.reload(&serde_json::json!({"model": "sd-tiny"})).await;
+        assert_eq!(status, 200, "{report}");
         let report = &report["reloads"][0];
         assert_eq!(report["result"], "reloaded", "{report}");
         rss.push((

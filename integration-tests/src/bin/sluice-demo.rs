@@ -41,6 +41,7 @@ async fn main() -> anyhow::Result<()> {
     let mut env = stack.vars();
     env.push(("SLUICE_MODEL_CATALOG".into(), catalog.clone()));
     env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+    env.push(("SLUICE_METRICS_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
     env.push(("SLUICE_API_KEYS".into(), format!("demo:{API_KEY}")));
     env.push(("SLUICE_STATUS_PATH".into(), logs.join("status/view.redb").display().to_string()));
     let mut producer = Service::spawn("producer", &bin("sluice-producer"), &["serve"], &env, &logs)?;
