@@ -217,9 +217,19 @@ for profile in profiles:
     if values.get("monitoring", {}).get("serviceMonitor", {}).get("enabled"):
         monitored = {m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] for m in by_kind.get("ServiceMonitor", [])}
         check(monitored == {"producer", "worker"}, f"{name}: ServiceMonitors for {monitored}")
+        for m in by_kind.get("ServiceMonitor", []):
+            component = m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+            port = m["spec"]["endpoints"][0]["port"]
+            check(port == ("metrics" if component == "producer" else "http"), f"{name}: {component} scraped on port {port}")
     producer = next(d for d in by_kind["Deployment"] if d["metadata"]["name"].endswith("-producer"))
     pc = producer["spec"]["template"]["spec"]["containers"][0]
     check(pc["readinessProbe"]["httpGet"]["path"] == "/healthz", f"{name}: producer probes on /healthz")
+    metrics_port = next((p["containerPort"] for p in pc["ports"] if p["name"] == "metrics"), None)
+    check(
+        metrics_port is not None and env_of(pc).get("SLUICE_METRICS_LISTEN") == f"0.0.0.0:{metrics_port}",
+        f"{name}: the producer's metrics on their own port",
+    )
+    check("SLUICE_ALLOW_ANONYMOUS" not in env_of(pc), f"{name}: the producer is closed by default")
     mounts = {m["mountPath"] for m in pc["volumeMounts"]}
     check("/var/lib/sluice/status" in mounts, f"{name}: the status view's volume")
     check(env_of(pc).get("SLUICE_WORKER_GROUP") == wenv["SLUICE_GROUP_ID"], f"{name}: the producer measures the workers' group")
@@ -243,6 +253,7 @@ for label, change, needle in [
     ("KEDA's maximum above the partitions", lambda v: v["kafka"].__setitem__("tasksPartitions", 8), "maxReplicaCount"),
     ("no catalog", lambda v: v.__setitem__("catalog", ""), "catalog"),
     ("models from S3 without a URL", lambda v: v["models"]["s3"].__setitem__("url", ""), "models.s3.url"),
+    ("no source of API keys", lambda v: v.__setitem__("existingSecret", ""), "producer.allowAnonymous"),
 ]:
     bad = copy.deepcopy(base)
     change(bad)
@@ -251,6 +262,13 @@ for label, change, needle in [
         check(False, f"the chart rendered with {label}")
     except helm_python.HelmError as e:
         check(needle in str(e), f"{label}: the error does not name {needle}: {e}")
+
+# Anonymous access renders only when asked for by name, and then says so to the producer.
+anonymous = copy.deepcopy(base)
+anonymous["existingSecret"] = ""
+anonymous["producer"]["allowAnonymous"] = True
+producer = next(d for _, d in render(anonymous) if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-producer"))
+check(env_of(producer["spec"]["template"]["spec"]["containers"][0]).get("SLUICE_ALLOW_ANONYMOUS") == "true", "anonymous: SLUICE_ALLOW_ANONYMOUS")
 
 if failures:
     print(f"\n{len(failures)} problem(s):", file=sys.stderr)
