@@ -88,6 +88,9 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         if !shared.offsets.should_start(&record.origin) {
             continue; // revoked or being revoked while queued; the new owner reads it again
         }
+        // Before anything of the partition can be committed, a record that fails at once
+        // included (a partition holding only those would otherwise never be).
+        shared.redelivery.know_partition(&record.origin).await;
         let Some((bucket, job)) = admit(&shared, record) else { continue };
         let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
         if !shared.redelivery.admit(&job.record.origin, replayed).await {

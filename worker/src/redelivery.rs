@@ -29,6 +29,14 @@ pub trait RedeliveryCheck: Send + Sync {
     /// the record starts, in offset order per partition. `replayed`: the record was copied back
     /// by replay or redrive.
     fn admit<'a>(&'a self, origin: &'a Origin, replayed: bool) -> BoxFuture<'a, bool>;
+
+    /// Learns what the previous owner of `origin`'s partition left, if not known yet. Called for
+    /// every record before anything else, those that fail before they could start included:
+    /// nothing of a partition is committed until that is known.
+    fn know_partition<'a>(&'a self, origin: &'a Origin) -> BoxFuture<'a, ()> {
+        let _ = origin;
+        Box::pin(std::future::ready(()))
+    }
 }
 
 /// Records a lease covers beyond the record that extended it.
@@ -126,6 +134,14 @@ impl CommitMetadataLeases {
 impl RedeliveryCheck for CommitMetadataLeases {
     fn admit<'a>(&'a self, origin: &'a Origin, replayed: bool) -> BoxFuture<'a, bool> {
         Box::pin(self.admit_now(origin, replayed))
+    }
+
+    fn know_partition<'a>(&'a self, origin: &'a Origin) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if self.offsets.lease(origin) == (LeaseState::Unknown { may_try: true }) {
+                self.read_previous(origin).await;
+            }
+        })
     }
 }
 
@@ -231,6 +247,24 @@ mod tests {
             "extended past the record"
         );
         assert_eq!(*broker.reads.lock().unwrap(), 2, "one offset fetch per assignment");
+        committer.abort();
+    }
+
+    /// A partition whose records all fail before they start (malformed, say) is committed too:
+    /// its previous lease is read for them, and kept in the commit.
+    #[tokio::test]
+    async fn a_partition_of_records_that_never_start_is_committed() {
+        let broker = Arc::new(Broker::default());
+        broker.metadata.lock().unwrap().insert(tp(), lease_metadata(50));
+        let (offsets, check, committer) = worker(&broker, 10);
+        for offset in 0..3 {
+            let origin = offsets.track(&tp(), offset).expect("assigned");
+            check.know_partition(&origin).await;
+            offsets.ack(&origin);
+        }
+        let commits = broker.commit(&offsets);
+        assert_eq!(commits.iter().map(|c| (c.offset, c.lease_end)).collect::<Vec<_>>(), [(3, 50)]);
+        assert_eq!(*broker.reads.lock().unwrap(), 1);
         committer.abort();
     }
 
