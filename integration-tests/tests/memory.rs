@@ -174,7 +174,7 @@ async fn reload(worker: &Worker) -> (u16, Value) {
     worker.reload(&serde_json::json!({"model": "terrain"})).await
 }
 
-/// RSS bound after the warm-up reloads, above the warm baseline.
+/// How much higher RSS may be after the last reloads than after the first ones.
 const RSS_BOUND_BYTES: u64 = 150 << 20;
 
 #[tokio::test(flavor = "multi_thread")]
@@ -196,6 +196,13 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
     )
     .await;
     let kafka = producer(stack.brokers()).unwrap();
+
+    // Warm-up: the worker reaches its working set (allocator, Kafka buffers, thread pools)
+    // before any sample counts; on a busy machine the first reloads can come before any work.
+    let warm_up: Vec<_> = (0..8).map(|i| terrain_task(500 + i, 128, 128, 1 + i as u32)).collect();
+    publish_tasks(&kafka, &topics.tasks, &warm_up).await.unwrap();
+    let done = outcomes(stack, &topics, &ids_of(&warm_up), Duration::from_secs(120));
+    assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), warm_up.len());
 
     // Tasks flow while the model is reloaded 50 times.
     let mut tasks = Vec::new();
@@ -220,10 +227,21 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
         tasks.len(),
         "every task completed across the reloads"
     );
-    let baseline = rss[4].2;
-    let worst = rss[5..].iter().map(|r| r.2).max().unwrap();
     eprintln!(
-        "reload RSS: first {} MB, warm baseline (after reload 5) {} MB, worst after reload 6..50 {} MB, last {} MB, lowest after an unload {} MB; bound baseline + {} MB",
+        "reload RSS (MB, before/after unload/after): {}",
+        rss.iter()
+            .map(|r| format!("{}/{}/{}", r.0 >> 20, r.1 >> 20, r.2 >> 20))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    // A leak grows with the number of reloads; the allocator's working set does not. The
+    // highest RSS after reloads 36..50 against the highest after reloads 1..15 (a window, not one
+    // sample: a reload can land between batches or in the middle of one): a leak of a fifth of
+    // the 45 MB model per reload is more than the bound.
+    let baseline = rss[..15].iter().map(|r| r.2).max().unwrap();
+    let worst = rss[35..].iter().map(|r| r.2).max().unwrap();
+    eprintln!(
+        "reload RSS: first {} MB, highest after reloads 1..15 {} MB, highest after reloads 36..50 {} MB, last {} MB, lowest after an unload {} MB; bound {} MB of growth",
         rss[0].2 >> 20,
         baseline >> 20,
         worst >> 20,
