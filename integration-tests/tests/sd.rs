@@ -354,6 +354,19 @@ async fn the_request_trace_continues_through_task_progress_and_completion() {
     assert_eq!(response.status().as_u16(), 202);
     let id = response.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned();
     let untraced = c.submit_ok(&json!({"model": "sd-tiny", "prompt": "no trace given"})).await.unwrap();
+    // A hostile `tracestate` (over W3C's 32 members, ~1.7 KB) is not copied into the record.
+    let hostile = (0..200).map(|i| format!("k{i}=value{i}")).collect::<Vec<_>>().join(",");
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/tasks", c.producer_url))
+        .bearer_auth(sluice_integration_tests::cluster::API_KEY)
+        .header("traceparent", &incoming)
+        .header("tracestate", &hostile)
+        .json(&json!({"model": "sd-tiny", "prompt": "a hostile trace state"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 202);
+    let hostile_id = response.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned();
     completions_for(
         c.stack.brokers(),
         &BTreeSet::from([id.clone(), untraced.clone()]),
@@ -363,6 +376,16 @@ async fn the_request_trace_continues_through_task_progress_and_completion() {
     let header_of =
         |topic: &str, key: &str| sluice_integration_tests::kafka::header_values(c.stack.brokers(), topic, key, "traceparent").unwrap();
     let task = header_of(sluice_schemas::topics::TASKS, &id);
+    let state_of = |key: &str| {
+        sluice_integration_tests::kafka::header_values(c.stack.brokers(), sluice_schemas::topics::TASKS, key, "tracestate").unwrap()
+    };
+    assert_eq!(state_of(&id), vec!["vendor=abc".to_owned()]);
+    assert_eq!(
+        header_of(sluice_schemas::topics::TASKS, &hostile_id).len(),
+        1,
+        "the trace itself continues"
+    );
+    assert_eq!(state_of(&hostile_id), Vec::<String>::new(), "over 32 members: discarded");
     let progress = header_of(sluice_schemas::topics::PROGRESS, &id);
     let completion = header_of(sluice_schemas::topics::COMPLETIONS, &id);
     assert_eq!(task.len(), 1, "{task:?}");

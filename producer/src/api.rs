@@ -196,11 +196,20 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
         .and_then(|v| v.to_str().ok())
         .and_then(sluice_service::trace::TraceContext::parse);
     let trace = incoming.map_or_else(sluice_service::trace::TraceContext::root, |t| t.child());
-    let tracestate = headers.get(sluice_service::trace::TRACESTATE).and_then(|v| v.to_str().ok());
+    // Within W3C's limits, or not at all: a client's header is not copied unbounded into the record.
+    let tracestate = headers
+        .get(sluice_service::trace::TRACESTATE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(sluice_service::trace::bounded_tracestate);
     tracing::info!(task_id = %record.task_id, trace_id = %trace.trace_id_hex(), model = %record.model, "task accepted");
     if let Err(e) = s
         .publisher
-        .publish_traced(&record, Some((&trace, incoming.map(|t| t.span_id))), tracestate, s.publish_timeout)
+        .publish_traced(
+            &record,
+            Some((&trace, incoming.map(|t| t.span_id))),
+            tracestate.as_deref(),
+            s.publish_timeout,
+        )
         .await
     {
         tracing::warn!(error = %e, "broker unavailable; task refused");

@@ -5,8 +5,59 @@
 
 /// The `traceparent` header (and record header) name.
 pub const TRACEPARENT: &str = "traceparent";
-/// The `tracestate` header, passed through unchanged.
+/// The `tracestate` header, passed on within W3C's limits (see [`bounded_tracestate`]).
 pub const TRACESTATE: &str = "tracestate";
+
+/// W3C Trace Context's limits on `tracestate`: list members, and the characters a vendor must
+/// propagate.
+pub const TRACESTATE_MAX_MEMBERS: usize = 32;
+pub const TRACESTATE_MAX_CHARS: usize = 512;
+/// Members longer than this go first when the list is over [`TRACESTATE_MAX_CHARS`].
+const TRACESTATE_LONG_MEMBER: usize = 128;
+
+/// A `tracestate` value as it may be passed on: `None` for one that is malformed or has more
+/// than 32 list members (the spec says to discard it whole); over 512 characters, members
+/// longer than 128 characters are dropped, then members from the end, until it fits.
+pub fn bounded_tracestate(value: &str) -> Option<String> {
+    let members: Vec<&str> = value
+        .split(',')
+        .map(|m| m.trim_matches([' ', '\t']))
+        .filter(|m| !m.is_empty())
+        .collect();
+    if members.is_empty() || members.len() > TRACESTATE_MAX_MEMBERS || !members.iter().all(|m| tracestate_member(m)) {
+        return None;
+    }
+    let length = |ms: &[&str]| ms.iter().map(|m| m.len()).sum::<usize>() + ms.len().saturating_sub(1);
+    let mut kept = members;
+    if length(&kept) > TRACESTATE_MAX_CHARS {
+        kept.retain(|m| m.len() <= TRACESTATE_LONG_MEMBER);
+    }
+    while length(&kept) > TRACESTATE_MAX_CHARS {
+        kept.pop();
+    }
+    (!kept.is_empty()).then(|| kept.join(","))
+}
+
+/// `key=value` as W3C defines a list member: a key of at most 256 characters from
+/// `a-z0-9_-*/@` starting with a letter or digit (at most one `@`), a value of at most 256
+/// printable ASCII characters other than `,` and `=`, not ending in a space.
+fn tracestate_member(member: &str) -> bool {
+    let Some((key, value)) = member.split_once('=') else {
+        return false;
+    };
+    let key_ok = !key.is_empty()
+        && key.len() <= 256
+        && key.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && key
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "_-*/@".contains(c))
+        && key.matches('@').count() <= 1;
+    let value_ok = !value.is_empty()
+        && value.len() <= 256
+        && !value.ends_with(' ')
+        && value.bytes().all(|b| (0x20..=0x7e).contains(&b) && b != b',' && b != b'=');
+    key_ok && value_ok
+}
 
 /// A parsed `traceparent`: version 00.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,5 +183,27 @@ mod tests {
         assert_eq!(d.trace_id, t.trace_id);
         let root = TraceContext::root();
         assert_eq!(TraceContext::parse(&root.header()), Some(root));
+    }
+
+    #[test]
+    fn tracestate_is_kept_within_w3c_limits() {
+        assert_eq!(bounded_tracestate("vendor=abc").as_deref(), Some("vendor=abc"));
+        assert_eq!(bounded_tracestate(" a=1 , b@x=2,, ").as_deref(), Some("a=1,b@x=2"));
+        for bad in ["", "novalue", "Upper=1", "a=b=c", "a=x y=z", "a@b@c=1", "a=\u{7f}"] {
+            assert_eq!(bounded_tracestate(bad), None, "{bad:?}");
+        }
+        // More than 32 members: discarded whole.
+        let many: Vec<String> = (0..33).map(|i| format!("k{i}=v")).collect();
+        assert_eq!(bounded_tracestate(&many.join(",")), None);
+        assert!(bounded_tracestate(&many[..32].join(",")).is_some());
+        // Over 512 characters: long members go first, then members from the end.
+        let long = format!("long={}", "x".repeat(200));
+        let short: Vec<String> = (0..30).map(|i| format!("k{i:02}={}", "y".repeat(20))).collect();
+        let value = format!("{},{long},{}", short[0], short[1..].join(","));
+        let kept = bounded_tracestate(&value).unwrap();
+        assert!(kept.len() <= TRACESTATE_MAX_CHARS, "{}", kept.len());
+        assert!(!kept.contains("long=") && kept.starts_with("k00=") && kept.split(',').count() < 30);
+        let huge = format!("a={}", "z".repeat(300));
+        assert_eq!(bounded_tracestate(&huge), None, "a value over 256 characters is malformed");
     }
 }

@@ -60,7 +60,7 @@ impl TraceHeaders {
             tracestate: record
                 .header(TRACESTATE)
                 .and_then(|v| std::str::from_utf8(v).ok())
-                .map(str::to_owned),
+                .and_then(sluice_service::trace::bounded_tracestate),
         })
     }
 
