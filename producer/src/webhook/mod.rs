@@ -381,13 +381,19 @@ impl Notifier {
                     self.metrics.webhook_deliveries.with_label_values(&[event.as_str(), outcome]).inc();
                     return;
                 }
+                // The attempt the event belongs to: a completion names its own; the others are
+                // of the attempt the view shows.
+                let attempt = match &*change {
+                    Change::Completed(c) => c.attempt,
+                    _ => status.attempt,
+                };
                 let payload = match serde_json::to_value(&status) {
                     Ok(Value::Object(m)) => m,
                     _ => Map::new(),
                 };
                 let delivery = WebhookDelivery {
                     version: SCHEMA_VERSION,
-                    event_id: signing::event_id(task_id, event, step),
+                    event_id: signing::event_id(task_id, attempt, event, step),
                     event,
                     task_id,
                     tenant,

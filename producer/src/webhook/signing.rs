@@ -97,10 +97,16 @@ pub fn sign(key: &[u8], id: &str, timestamp: i64, body: &[u8]) -> String {
     STANDARD.encode(mac.finalize().into_bytes())
 }
 
-/// The `webhook-id` of an event: derived from the task, the event and the step, so that every
-/// attempt and every replica gives the same one.
-pub fn event_id(task_id: Uuid, event: sluice_schemas::WebhookEvent, step: u32) -> String {
-    let digest = Sha256::digest(format!("sluice-webhook\0{task_id}\0{}\0{step}", event.as_str()).as_bytes());
+/// The `webhook-id` of an event: derived from the task, its attempt, the event and the step, so
+/// that every delivery attempt and every replica gives the same one, and a redriven task's
+/// events (attempt 2 on) are new events to a receiver that deduplicates by id. (Attempt 1
+/// keeps the ids of releases before attempts counted.)
+pub fn event_id(task_id: Uuid, attempt: u32, event: sluice_schemas::WebhookEvent, step: u32) -> String {
+    let mut text = format!("sluice-webhook\0{task_id}\0{}\0{step}", event.as_str());
+    if attempt > 1 {
+        text.push_str(&format!("\0attempt {attempt}"));
+    }
+    let digest = Sha256::digest(text.as_bytes());
     let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
     format!("msg_{hex}")
 }
@@ -145,9 +151,12 @@ mod tests {
     fn event_ids_are_stable_and_distinct() {
         use sluice_schemas::WebhookEvent::*;
         let t = Uuid::from_u128(7);
-        assert_eq!(event_id(t, Completed, 0), event_id(t, Completed, 0));
-        assert_ne!(event_id(t, Completed, 0), event_id(t, Progress, 0));
-        assert_ne!(event_id(t, Progress, 1), event_id(t, Progress, 2));
-        assert!(event_id(t, Started, 0).len() == 36);
+        assert_eq!(event_id(t, 1, Completed, 0), event_id(t, 1, Completed, 0));
+        assert_ne!(event_id(t, 1, Completed, 0), event_id(t, 1, Progress, 0));
+        assert_ne!(event_id(t, 1, Progress, 1), event_id(t, 1, Progress, 2));
+        assert!(event_id(t, 1, Started, 0).len() == 36);
+        // A redriven task's completion is another event.
+        assert_ne!(event_id(t, 1, Completed, 0), event_id(t, 2, Completed, 0));
+        assert_ne!(event_id(t, 2, Completed, 0), event_id(t, 3, Completed, 0));
     }
 }
