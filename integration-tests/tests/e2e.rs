@@ -111,6 +111,11 @@ async fn malformed_records_go_to_the_dlq_and_the_tasks_around_them_complete() {
     missing.as_object_mut().unwrap().remove("request");
     let (_, mut wrong_types) = task(30);
     wrong_types["request"]["seed"] = json!("seven");
+    // Valid by the schema, over the catalog's bounds of one task's work (29,768 tiles): it
+    // reaches the topic without the producer and must not reach the model.
+    let (_, mut oversized) = terrain_task(5, 2048, 2048, 30);
+    oversized["request"]["num_images"] = json!(8);
+    oversized["request"]["params"]["tile_overlap"] = json!(96);
     let bytes = |v: &Value| serde_json::to_vec(v).unwrap();
 
     // (value, header version, expected reason, key)
@@ -123,6 +128,7 @@ async fn malformed_records_go_to_the_dlq_and_the_tasks_around_them_complete() {
         (bytes(&missing), None, "schema_violation"),
         (bytes(&wrong_types), None, "schema_violation"),
         (bytes(&out_of_bounds), None, "schema_violation"),
+        (bytes(&oversized), None, "schema_violation"),
         // Model names are the catalog's: a well-formed name this worker does not serve is
         // unsupported; a name no catalog can hold is a schema violation.
         (bytes(&unknown_model), None, "unsupported_model"),
@@ -253,6 +259,52 @@ async fn bad_requests_get_4xx_naming_the_field() {
             assert!(reply["message"].as_str().unwrap().contains(field));
         }
     }
+    // One task's work is bounded by the catalog (issue 19's request: ~29,800 tiles in one
+    // call); every field that adds to it is named, and `GET /v1/models` shows the bounds.
+    let hostile = json!({"model": "terrain", "width": 2048, "height": 2048, "num_images": 8, "params": {"tile_overlap": 96}});
+    let (status, reply) = c.submit(&hostile).await.unwrap();
+    assert_eq!(status, 400, "{reply}");
+    let named: BTreeSet<&str> = reply["fields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        named,
+        BTreeSet::from(["width", "height", "num_images", "params.tile_overlap"]),
+        "{reply}"
+    );
+    let reasons: Vec<&str> = reply["fields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["message"].as_str().unwrap())
+        .collect();
+    for bound in ["max_task_pixels", "max_task_rows"] {
+        assert!(reasons.iter().any(|m| m.contains(bound)), "{reply}");
+    }
+    assert_eq!(
+        reply["message"], "invalid field(s): width, height, num_images, params.tile_overlap",
+        "each field named once"
+    );
+    let models: Value = reqwest::get(format!("{}/v1/models", c.producer_url))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let terrain = models["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "terrain")
+        .unwrap();
+    assert_eq!(
+        (terrain["max_task_pixels"].as_u64(), terrain["max_task_rows"].as_u64()),
+        (Some(8_388_608), Some(1024))
+    );
+
     // Not JSON at all.
     let response = reqwest::Client::new()
         .post(format!("{}/v1/tasks", c.producer_url))

@@ -132,6 +132,41 @@ async fn large_maps_halve_their_batch_and_what_cannot_fit_alone_goes_to_the_dlq(
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// A task with more rows than one call may take (`SLUICE_MAX_BATCH_ROWS`) runs in parts of at
+/// most that many: under a cap that holds 8 tiles, a 512×512 map (25 tiles) completes with 8
+/// rows a call, where one call of 25 would run out of memory and dead-letter it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_larger_than_the_row_cap_runs_in_parts_within_the_cap() {
+    let stack = stack().await;
+    let topics = stack.topics("parts", 1).unwrap();
+    let mut worker = worker(
+        stack,
+        "parts",
+        &topics,
+        &[("SLUICE_ORT_CPU_ARENA_MAX_BYTES", "1000000000"), ("SLUICE_MAX_BATCH_ROWS", "8")],
+    )
+    .await;
+    let tasks = vec![terrain_task(400, 512, 512, 70)];
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, &tasks)
+        .await
+        .unwrap();
+    let done = outcomes(stack, &topics, &ids_of(&tasks), Duration::from_secs(240));
+    let id = &tasks[0].0;
+    assert_eq!(
+        done.completions[id][0].status,
+        CompletionStatus::Succeeded,
+        "{:?}",
+        done.dlq.get(id)
+    );
+    let metrics = worker.metrics().await.unwrap();
+    assert_eq!(
+        metric_value(&metrics, "sluice_worker_oom_total{bucket=\"terrain:25\"}").unwrap_or(0.0),
+        0.0
+    );
+    assert!(worker.service.running());
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
 /// Eight 320×320 maps at batch 1 on two engine slots, under a cap that holds one at a time.
 async fn singles(scenario: &str, serialize: bool) -> (usize, usize) {
     let stack = stack().await;

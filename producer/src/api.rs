@@ -99,6 +99,8 @@ pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
                 "max_num_images": m.max_num_images,
                 "max_prompt_chars": m.max_prompt_chars,
                 "max_ttl_seconds": m.max_ttl_seconds,
+                "max_task_pixels": m.max_task_pixels(),
+                "max_task_rows": m.max_task_rows(),
             })
         })
         .collect();
@@ -151,7 +153,8 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
                 .iter()
                 .map(|v| if v.field.is_empty() { "(body)" } else { v.field.as_str() })
                 .collect();
-            names.dedup();
+            let mut seen = std::collections::HashSet::new();
+            names.retain(|n| seen.insert(*n));
             ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",

@@ -22,6 +22,8 @@
 //! max_num_images = 4
 //! max_prompt_chars = 1000
 //! max_ttl_seconds = 86400  # the furthest deadline a task may ask for (default 30 days)
+//! max_task_pixels = 2097152  # width × height × num_images of one task (default: the kind's)
+//! max_task_rows = 8          # model rows of one task (terrain: tiles; SD: images)
 //! ```
 //!
 //! Without a file the catalog is the built-in terrain model alone, as before catalogs existed.
@@ -138,7 +140,22 @@ pub struct CatalogModel {
     /// The furthest `deadline` (or largest `ttl_seconds`) a task may ask for, seconds.
     #[serde(default = "max_ttl")]
     pub max_ttl_seconds: u64,
+    /// The most pixels one task may ask for, `width × height × num_images` (default: the
+    /// kind's, [`CatalogModel::max_task_pixels`]).
+    #[serde(default, rename = "max_task_pixels", skip_serializing_if = "Option::is_none")]
+    pub task_pixels: Option<u64>,
+    /// The most model rows one task may ask for (terrain: 128×128 tiles of every image; Stable
+    /// Diffusion: images); default: the kind's, [`CatalogModel::max_task_rows`].
+    #[serde(default, rename = "max_task_rows", skip_serializing_if = "Option::is_none")]
+    pub task_rows: Option<u64>,
 }
+
+/// Default bounds of one task's work, by kind: two full-size terrain maps (2 × 2048²) in at
+/// most 1,024 tiles; two megapixels (four 512² images, two 1024²) of Stable Diffusion.
+const TERRAIN_TASK_PIXELS: u64 = 2 * 2048 * 2048;
+const TERRAIN_TASK_ROWS: u64 = 1024;
+const SD_TASK_PIXELS: u64 = 2 * 1024 * 1024;
+const SD_TASK_ROWS: u64 = 8;
 
 impl CatalogModel {
     /// The built-in terrain model, with the bounds its own rules impose.
@@ -173,7 +190,91 @@ impl CatalogModel {
             max_num_images: 8,
             max_prompt_chars: 2000,
             max_ttl_seconds: DEFAULT_MAX_TTL_SECONDS,
+            task_pixels: None,
+            task_rows: None,
         }
+    }
+
+    /// The most pixels (`width × height × num_images`) one task may ask for.
+    pub fn max_task_pixels(&self) -> u64 {
+        self.task_pixels.unwrap_or(match self.kind {
+            ModelKind::Terrain => TERRAIN_TASK_PIXELS,
+            ModelKind::StableDiffusion => SD_TASK_PIXELS,
+        })
+    }
+
+    /// The most model rows one task may ask for.
+    pub fn max_task_rows(&self) -> u64 {
+        self.task_rows.unwrap_or(match self.kind {
+            ModelKind::Terrain => TERRAIN_TASK_ROWS,
+            ModelKind::StableDiffusion => SD_TASK_ROWS,
+        })
+    }
+
+    /// Model rows of a task: what it asks of one model call, and of memory.
+    pub fn task_rows(&self, g: &Generation) -> Result<u64, String> {
+        Ok(match self.kind {
+            ModelKind::Terrain => {
+                let params = terrain::Params::from_map(&g.params)?;
+                terrain::rows(g.width, g.height, g.num_images, params.tile_overlap)
+            }
+            ModelKind::StableDiffusion => u64::from(g.num_images),
+        })
+    }
+
+    /// Checks the work a task asks of this model against its bounds: steps, pixels
+    /// (`width × height × num_images`) and model rows. Each violation names every request
+    /// field it comes from. The producer refuses such requests; the worker dead-letters such
+    /// records (they can reach the topic without the producer).
+    pub fn check_work(&self, g: &Generation) -> Vec<Violation> {
+        let mut v = Vec::new();
+        if g.steps < self.steps.min || g.steps > self.steps.max {
+            v.push(violation(
+                "steps",
+                format!(
+                    "must be {} to {} for model {}, got {}",
+                    self.steps.min, self.steps.max, self.name, g.steps
+                ),
+            ));
+        }
+        let name_all = |v: &mut Vec<Violation>, fields: &[&str], message: String| {
+            v.extend(fields.iter().map(|f| violation(f, message.clone())));
+        };
+        let pixels = u64::from(g.width) * u64::from(g.height) * u64::from(g.num_images);
+        if pixels > self.max_task_pixels() {
+            name_all(
+                &mut v,
+                &["width", "height", "num_images"],
+                format!(
+                    "width × height × num_images is {pixels} pixels; model {} takes at most {} (max_task_pixels)",
+                    self.name,
+                    self.max_task_pixels()
+                ),
+            );
+        }
+        match self.task_rows(g) {
+            Err(e) => v.push(violation("params", e)),
+            Ok(rows) if rows > self.max_task_rows() => {
+                let (fields, what): (&[&str], _) = match self.kind {
+                    ModelKind::Terrain => (
+                        &["width", "height", "num_images", "params.tile_overlap"],
+                        "128×128 tiles of every image",
+                    ),
+                    ModelKind::StableDiffusion => (&["num_images"], "images"),
+                };
+                name_all(
+                    &mut v,
+                    fields,
+                    format!(
+                        "the task is {rows} model rows ({what}); model {} takes at most {} (max_task_rows)",
+                        self.name,
+                        self.max_task_rows()
+                    ),
+                );
+            }
+            Ok(_) => {}
+        }
+        v
     }
 
     /// The model's directory.
@@ -214,6 +315,16 @@ impl CatalogModel {
         }
         if self.max_num_images == 0 {
             return bad("max_num_images must be at least 1".into());
+        }
+        let default_pixels = u64::from(self.width.default) * u64::from(self.height.default);
+        if self.max_task_pixels() < default_pixels {
+            return bad(format!(
+                "max_task_pixels {} is below one image at the default size ({default_pixels})",
+                self.max_task_pixels()
+            ));
+        }
+        if self.max_task_rows() == 0 {
+            return bad("max_task_rows must be at least 1".into());
         }
         Ok(())
     }
@@ -262,12 +373,14 @@ impl Catalog {
         let mut catalog: Catalog = toml::from_str(text).map_err(|e| CatalogError::Invalid(e.to_string()))?;
         for m in &mut catalog.models {
             if m.kind == ModelKind::Terrain {
-                // Terrain's bounds are its own; a path and the deadline bound are all a catalog
-                // sets.
-                let (path, max_ttl_seconds) = (m.path.take(), m.max_ttl_seconds);
+                // Terrain's sizes are its own; a path, the deadline bound and the bounds of a
+                // task's work are all a catalog sets.
+                let (path, max_ttl_seconds, task_pixels, task_rows) = (m.path.take(), m.max_ttl_seconds, m.task_pixels, m.task_rows);
                 *m = CatalogModel {
                     path,
                     max_ttl_seconds,
+                    task_pixels,
+                    task_rows,
                     ..CatalogModel::terrain(&m.name)
                 };
             }
@@ -308,7 +421,12 @@ impl Catalog {
         };
         if model.kind == ModelKind::Terrain {
             let (_, generation) = crate::models::normalize_terrain(request, seed).map_err(|e| vec![violation("params", e)])?;
-            return Ok((model.name.clone(), generation));
+            let v = model.check_work(&generation);
+            return if v.is_empty() {
+                Ok((model.name.clone(), generation))
+            } else {
+                Err(v)
+            };
         }
         let mut v = Vec::new();
         let width = request.width.unwrap_or(model.width.default);
@@ -385,21 +503,23 @@ impl Catalog {
         if !v.is_empty() {
             return Err(v);
         }
-        Ok((
-            model.name.clone(),
-            Generation {
-                prompt,
-                negative_prompt,
-                steps,
-                guidance_scale: guidance,
-                seed: request.seed.unwrap_or_else(|| seed().min(MAX_SEED)),
-                sampler,
-                width,
-                height,
-                num_images,
-                params: Default::default(),
-            },
-        ))
+        let generation = Generation {
+            prompt,
+            negative_prompt,
+            steps,
+            guidance_scale: guidance,
+            seed: request.seed.unwrap_or_else(|| seed().min(MAX_SEED)),
+            sampler,
+            width,
+            height,
+            num_images,
+            params: Default::default(),
+        };
+        let v = model.check_work(&generation);
+        if !v.is_empty() {
+            return Err(v);
+        }
+        Ok((model.name.clone(), generation))
     }
 }
 
@@ -465,6 +585,60 @@ steps = { min = 1, max = 20, default = 4 }
             .unwrap_err();
         assert_eq!(e[0].field, "model");
         assert!(e[0].message.contains("terrain, sd-tiny"), "{}", e[0].message);
+    }
+
+    /// The request of issue 19 (~29,800 tiles in one call) and its kin are refused by the
+    /// catalog, naming every field that adds to the work; a catalog can move the bounds.
+    #[test]
+    fn one_task_s_work_is_bounded_and_the_fields_are_named() {
+        let c = Catalog::parse(SD).unwrap();
+        let hostile = serde_json::json!({"model": "terrain", "width": 2048, "height": 2048, "num_images": 8,
+            "params": {"tile_overlap": 96}});
+        let e = c.normalize(request(hostile), || 0).unwrap_err();
+        let fields: Vec<&str> = e.iter().map(|v| v.field.as_str()).collect();
+        for f in ["width", "height", "num_images", "params.tile_overlap"] {
+            assert!(fields.contains(&f), "{f} in {e:?}");
+        }
+        assert!(
+            e.iter()
+                .any(|v| v.message.contains("29768 model rows") && v.message.contains("max_task_rows")),
+            "{e:?}"
+        );
+        assert!(e.iter().any(|v| v.message.contains("max_task_pixels")), "{e:?}");
+        // Within the bounds: one full-size map, two at the default overlap.
+        for ok in [
+            serde_json::json!({"model": "terrain", "width": 2048, "height": 2048}),
+            serde_json::json!({"model": "terrain", "width": 2048, "height": 2048, "num_images": 2}),
+        ] {
+            c.normalize(request(ok), || 0).unwrap();
+        }
+        // Rows alone: one 2048² map at overlap 96 is 3,721 tiles.
+        let e = c
+            .normalize(
+                request(serde_json::json!({"model": "terrain", "width": 2048, "height": 2048, "params": {"tile_overlap": 96}})),
+                || 0,
+            )
+            .unwrap_err();
+        assert!(e.iter().all(|v| v.message.contains("max_task_rows")), "{e:?}");
+        // Stable Diffusion: pixels × images, set by the catalog.
+        let small = Catalog::parse(&format!("{SD}max_task_pixels = 65536\n")).unwrap();
+        let sd = |n: u32| request(serde_json::json!({"model": "sd-tiny", "prompt": "x", "width": 256, "height": 256, "num_images": n}));
+        small.normalize(sd(1), || 0).unwrap();
+        let e = small.normalize(sd(2), || 0).unwrap_err();
+        assert_eq!(
+            e.iter().map(|v| v.field.as_str()).collect::<Vec<_>>(),
+            ["width", "height", "num_images"]
+        );
+        // The worker's check of a record: steps out of the model's range.
+        let (_, mut g) = c
+            .normalize(request(serde_json::json!({"model": "sd-tiny", "prompt": "x"})), || 0)
+            .unwrap();
+        g.steps = 150;
+        assert_eq!(c.get("sd-tiny").unwrap().check_work(&g)[0].field, "steps");
+        assert!(
+            Catalog::parse(&format!("{SD}max_task_pixels = 100\n")).is_err(),
+            "below one default image"
+        );
     }
 
     #[test]

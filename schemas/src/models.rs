@@ -30,6 +30,34 @@ pub mod terrain {
         }
     }
 
+    /// Tile origins along one axis of `length` pixels (at least [`NATIVE_SIZE`]): every
+    /// `NATIVE_SIZE - overlap` pixels, plus one flush with the far edge.
+    pub fn tile_starts(length: usize, overlap: usize) -> Vec<usize> {
+        let n = NATIVE_SIZE as usize;
+        if length <= n {
+            return vec![0];
+        }
+        let stride = n - overlap;
+        let mut starts: Vec<usize> = (0..=length - n).step_by(stride).collect();
+        if *starts.last().expect("at least one") != length - n {
+            starts.push(length - n);
+        }
+        starts
+    }
+
+    /// Tiles along one axis: `tile_starts(length, overlap).len()`, without building them.
+    fn tile_count(length: u64, overlap: u64) -> u64 {
+        let n = NATIVE_SIZE as u64;
+        if length <= n { 1 } else { (length - n).div_ceil(n - overlap) + 1 }
+    }
+
+    /// Model rows (128×128 tiles) of a task: maps up to the native size are one row each,
+    /// larger ones one per tile. This is the work and memory a task asks of the model.
+    pub fn rows(width: u32, height: u32, images: u32, overlap: u32) -> u64 {
+        let overlap = u64::from(overlap.min(NATIVE_SIZE - 1));
+        tile_count(width.into(), overlap) * tile_count(height.into(), overlap) * u64::from(images)
+    }
+
     /// The `params` of a terrain task.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub struct Params {
@@ -108,3 +136,21 @@ pub(crate) fn normalize_terrain(request: TaskRequest, seed: impl FnOnce() -> u64
 
 /// Largest seed the schema accepts (2^53-1), so that a drawn seed is always valid.
 pub const MAX_SEED: u64 = (1 << 53) - 1;
+
+#[cfg(test)]
+mod tests {
+    use super::terrain::{rows, tile_starts};
+
+    #[test]
+    fn rows_count_the_tiles_the_worker_cuts() {
+        for overlap in [0u32, 1, 32, 96, 127] {
+            for length in [1u32, 64, 128, 129, 200, 255, 256, 320, 512, 1000, 1024, 2048] {
+                let tiles = tile_starts(length.max(128) as usize, overlap as usize).len() as u64;
+                assert_eq!(rows(length, 16, 1, overlap), tiles, "{length} {overlap}");
+                assert_eq!(rows(length, length, 3, overlap), 3 * tiles * tiles, "{length} {overlap}");
+            }
+        }
+        // The request of issue 19: ~29,800 rows.
+        assert_eq!(rows(2048, 2048, 8, 96), 29_768);
+    }
+}

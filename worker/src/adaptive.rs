@@ -203,6 +203,44 @@ impl Adaptive {
         })
     }
 
+    /// Runs `items` as one model call; or, one task with more rows than a call may take, as
+    /// consecutive calls of at most the row cap whose outputs are joined, so that the size of
+    /// a request never sets the size of a call. An error in any part is the task's.
+    async fn call<T: BatchItem>(&self, bucket: &Bucket, items: &[T], exclusive: bool) -> Result<Vec<Tensor>, EngineError> {
+        let call = call_of(bucket, items);
+        let rows: usize = call.tasks.iter().map(|t| t.rows).sum();
+        // Only inputs that are all one row per task row can be cut into parts.
+        let by_rows = call.inputs.iter().all(|t| t.shape.first() == Some(&rows));
+        if call.tasks.len() != 1 || rows <= self.max_rows || !by_rows {
+            return self.engine.run(&bucket.model, call, exclusive).await;
+        }
+        let task = &call.tasks[0];
+        tracing::debug!(task_id = %task.id, rows, max_rows = self.max_rows, "running the task in parts of the row cap");
+        let mut parts: Vec<Vec<Tensor>> = Vec::new();
+        for start in (0..rows).step_by(self.max_rows) {
+            let end = (start + self.max_rows).min(rows);
+            let part = Call {
+                key: call.key.clone(),
+                inputs: call.inputs.iter().map(|t| t.slice_rows(start, end)).collect(),
+                tasks: vec![CallTask {
+                    rows: end - start,
+                    ..task.clone()
+                }],
+            };
+            parts.push(self.engine.run(&bucket.model, part, exclusive).await?);
+        }
+        let outputs = parts[0].len();
+        if let Some(odd) = parts.iter().find(|p| p.len() != outputs) {
+            return Err(EngineError::Run(format!(
+                "the model gave {} outputs for one part of a task and {outputs} for another",
+                odd.len()
+            )));
+        }
+        Ok((0..outputs)
+            .map(|i| Tensor::concat(&parts.iter().map(|p| &p[i]).collect::<Vec<_>>()))
+            .collect())
+    }
+
     /// Runs `items` (all of `bucket`) and reports each chunk as it finishes, so that CPU work on
     /// its results overlaps the next chunk's inference.
     pub async fn run<T: BatchItem>(&self, bucket: &Bucket, items: Vec<T>, mut on_done: impl FnMut(Done<T>)) {
@@ -223,9 +261,8 @@ impl Adaptive {
                 }
             };
             let size = chunk.items.len();
-            let call = call_of(bucket, &chunk.items);
             let started = Instant::now();
-            let result = self.engine.run(&bucket.model, call, chunk.exclusive).await;
+            let result = self.call(bucket, &chunk.items, chunk.exclusive).await;
             let elapsed = started.elapsed();
             match result {
                 Ok(outputs) => {
@@ -414,6 +451,35 @@ mod tests {
         let (sizes, _, _) = run(&a, &bucket(1), items(10..16, 1)).await;
         assert_eq!(sizes, vec![4, 2]);
         assert_eq!(metrics.ooms(&bucket(1)), 1);
+    }
+
+    /// A task with more rows than a call may take runs in parts of the row cap: the device
+    /// never holds more than the cap, and the task gets all its rows, in order.
+    #[tokio::test]
+    async fn a_task_larger_than_the_row_cap_runs_in_parts() {
+        let device = Device::new(4, Duration::from_millis(1));
+        let engine = Engine::start(1);
+        let model = Arc::new(FakeModel { device: device.clone() });
+        engine
+            .load("fake", Arc::new(move || model.load(std::path::Path::new(""), &Default::default())))
+            .await
+            .unwrap();
+        let limits = BatchSize { max_tasks: 8, max_rows: 4 };
+        let a = Adaptive::new(engine, limits, 16, true, Metrics::new());
+        let mut task = prepared(3, 10);
+        task.inputs[0] = Tensor::f32("x", vec![10, 1], (0..10).map(|r| r as f32).collect());
+        let mut outputs = Vec::new();
+        a.run(&bucket(10), vec![Item(task, "big".into())], |done| match done {
+            Done::Ran { outputs: o, .. } => outputs.push(o),
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        let y = &outputs[0][0];
+        assert_eq!(y.shape, vec![10, 1]);
+        let want: Vec<f32> = (0..10).map(|r| 2.0 * r as f32).collect();
+        assert_eq!(y.f32_rows(0, 10).unwrap(), want.as_slice());
+        assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 3, "4 + 4 + 2 rows");
+        assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 4);
     }
 
     #[tokio::test]

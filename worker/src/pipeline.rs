@@ -44,6 +44,8 @@ pub(crate) struct Shared {
     pub metrics: Metrics,
     pub worker_id: String,
     pub max_task_bytes: usize,
+    /// The served models' entries: the bounds of one task's work.
+    pub catalog: Arc<sluice_schemas::Catalog>,
     /// Storage retries: bounded, then `retries_exhausted`.
     pub storage_retry: RetryPolicy,
     /// Fires when the worker gives up on what is in flight (shutdown grace over, fatal error).
@@ -131,11 +133,7 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
         Err(bad) => {
             let mut failure = Failure::new(bad.error.reason(), bad.error.to_string());
             if let sluice_schemas::DecodeError::Schema(violations) = &bad.error {
-                let fields = violations
-                    .iter()
-                    .map(|v| serde_json::json!({"field": v.field, "message": v.message}))
-                    .collect();
-                failure = failure.with_details([("violations".to_owned(), serde_json::Value::Array(fields))].into_iter().collect());
+                failure = failure.with_violations(violations);
             }
             let identity = TaskIdentity {
                 task_id: bad.task_id,
@@ -165,6 +163,16 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
         outcomes.fail(job, failure);
         return None;
     };
+    // The bounds of one task's work, as the producer checks them: a record can reach the topic
+    // without the producer, and one oversized task must not take the worker's memory.
+    if let Some(entry) = shared.catalog.get(&job.task.model) {
+        let violations = entry.check_work(&job.task.request);
+        if !violations.is_empty() {
+            let message = violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, message).with_violations(&violations));
+            return None;
+        }
+    }
     match panics::catch(|| adapter.bucket(&job.task)).and_then(|b| b) {
         Ok(bucket) => Some((bucket, job)),
         Err(e) => {
@@ -594,6 +602,7 @@ mod tests {
             metrics: metrics.clone(),
             worker_id: "w".into(),
             max_task_bytes: 1 << 20,
+            catalog: Arc::new(sluice_schemas::Catalog::default()),
             storage_retry: RetryPolicy {
                 max_attempts: 3,
                 max_elapsed: Duration::from_secs(5),

@@ -103,7 +103,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     let metrics = Metrics::new();
     let e = &config.engine;
 
-    let catalog = sluice_schemas::Catalog::load(e.model_catalog.as_deref())?;
+    let catalog = Arc::new(sluice_schemas::Catalog::load(e.model_catalog.as_deref())?);
     let names: Vec<String> = if e.models.is_empty() {
         catalog.names().into_iter().map(str::to_owned).collect()
     } else {
@@ -313,6 +313,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         metrics: metrics.clone(),
         worker_id: worker_id.clone(),
         max_task_bytes: k.max_task_bytes,
+        catalog: catalog.clone(),
         storage_retry: RetryPolicy {
             max_attempts: d.retry_max_attempts,
             max_elapsed: Duration::from_millis(d.retry_max_elapsed_ms),

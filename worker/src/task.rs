@@ -95,4 +95,13 @@ impl Failure {
         self.details = Some(details);
         self
     }
+
+    /// Details naming each violating field: `{"violations": [{field, message}]}`.
+    pub fn with_violations(self, violations: &[sluice_schemas::Violation]) -> Failure {
+        let fields = violations
+            .iter()
+            .map(|v| serde_json::json!({"field": v.field, "message": v.message}))
+            .collect();
+        self.with_details([("violations".to_owned(), Value::Array(fields))].into_iter().collect())
+    }
 }

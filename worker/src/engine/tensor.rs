@@ -81,6 +81,25 @@ impl Tensor {
         }
     }
 
+    /// A copy of rows `start..end`.
+    ///
+    /// # Panics
+    /// If `end` is beyond the last row or before `start`.
+    pub fn slice_rows(&self, start: usize, end: usize) -> Tensor {
+        let n = self.row_len();
+        let data = match &self.data {
+            TensorData::F32(v) => TensorData::F32(v[start * n..end * n].to_vec()),
+            TensorData::I64(v) => TensorData::I64(v[start * n..end * n].to_vec()),
+        };
+        let mut shape = self.shape.clone();
+        shape[0] = end - start;
+        Tensor {
+            name: self.name.clone(),
+            shape,
+            data,
+        }
+    }
+
     /// The f32 elements of rows `start..end`, or `None` for another element type.
     pub fn f32_rows(&self, start: usize, end: usize) -> Option<&[f32]> {
         let n = self.row_len();
@@ -112,5 +131,14 @@ mod tests {
         assert_eq!(c.shape, vec![3, 2]);
         assert_eq!(c.f32_rows(1, 3).unwrap(), &[3.0, 4.0, 5.0, 6.0]);
         assert_eq!(c.row_len(), 2);
+        let middle = c.slice_rows(1, 2);
+        assert_eq!(
+            (middle.shape.clone(), middle.f32_rows(0, 1).unwrap()),
+            (vec![1, 2], &[3.0, 4.0][..])
+        );
+        let ids = Tensor::i64("i", vec![3], vec![7, 8, 9]).slice_rows(0, 2);
+        assert_eq!(ids, Tensor::i64("i", vec![2], vec![7, 8]));
+        let pieces = [c.slice_rows(0, 1), c.slice_rows(1, 3)];
+        assert_eq!(Tensor::concat(&[&pieces[0], &pieces[1]]), c);
     }
 }

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use sluice_schemas::TaskRecord;
-use sluice_schemas::models::terrain::{Colormap, NATIVE_SIZE, Params};
+use sluice_schemas::models::terrain::{Colormap, NATIVE_SIZE, Params, tile_starts};
 
 use super::noise::Gaussian;
 use super::{Bucket, ModelAdapter, Prepared, Render};
@@ -81,19 +81,6 @@ impl Layout {
     pub fn rows(&self) -> usize {
         self.images * self.rows_per_image()
     }
-}
-
-/// Tile origins along one axis: every `N - overlap` pixels, plus one flush with the far edge.
-fn tile_starts(length: usize, overlap: usize) -> Vec<usize> {
-    if length <= N {
-        return vec![0];
-    }
-    let stride = N - overlap;
-    let mut starts: Vec<usize> = (0..=length - N).step_by(stride).collect();
-    if *starts.last().expect("at least one") != length - N {
-        starts.push(length - N);
-    }
-    starts
 }
 
 fn layout_of(task: &TaskRecord) -> Result<(Layout, Params), String> {
