@@ -223,7 +223,10 @@ for profile in profiles:
             check(port == ("metrics" if component == "producer" else "http"), f"{name}: {component} scraped on port {port}")
     producer = next(d for d in by_kind["Deployment"] if d["metadata"]["name"].endswith("-producer"))
     pc = producer["spec"]["template"]["spec"]["containers"][0]
-    check(pc["readinessProbe"]["httpGet"]["path"] == "/healthz", f"{name}: producer probes on /healthz")
+    check(
+        pc["readinessProbe"]["httpGet"]["path"] == "/readyz" and pc["livenessProbe"]["httpGet"]["path"] == "/healthz",
+        f"{name}: producer ready on /readyz (status view caught up), alive on /healthz",
+    )
     metrics_port = next((p["containerPort"] for p in pc["ports"] if p["name"] == "metrics"), None)
     check(
         metrics_port is not None and env_of(pc).get("SLUICE_METRICS_LISTEN") == f"0.0.0.0:{metrics_port}",

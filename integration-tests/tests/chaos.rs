@@ -677,3 +677,77 @@ async fn hostile_records_each_reach_the_dlq_with_their_reason_and_valid_tasks_co
         "worker RSS peaked at {peak_rss} bytes (from {baseline_rss}); bound {RSS_BOUND_BYTES}"
     );
 }
+
+/// A producer is ready only once its status view has read what its topics held at its start.
+/// While it cannot (the broker is away when it starts, as in a rollout during a broker
+/// restart) `/readyz` answers 503, and an existing task or a known `Idempotency-Key` is
+/// `catching_up`, never "no such task" or a new task; once the broker is back the same retry is
+/// the same task, published once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_producer_is_ready_only_once_its_status_view_caught_up() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("readiness", 2).unwrap();
+    let client = reqwest::Client::new();
+    let submit = async |url: &str| {
+        let r = client
+            .post(format!("{url}/v1/tasks"))
+            .bearer_auth(API_KEY)
+            .header("idempotency-key", "rollout-1")
+            .json(&json!({"model": "terrain", "seed": 7, "width": 64, "height": 64}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap())
+    };
+    let get = async |url: &str, path: &str| {
+        let r = client.get(format!("{url}{path}")).bearer_auth(API_KEY).send().await.unwrap();
+        let (status, retry) = (r.status().as_u16(), r.headers().get("retry-after").cloned());
+        (status, retry, r.json::<Value>().await.unwrap())
+    };
+    let (mut first, url) = producer_service(stack, &topics, "producer-ready-1").await;
+    sluice_integration_tests::wait_for("first producer ready", Duration::from_secs(60), async || {
+        (get(&url, "/readyz").await.0 == 200).then_some(())
+    })
+    .await
+    .unwrap();
+    let (status, reply) = submit(&url).await;
+    assert_eq!(status, 202, "{reply}");
+    let id = reply["task_id"].as_str().unwrap().to_owned();
+    first.terminate(Duration::from_secs(30)).unwrap();
+
+    // A new replica starts while the broker is away: alive, not ready.
+    stack.stop_broker().unwrap();
+    let (mut second, url) = producer_service(stack, &topics, "producer-ready-2").await;
+    let (status, retry, reply) = get(&url, "/readyz").await;
+    assert_eq!((status, reply["error"].as_str()), (503, Some("catching_up")), "{reply}");
+    assert!(retry.is_some(), "Retry-After");
+    let (status, _, reply) = get(&url, &format!("/v1/tasks/{id}")).await;
+    assert_eq!((status, reply["error"].as_str()), (503, Some("catching_up")), "not a 404: {reply}");
+    let (status, _, reply) = get(&url, "/v1/tasks").await;
+    assert_eq!(status, 503, "no partial list: {reply}");
+    let started = Instant::now();
+    let (status, reply) = submit(&url).await;
+    assert_eq!((status, reply["error"].as_str()), (503, Some("catching_up")), "{reply}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused at once, not after a publish timeout"
+    );
+
+    // The broker is back: the view catches up, and the retry is the task it already was.
+    stack.start_broker().unwrap();
+    sluice_integration_tests::wait_for("second producer ready", Duration::from_secs(90), async || {
+        (get(&url, "/readyz").await.0 == 200).then_some(())
+    })
+    .await
+    .unwrap();
+    let (status, _, reply) = get(&url, &format!("/v1/tasks/{id}")).await;
+    assert_eq!((status, reply["task_id"].as_str()), (200, Some(id.as_str())), "{reply}");
+    let (status, reply) = submit(&url).await;
+    assert_eq!((status, reply["task_id"].as_str()), (202, Some(id.as_str())), "{reply}");
+    let records = TopicReader::snapshot(stack.brokers(), &topics.tasks, Duration::from_secs(2)).unwrap();
+    let published = records.iter().filter(|r| r.key.as_deref() == Some(id.as_bytes())).count();
+    assert_eq!(published, 1, "published once");
+    second.terminate(Duration::from_secs(30)).unwrap();
+}

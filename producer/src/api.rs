@@ -1,5 +1,5 @@
 //! The HTTP API: `POST /v1/tasks`, `GET /v1/tasks/{id}`, `GET /v1/tasks`, `GET /v1/models`,
-//! `GET /healthz`, `GET /openapi.json`; and, on a listener of its own, `GET /metrics`.
+//! `GET /healthz` (alive), `GET /readyz` (ready: the status view caught up), `GET /openapi.json`; and, on a listener of its own, `GET /metrics`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,6 +59,18 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
                         None => "none",
                     };
                     Json(json!({"status": "ok", "status_view": view}))
+                }),
+            )
+            .route(
+                "/readyz",
+                get(|State(s): State<Arc<AppState>>| async move {
+                    match catching_up(&s) {
+                        Some(e) => e.into_response(),
+                        None => {
+                            let view = if s.view_caught_up.is_some() { "caught_up" } else { "none" };
+                            Json(json!({"status": "ready", "status_view": view})).into_response()
+                        }
+                    }
                 }),
             )
             .layer(DefaultBodyLimit::max(max_body_bytes)),
@@ -190,7 +202,12 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
                         .with_fields([field("Idempotency-Key", message)]),
                 );
             }
-            None => {}
+            // Unknown to a view that has not read everything yet: it may be a retry.
+            None => {
+                if let Some(e) = catching_up(s) {
+                    return Err(e);
+                }
+            }
         }
     }
     // The request's trace continues in the task (a new trace when it came without one).
@@ -270,13 +287,30 @@ fn unavailable(s: &AppState, e: SubmitError) -> ApiError {
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e.to_string()).with_header(header::RETRY_AFTER, &retry)
 }
 
+/// A 503 while the status view has not yet read what its topics held when the producer
+/// started: what it does not know yet may exist, so it answers neither "no such task" nor
+/// "new idempotency key".
+fn catching_up(s: &AppState) -> Option<ApiError> {
+    s.view_caught_up.as_ref().filter(|c| !c.get()).map(|_| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "catching_up",
+            "the status view is still reading its topics after a start; retry after `Retry-After` seconds",
+        )
+        .with_header(header::RETRY_AFTER, "2")
+    })
+}
+
 /// The caller's tenant and the status of task `id` in the view: 401 without a valid key, 404
-/// for an id that is no task of that tenant's.
+/// for an id that is no task of that tenant's (503 while the view catches up).
 fn callers_task(s: &AppState, headers: &HeaderMap, id: &str) -> Result<(String, uuid::Uuid, crate::status::TaskStatus), ApiError> {
     let tenant = tenant_of(s, headers)?;
     let store = status_store(s)?;
     let task_id = uuid::Uuid::parse_str(id).map_err(|_| not_found(id))?;
-    let status = store.get(&tenant, task_id).map_err(internal)?.ok_or_else(|| not_found(id))?;
+    let status = store
+        .get(&tenant, task_id)
+        .map_err(internal)?
+        .ok_or_else(|| catching_up(s).unwrap_or_else(|| not_found(id)))?;
     Ok((tenant, task_id, status))
 }
 
@@ -316,6 +350,10 @@ async fn list_tasks(
 ) -> Result<Response, ApiError> {
     let tenant = tenant_of(&s, &headers)?;
     let store = status_store(&s)?;
+    // A partial list would leave out tasks that exist.
+    if let Some(e) = catching_up(&s) {
+        return Err(e);
+    }
     let bad = |name: &str, message: String| {
         ApiError::new(
             StatusCode::BAD_REQUEST,

@@ -87,7 +87,12 @@ fn task_id_parameter() -> Value {
 pub fn document() -> Value {
     let unauthorized = error("No valid API key (`Authorization: Bearer <key>`).");
     let not_found = error("No such task of the caller's tenant (another tenant's task is a 404 too).");
-    let unavailable = error("The broker did not acknowledge in time; retry after `Retry-After` seconds.");
+    let catching_up = error(
+        "`catching_up`: the status view is still reading its topics after a start, so an unknown id or key may yet exist; retry after `Retry-After` seconds.",
+    );
+    let unavailable_or_catching_up = error(
+        "The broker did not acknowledge in time (`unavailable`), or, for a request with an `Idempotency-Key` the view does not know yet, it is still reading its topics after a start (`catching_up`); retry after `Retry-After` seconds.",
+    );
     json!({
         "openapi": "3.1.0",
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
@@ -122,7 +127,7 @@ pub fn document() -> Value {
                         "401": unauthorized,
                         "413": error("The body is larger than the limit."),
                         "422": error("The `Idempotency-Key` was used for another request."),
-                        "503": unavailable
+                        "503": unavailable_or_catching_up
                     }
                 },
                 "get": {
@@ -137,7 +142,8 @@ pub fn document() -> Value {
                     "responses": {
                         "200": json_body("TaskPage", "A page of tasks."),
                         "400": error("An invalid query parameter (named in `fields`)."),
-                        "401": unauthorized
+                        "401": unauthorized,
+                        "503": catching_up.clone()
                     }
                 }
             },
@@ -146,7 +152,7 @@ pub fn document() -> Value {
                     "operationId": "getTask",
                     "summary": "A task's status",
                     "parameters": [task_id_parameter()],
-                    "responses": {"200": json_body("TaskStatus", "The task."), "401": unauthorized, "404": not_found}
+                    "responses": {"200": json_body("TaskStatus", "The task."), "401": unauthorized, "404": not_found, "503": catching_up.clone()}
                 }
             },
             "/v1/tasks/{id}/events": {
@@ -166,7 +172,8 @@ pub fn document() -> Value {
                             }
                         }}}},
                         "401": unauthorized,
-                        "404": not_found
+                        "404": not_found,
+                        "503": catching_up.clone()
                     }
                 }
             },
@@ -184,7 +191,7 @@ pub fn document() -> Value {
                         "401": unauthorized,
                         "404": not_found,
                         "409": error("The task already finished."),
-                        "503": unavailable
+                        "503": error("The broker did not acknowledge in time (`unavailable`), or the status view is still reading its topics after a start (`catching_up`); retry after `Retry-After` seconds.")
                     }
                 }
             },
@@ -204,6 +211,20 @@ pub fn document() -> Value {
                         "type": "object", "required": ["status", "status_view"],
                         "properties": {"status": {"const": "ok"}, "status_view": {"enum": ["caught_up", "catching_up", "none"]}}
                     }}}}}
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "operationId": "ready",
+                    "summary": "Readiness: the status view has read what its topics held at start",
+                    "security": [],
+                    "responses": {
+                        "200": {"description": "Ready.", "content": {"application/json": {"schema": {
+                            "type": "object", "required": ["status", "status_view"],
+                            "properties": {"status": {"const": "ready"}, "status_view": {"enum": ["caught_up", "none"]}}
+                        }}}},
+                        "503": catching_up
+                    }
                 }
             },
             "/openapi.json": {

@@ -79,16 +79,20 @@ pub fn start(
                 }
                 let assigned = whole.partitions();
                 if targets.is_none() && !assigned.is_empty() {
-                    let t: Vec<(String, i32, i64)> = assigned
+                    // Every partition's watermark, or none: a partition left out would be
+                    // "caught up" without having been read.
+                    let t: Result<Vec<(String, i32, i64)>, _> = assigned
                         .iter()
-                        .filter_map(|(t, p)| {
+                        .map(|(t, p)| {
                             consumer
                                 .fetch_watermarks(t, *p, Duration::from_secs(5))
-                                .ok()
                                 .map(|(low, high)| (t.clone(), *p, if low == high { 0 } else { high }))
                         })
                         .collect();
-                    targets = Some(t);
+                    match t {
+                        Ok(t) => targets = Some(t),
+                        Err(e) => tracing::warn!(error = %e, "status view: reading the topics' ends failed; trying again"),
+                    }
                 }
             }
             let mut changes = Vec::new();
