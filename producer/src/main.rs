@@ -78,6 +78,24 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         sluice_producer::status::StatusStore::create(&args.status_path)
             .with_context(|| format!("creating the status view at {}", args.status_path.display()))?,
     );
+    // A task that has not finished stays in the view until its longest possible deadline has
+    // passed, whatever the retention of finished ones.
+    let longest_ttl = catalog
+        .names()
+        .iter()
+        .filter_map(|n| catalog.get(n))
+        .map(|m| m.max_ttl_seconds)
+        .max()
+        .unwrap_or(0);
+    let retention = sluice_producer::view::Retention::new(
+        Duration::from_secs(args.status_retention_hours.saturating_mul(3600)),
+        Duration::from_secs(longest_ttl),
+    );
+    tracing::info!(
+        finished_hours = retention.finished.as_secs() / 3600,
+        unfinished_hours = retention.unfinished.as_secs() / 3600,
+        "status view retention"
+    );
     let caught_up = sluice_producer::view::start(
         &args.publish.kafka,
         sluice_producer::view::ViewTopics {
@@ -87,7 +105,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         store.clone(),
         metrics.clone(),
-        Duration::from_secs(args.status_retention_hours * 3600),
+        retention,
     )?;
     if args.backlog_interval_ms > 0 {
         sluice_producer::backlog::start(

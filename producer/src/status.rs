@@ -402,8 +402,10 @@ impl StatusStore {
         Ok(Page { tasks: page, next_cursor })
     }
 
-    /// Drops tasks last updated before `before`.
-    pub fn prune(&self, before: DateTime<Utc>) -> Result<usize, StatusError> {
+    /// Drops finished tasks last updated before `finished_before`, and unfinished ones last
+    /// updated before `open_before` (which the caller sets past the longest a task may wait, so
+    /// that a task that can still run never disappears from the view with its webhooks).
+    pub fn prune(&self, finished_before: DateTime<Utc>, open_before: DateTime<Utc>) -> Result<usize, StatusError> {
         let tx = self.db.begin_write().map_err(store_error)?;
         let mut removed = 0;
         {
@@ -414,7 +416,14 @@ impl StatusStore {
                 .map_err(store_error)?
                 .filter_map(|e| e.ok())
                 .filter_map(|(_, v)| serde_json::from_slice::<Stored>(v.value()).ok())
-                .filter(|s| s.status.updated_at < before)
+                .filter(|s| {
+                    let before = if s.status.status.is_terminal() {
+                        finished_before
+                    } else {
+                        open_before
+                    };
+                    s.status.updated_at < before
+                })
                 .collect();
             for s in old {
                 tasks.remove(s.status.task_id.to_string().as_str()).map_err(store_error)?;
@@ -573,8 +582,32 @@ mod tests {
         let since = s.list("t", None, Some(base + chrono::Duration::seconds(5)), 10, None).unwrap();
         assert_eq!(since.tasks.len(), 2);
         assert!(s.list("t", None, None, 2, Some("garbage")).is_err());
-        assert_eq!(s.prune(base + chrono::Duration::seconds(2)).unwrap(), 2);
+        let cut = base + chrono::Duration::seconds(2);
+        assert_eq!(s.prune(cut, cut).unwrap(), 2);
         assert_eq!(s.list("t", None, None, 10, None).unwrap().tasks.len(), 4);
+        std::fs::remove_file(path).ok();
+    }
+
+    /// A task that has not finished outlives the retention of finished ones: it may still run
+    /// (a deadline can be 30 days away) and its webhooks are still to be sent.
+    #[test]
+    fn unfinished_tasks_are_kept_past_the_retention_of_finished_ones() {
+        let (s, path) = store();
+        let base = Utc::now() - chrono::Duration::hours(200);
+        let (waiting, done) = (Uuid::now_v7(), Uuid::now_v7());
+        s.apply(&[Change::Queued(record(waiting, "t", base)), Change::Queued(record(done, "t", base))])
+            .unwrap();
+        s.apply(&[Change::Completed(completion(done, "t", CompletionStatus::Succeeded, 1))])
+            .unwrap();
+        let retention = Utc::now() + chrono::Duration::seconds(1); // everything finished goes
+        assert_eq!(s.prune(retention, base - chrono::Duration::hours(1)).unwrap(), 1);
+        assert!(s.get("t", waiting).unwrap().is_some(), "still queued: kept");
+        assert!(s.get("t", done).unwrap().is_none());
+        assert_eq!(
+            s.prune(retention, base + chrono::Duration::hours(1)).unwrap(),
+            1,
+            "past its own bound"
+        );
         std::fs::remove_file(path).ok();
     }
 }

@@ -52,6 +52,27 @@ fn decode(topics: &ViewTopics, topic: &str, payload: &[u8]) -> Option<(Change, D
     }
 }
 
+/// How long the view keeps a task after its last change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// A finished task (`SLUICE_STATUS_RETENTION_HOURS`).
+    pub finished: Duration,
+    /// A task that has not finished: the longest deadline any model allows, plus `finished`, so
+    /// that a queued task stays until it has expired and then as long as a finished one.
+    pub unfinished: Duration,
+}
+
+impl Retention {
+    /// `finished` for finished tasks; unfinished ones also for `longest_ttl` (the catalog's
+    /// largest `max_ttl_seconds`).
+    pub fn new(finished: Duration, longest_ttl: Duration) -> Retention {
+        Retention {
+            finished,
+            unfinished: finished + longest_ttl,
+        }
+    }
+}
+
 /// Starts the view thread. It runs until the process exits; store errors are logged and the
 /// batch retried.
 pub fn start(
@@ -59,7 +80,7 @@ pub fn start(
     topics: ViewTopics,
     store: Arc<StatusStore>,
     metrics: Metrics,
-    retention: Duration,
+    retention: Retention,
 ) -> anyhow::Result<CaughtUp> {
     let consumer: BaseConsumer = kafka.whole_topic_config("sluice-status-view").create()?;
     let caught_up = CaughtUp::default();
@@ -128,8 +149,8 @@ pub fn start(
             }
             if last_prune.elapsed() >= Duration::from_secs(600) {
                 last_prune = Instant::now();
-                let before = Utc::now() - chrono::Duration::from_std(retention).unwrap_or_default();
-                match store.prune(before) {
+                let ago = |d: Duration| Utc::now() - chrono::Duration::from_std(d).unwrap_or_default();
+                match store.prune(ago(retention.finished), ago(retention.unfinished)) {
                     Ok(n) if n > 0 => tracing::info!(removed = n, "status view: pruned tasks past retention"),
                     Ok(_) => {}
                     Err(e) => tracing::warn!(error = %e, "status view: pruning failed"),
