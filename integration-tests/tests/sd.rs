@@ -538,3 +538,67 @@ async fn models_synced_from_s3_generate_the_same_image_as_the_originals() {
     assert!(png_info(&from_copy).is_ok());
     assert_eq!(sha256_hex(&from_copy), sha256_hex(&from_original));
 }
+
+/// Metric series stay bounded however many distinct requests arrive: 1,000 tasks, each its own
+/// bucket (size × steps × sampler × guidance), add a few size classes to the worker's
+/// `/metrics`, not a set of series per request (before: ~18 series per bucket). And a size the
+/// catalog admits but the model cannot run (72: the tiny UNet halves 9 latents) is a DLQ'd
+/// schema violation at admission, not a model error (before: ONNX Runtime's Concat failed).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thousand_distinct_requests_keep_the_metric_series_bounded() {
+    let c = cluster().await;
+    let mut tasks = Vec::new();
+    for guidance in [7.5, 0.0] {
+        for steps in 1..=8 {
+            for w in (64..=128).step_by(16) {
+                for h in (64..=128).step_by(16) {
+                    for sampler in ["euler", "euler_a", "ddim"] {
+                        let (id, mut record) = sluice_integration_tests::sd_task(tasks.len() as u64, 64, steps, 1);
+                        let r = &mut record["request"];
+                        (r["width"], r["height"], r["sampler"], r["guidance_scale"]) =
+                            (json!(w), json!(h), json!(sampler), json!(guidance));
+                        tasks.push((id, record));
+                    }
+                }
+            }
+        }
+    }
+    tasks.truncate(1000);
+    let (odd_id, mut odd) = sluice_integration_tests::sd_task(5, 64, 2, 1);
+    odd["request"]["width"] = json!(72);
+    tasks.push((odd_id.clone(), odd));
+    let kafka = sluice_integration_tests::kafka::producer(c.stack.brokers()).unwrap();
+    sluice_integration_tests::publish_tasks(&kafka, sluice_schemas::topics::TASKS, &tasks)
+        .await
+        .unwrap();
+    let ids: BTreeSet<String> = tasks.iter().map(|(id, _)| id.clone()).collect();
+    let mut done = completions_for(c.stack.brokers(), &ids, Duration::from_secs(600));
+    let odd = done.remove(&odd_id).unwrap();
+    let error = odd.error.expect("the 72-wide task failed");
+    assert_eq!(error.reason, sluice_schemas::DlqReason::SchemaViolation, "{error:?}");
+    assert!(error.message.contains("multiples of 16"), "{error:?}");
+    let failed: Vec<_> = done.values().filter(|d| d.status != CompletionStatus::Succeeded).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed, e.g. {:?}",
+        failed.len(),
+        failed.first().map(|d| &d.error)
+    );
+
+    let metrics = c.workers[0].metrics().await.unwrap();
+    let series: Vec<&str> = metrics.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).collect();
+    let labels: BTreeSet<&str> = series
+        .iter()
+        .filter_map(|l| l.split("bucket=\"").nth(1)?.split('"').next())
+        .collect();
+    eprintln!(
+        "worker /metrics after 1,000 distinct requests: {} series, bucket labels {labels:?}",
+        series.len()
+    );
+    assert!(
+        labels.iter().all(|l| l.starts_with("sd-tiny:le") || l.starts_with("terrain:le")),
+        "{labels:?}"
+    );
+    assert!(labels.len() <= 12, "{labels:?}");
+    assert!(series.len() < 1000, "{} series", series.len());
+}

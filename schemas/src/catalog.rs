@@ -14,7 +14,7 @@
 //! path = "sd15-onnx"            # relative to SLUICE_MODEL_DIR, or absolute; default: the name
 //! width = { min = 256, max = 768, default = 512 }
 //! height = { min = 256, max = 768, default = 512 }
-//! size_multiple = 8
+//! size_multiple = 64           # VAE factor × UNet down-sampling (default 64)
 //! steps = { min = 1, max = 50, default = 25 }
 //! guidance_scale = { min = 0.0, max = 20.0, default = 7.5 }
 //! samplers = ["euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_karras"]
@@ -92,8 +92,8 @@ fn sd_samplers() -> Vec<String> {
 fn sd_default_sampler() -> String {
     "euler".into()
 }
-fn eight() -> u32 {
-    8
+fn sixty_four() -> u32 {
+    64
 }
 fn four() -> u32 {
     4
@@ -123,7 +123,7 @@ pub struct CatalogModel {
     pub width: Bounded<u32>,
     #[serde(default = "sd_width")]
     pub height: Bounded<u32>,
-    #[serde(default = "eight")]
+    #[serde(default = "sixty_four")]
     pub size_multiple: u32,
     #[serde(default = "sd_steps")]
     pub steps: Bounded<u32>,

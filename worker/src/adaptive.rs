@@ -142,10 +142,16 @@ pub struct BatchSize {
     pub max_rows: usize,
 }
 
+/// The most buckets whose ceilings are kept; a forgotten one is learned again from the start.
+pub const MAX_CEILINGS: usize = 512;
+
 /// Runs batches adaptively on the engine.
 pub struct Adaptive {
     engine: Engine,
-    ceilings: Mutex<HashMap<Bucket, Ceiling>>,
+    /// Learned ceilings, at most [`MAX_CEILINGS`]: the least recently used goes first.
+    ceilings: Mutex<HashMap<Bucket, (Ceiling, u64)>>,
+    /// Uses so far, to order the ceilings by their last use.
+    uses: std::sync::atomic::AtomicU64,
     max_batch: usize,
     max_rows: usize,
     probe_after: u32,
@@ -164,6 +170,7 @@ impl Adaptive {
         Adaptive {
             engine,
             ceilings: Mutex::new(HashMap::new()),
+            uses: std::sync::atomic::AtomicU64::new(0),
             max_batch: limits.max_tasks.max(1),
             max_rows: limits.max_rows.max(1),
             probe_after,
@@ -186,11 +193,19 @@ impl Adaptive {
     /// Runs `f` on the ceiling of `bucket`, made (and reported) on first use.
     fn with_ceiling<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Ceiling) -> R) -> R {
         let mut ceilings = self.ceilings.lock().expect("ceilings");
-        let ceiling = ceilings.entry(bucket.clone()).or_insert_with(|| {
+        let now = self.uses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if ceilings.len() >= MAX_CEILINGS && !ceilings.contains_key(bucket) {
+            // Buckets are as many as the requests clients can make: forget the stalest.
+            if let Some(stalest) = ceilings.iter().min_by_key(|(_, (_, used))| *used).map(|(b, _)| b.clone()) {
+                ceilings.remove(&stalest);
+            }
+        }
+        let (ceiling, used) = ceilings.entry(bucket.clone()).or_insert_with(|| {
             let c = Ceiling::new(self.max_for(bucket), self.probe_after);
             events::CeilingIs { bucket, limit: c.limit() }.emit(&self.metrics);
-            c
+            (c, now)
         });
+        *used = now;
         f(ceiling)
     }
 
@@ -480,6 +495,32 @@ mod tests {
         assert_eq!(y.f32_rows(0, 10).unwrap(), want.as_slice());
         assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 3, "4 + 4 + 2 rows");
         assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 4);
+    }
+
+    /// Buckets are as many as the requests clients can make; the learned ceilings are not.
+    #[tokio::test]
+    async fn the_ceilings_kept_are_bounded() {
+        let a = Adaptive::new(
+            Engine::start(1),
+            BatchSize {
+                max_tasks: 8,
+                max_rows: 64,
+            },
+            16,
+            true,
+            Metrics::new(),
+        );
+        for rows in 1..=(MAX_CEILINGS + 100) {
+            let b = Bucket {
+                rows_per_task: rows,
+                ..bucket(1)
+            };
+            a.limit(&b);
+        }
+        a.limit(&bucket(MAX_CEILINGS + 100)); // the most recent one stays
+        let ceilings = a.ceilings.lock().unwrap();
+        assert_eq!(ceilings.len(), MAX_CEILINGS);
+        assert!(ceilings.contains_key(&bucket(MAX_CEILINGS + 100)) && !ceilings.contains_key(&bucket(1)));
     }
 
     #[tokio::test]

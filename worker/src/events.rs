@@ -27,13 +27,13 @@ pub(crate) struct BatchRan<'a> {
 
 impl Emit for BatchRan<'_> {
     fn emit(self, m: &Metrics) {
-        let bucket = self.bucket.to_string();
-        m.batches.with_label_values(&[&bucket]).inc();
-        m.batch_size.with_label_values(&[&bucket]).observe(self.size as f64);
+        let label = self.bucket.label();
+        m.batches.with_label_values(&[&label]).inc();
+        m.batch_size.with_label_values(&[&label]).observe(self.size as f64);
         m.inference_seconds
             .with_label_values(&[&self.bucket.model])
             .observe(self.elapsed.as_secs_f64());
-        tracing::debug!(%bucket, size = self.size, ms = self.elapsed.as_millis() as u64, "batch ran");
+        tracing::debug!(bucket = %self.bucket, size = self.size, ms = self.elapsed.as_millis() as u64, "batch ran");
     }
 }
 
@@ -49,10 +49,9 @@ pub(crate) struct OomHandled<'a> {
 
 impl Emit for OomHandled<'_> {
     fn emit(self, m: &Metrics) {
-        let bucket = self.bucket.to_string();
-        m.ooms.with_label_values(&[&bucket]).inc();
+        m.ooms.with_label_values(&[&self.bucket.label()]).inc();
         tracing::warn!(
-            %bucket,
+            bucket = %self.bucket,
             batch_before = self.from,
             batch_after = self.to,
             rows = self.from * self.bucket.rows_per_task,
@@ -74,7 +73,7 @@ pub(crate) struct DoesNotFit<'a> {
 
 impl Emit for DoesNotFit<'_> {
     fn emit(self, m: &Metrics) {
-        m.ooms.with_label_values(&[&self.bucket.to_string()]).inc();
+        m.ooms.with_label_values(&[&self.bucket.label()]).inc();
         tracing::warn!(
             bucket = %self.bucket,
             task_id = self.task_id,
@@ -119,9 +118,7 @@ pub(crate) struct CeilingIs<'a> {
 
 impl Emit for CeilingIs<'_> {
     fn emit(self, m: &Metrics) {
-        m.batch_ceiling
-            .with_label_values(&[&self.bucket.to_string()])
-            .set(self.limit as i64);
+        m.batch_ceiling.with_label_values(&[&self.bucket.label()]).set(self.limit as i64);
     }
 }
 

@@ -53,7 +53,7 @@ fn seconds(name: &str, help: &str) -> HistogramOpts {
 impl Metrics {
     /// Out-of-memory errors handled in `bucket` so far.
     pub fn ooms(&self, bucket: &crate::models::Bucket) -> u64 {
-        self.ooms.with_label_values(&[&bucket.to_string()]).get()
+        self.ooms.with_label_values(&[&bucket.label()]).get()
     }
 
     pub fn new() -> Metrics {
@@ -85,12 +85,12 @@ impl Metrics {
             ),
             batches: register(
                 &r,
-                counter_vec("sluice_worker_batches_total", "Model calls, by bucket", &["bucket"]),
+                counter_vec("sluice_worker_batches_total", "Model calls, by size class (bucket label: model:le<work>)", &["bucket"]),
             ),
             batch_size: register(
                 &r,
                 HistogramVec::new(
-                    HistogramOpts::new("sluice_worker_batch_size", "Tasks per model call, by bucket")
+                    HistogramOpts::new("sluice_worker_batch_size", "Tasks per model call, by size class")
                         .buckets(vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0]),
                     &["bucket"],
                 )
@@ -100,13 +100,13 @@ impl Metrics {
                 &r,
                 gauge_vec(
                     "sluice_worker_batch_ceiling",
-                    "Learned largest batch (tasks) per bucket",
+                    "Learned largest batch (tasks): the last one learned in the size class",
                     &["bucket"],
                 ),
             ),
             ooms: register(
                 &r,
-                counter_vec("sluice_worker_oom_total", "Out-of-memory errors handled, by bucket", &["bucket"]),
+                counter_vec("sluice_worker_oom_total", "Out-of-memory errors handled, by size class", &["bucket"]),
             ),
             inference_seconds: register(
                 &r,

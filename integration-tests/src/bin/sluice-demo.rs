@@ -141,7 +141,15 @@ async fn main() -> anyhow::Result<()> {
                 .metrics()
                 .await
                 .ok()
-                .and_then(|m| metric_value(&m, &format!("sluice_worker_batches_total{{bucket=\"terrain:{}\"}}", tiles(SIZE))))
+                .and_then(|m| {
+                    metric_value(
+                        &m,
+                        &format!(
+                            "sluice_worker_batches_total{{bucket=\"terrain:le{}\"}}",
+                            tiles(SIZE).next_power_of_two()
+                        ),
+                    )
+                })
                 .unwrap_or(0.0);
         }
         n

@@ -26,6 +26,25 @@ pub struct Bucket {
     pub rows_per_task: usize,
 }
 
+impl Bucket {
+    /// The bucket's metric label: its model and a size class, `le<N>` with N the power of two
+    /// at or above the task's work (its rows, times the pixels of a key that begins `WxH`, as
+    /// Stable Diffusion's do). The bucket itself (one per size × sampler × steps × guidance ×
+    /// rows) would mint a series per combination a client can ask for; the classes are a few
+    /// dozen per model at most. Logs name the bucket itself.
+    pub fn label(&self) -> String {
+        let pixels = self
+            .key
+            .split(':')
+            .next()
+            .and_then(|size| size.split_once('x'))
+            .and_then(|(w, h)| Some(w.parse::<u64>().ok()?.saturating_mul(h.parse::<u64>().ok()?)))
+            .unwrap_or(1);
+        let work = pixels.saturating_mul(self.rows_per_task.max(1) as u64).max(1);
+        format!("{}:le{}", self.model, work.checked_next_power_of_two().unwrap_or(u64::MAX))
+    }
+}
+
 impl std::fmt::Display for Bucket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.key.is_empty() {
@@ -109,7 +128,18 @@ impl Registry {
             let adapter: Arc<dyn ModelAdapter> = match entry.kind {
                 sluice_schemas::ModelKind::Terrain => Arc::new(terrain::Terrain::new(runtime.clone())),
                 sluice_schemas::ModelKind::StableDiffusion => {
-                    Arc::new(diffusion::StableDiffusion::open(runtime.clone(), name, dir).map_err(|e| format!("model {name}: {e}"))?)
+                    let sd = diffusion::StableDiffusion::open(runtime.clone(), name, dir).map_err(|e| format!("model {name}: {e}"))?;
+                    let needed = sd.layout().size_multiple as u32;
+                    if !entry.size_multiple.is_multiple_of(needed) {
+                        tracing::warn!(
+                            model = %name,
+                            catalog = entry.size_multiple,
+                            needed,
+                            "the catalog's size_multiple admits sizes this model cannot run; \
+                             such tasks go to the DLQ as schema_violation (set size_multiple = {needed})"
+                        );
+                    }
+                    Arc::new(sd)
                 }
             };
             registry = registry.with(name, adapter);
@@ -146,4 +176,33 @@ pub fn concat_inputs(parts: &[&Prepared]) -> Vec<Tensor> {
     (0..first.inputs.len())
         .map(|i| Tensor::concat(&parts.iter().map(|p| &p.inputs[i]).collect::<Vec<_>>()))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// However many distinct requests arrive, a model's label values stay few.
+    #[test]
+    fn labels_are_a_size_class_per_model() {
+        let bucket = |key: String, rows: usize| Bucket {
+            model: "sd".into(),
+            key,
+            rows_per_task: rows,
+        };
+        assert_eq!(bucket("512x512:euler:25:cfg".into(), 1).label(), "sd:le262144");
+        assert_eq!(bucket("512x512:ddim:30:nocfg".into(), 1).label(), "sd:le262144");
+        assert_eq!(bucket(String::new(), 9).label(), "sd:le16");
+        let mut labels = std::collections::BTreeSet::new();
+        for w in (64..=1024).step_by(8) {
+            for h in (64..=1024).step_by(64) {
+                for steps in 1..=50 {
+                    for images in 1..=4 {
+                        labels.insert(bucket(format!("{w}x{h}:euler:{steps}:cfg"), images).label());
+                    }
+                }
+            }
+        }
+        assert!(labels.len() <= 16, "{} labels for ~1.5 million buckets", labels.len());
+    }
 }

@@ -51,6 +51,10 @@ pub struct SdLayout {
     pub scaling_factor: f32,
     /// Pixels per latent along each axis: 2^(VAE blocks - 1), 8 for every SD.
     pub vae_scale: usize,
+    /// What a width or height must be a multiple of: `vae_scale` × 2^(UNet blocks - 1) (64 for
+    /// SD 1.x/2.x). An ONNX export traced at one size up-samples by fixed factors, so a latent
+    /// side the UNet's down-sampling does not divide fails in its skip connections.
+    pub size_multiple: usize,
     pub latent_channels: usize,
     /// `time_cond_proj_dim` of a guidance-distilled (LCM) UNet: guidance goes in as an
     /// embedding and classifier-free guidance is off.
@@ -91,13 +95,16 @@ impl SdLayout {
             .as_u64()
             .or_else(|| unet["in_channels"].as_u64())
             .unwrap_or(4) as usize;
+        let unet_blocks = unet["block_out_channels"].as_array().map_or(4, |b| b.len());
+        let vae_scale = 1usize << vae_blocks.clamp(1, 8).saturating_sub(1);
         let time_cond_dim = unet["time_cond_proj_dim"].as_u64().map(|d| d as usize);
         Ok(SdLayout {
             dir: dir.to_owned(),
             tokenizer: ClipTokenizer::load(&dir.join("tokenizer"))?,
             scheduler,
             scaling_factor,
-            vae_scale: 1 << vae_blocks.saturating_sub(1),
+            vae_scale,
+            size_multiple: vae_scale << unet_blocks.clamp(1, 8).saturating_sub(1),
             latent_channels,
             time_cond_dim,
         })

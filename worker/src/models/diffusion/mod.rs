@@ -95,6 +95,7 @@ pub fn sampler_names() -> String {
 impl ModelAdapter for StableDiffusion {
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
         let request = Self::request(task)?;
+        request.check(&self.layout)?; // at admission: a request the model cannot run is a violation
         Ok(Bucket {
             model: self.name.clone(),
             key: request.bucket(&self.layout).key(),

@@ -100,10 +100,10 @@ impl SdRequest {
 
     /// Checks what the model itself imposes (the catalog bounds are the producer's).
     pub fn check(&self, layout: &SdLayout) -> Result<Schedule, String> {
-        let s = layout.vae_scale;
+        let s = layout.size_multiple;
         if self.width == 0 || self.height == 0 || !self.width.is_multiple_of(s) || !self.height.is_multiple_of(s) {
             return Err(format!(
-                "width and height must be positive multiples of {s}, got {}x{}",
+                "width and height must be positive multiples of {s} (this model's VAE and UNet down-sampling), got {}x{}",
                 self.width, self.height
             ));
         }
