@@ -751,3 +751,70 @@ async fn a_producer_is_ready_only_once_its_status_view_caught_up() {
     assert_eq!(published, 1, "published once");
     second.terminate(Duration::from_secs(30)).unwrap();
 }
+
+/// A record that kills the worker running it (an abort in the backend call, as a crash in
+/// native code would: no panic handler sees it) does not crash-loop its partition. Under a
+/// supervisor that restarts the worker whenever it dies, the record is started
+/// `SLUICE_MAX_CRASHES` (3) times, then dead-lettered as `crashed` without running; the tasks
+/// batched with it complete (after the first crash each runs alone), and the partition's
+/// committed offset moves past them all.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("crash-loop", 1).unwrap();
+    let poison = 77_001u64;
+    let fault = format!("abort-run={poison}");
+    // Long enough that the tasks published together run as one batch with the poison.
+    let extra = [("SLUICE_TEST_FAULTS", fault.as_str()), ("SLUICE_MAX_WAIT_MS", "1000")];
+    let group = "chaos-crash-loop";
+    let mut w = worker_with(stack, "crash-loop-0", group, &topics, &extra).await;
+    w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    let mut all = tasks(8, 77_100);
+    all[3] = terrain_task(poison, 128, 128, 10);
+    let poison_id = all[3].0.clone();
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, &all)
+        .await
+        .unwrap();
+
+    let waiter = {
+        let (brokers, topics, ids) = (stack.brokers().to_owned(), topics.clone(), ids_of(&all));
+        tokio::task::spawn_blocking(move || Outcomes::wait(&brokers, &topics, &ids, Duration::from_secs(240)))
+    };
+    // The supervisor.
+    let mut restarts = 0;
+    while !waiter.is_finished() {
+        if !w.service.running() {
+            restarts += 1;
+            assert!(restarts <= 6, "the worker crash-loops");
+            if let Err(e) = w.restart(stack).await {
+                eprintln!("restart {restarts}: {e}");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let done = waiter.await.unwrap().unwrap();
+    table(
+        "crash loop (abort in the backend call, SLUICE_MAX_CRASHES=3)",
+        &[
+            ("tasks", all.len().to_string()),
+            ("worker deaths (restarted)", restarts.to_string()),
+            ("poison task", format!("{:?}", done.dlq_reason(&poison_id))),
+        ],
+    );
+    assert_eq!(done.dlq_reason(&poison_id), Some("crashed"));
+    let message = &done.dlq[&poison_id][0].message;
+    assert!(message.contains("started 3 times"), "{message}");
+    assert_eq!(done.completions[&poison_id][0].status, CompletionStatus::Failed);
+    for (id, _) in all.iter().filter(|(id, _)| *id != poison_id) {
+        assert_eq!(done.completions[id][0].status, CompletionStatus::Succeeded, "{id}");
+    }
+    assert_eq!(restarts, 3, "one death per start of the poison record");
+    sluice_integration_tests::wait_for("the commit past every record", Duration::from_secs(30), async || {
+        sluice_integration_tests::kafka::committed(stack.brokers(), group, &topics.tasks, 0).filter(|o| *o == all.len() as i64)
+    })
+    .await
+    .unwrap();
+    assert!(w.service.running(), "the last worker stays up");
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}

@@ -196,10 +196,13 @@ pub enum DlqReason {
     ModelError,
     StorageRejected,
     RetriesExhausted,
+    /// Started `SLUICE_MAX_CRASHES` times without an outcome: each start ended the worker
+    /// running it (an abort, a segfault in native code, an OOM kill).
+    Crashed,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 9] = [
+    pub const ALL: [DlqReason; 10] = [
         DlqReason::Malformed,
         DlqReason::SchemaViolation,
         DlqReason::UnsupportedVersion,
@@ -209,6 +212,7 @@ impl DlqReason {
         DlqReason::ModelError,
         DlqReason::StorageRejected,
         DlqReason::RetriesExhausted,
+        DlqReason::Crashed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -222,6 +226,7 @@ impl DlqReason {
             DlqReason::ModelError => "model_error",
             DlqReason::StorageRejected => "storage_rejected",
             DlqReason::RetriesExhausted => "retries_exhausted",
+            DlqReason::Crashed => "crashed",
         }
     }
 

@@ -187,11 +187,25 @@ impl Adaptive {
 
     /// The current limit of `bucket` (tasks per call).
     pub fn limit(&self, bucket: &Bucket) -> usize {
+        if bucket.alone.is_some() {
+            return 1; // a crash suspect runs in a call of its own
+        }
         self.with_ceiling(bucket, |c| c.limit())
     }
 
-    /// Runs `f` on the ceiling of `bucket`, made (and reported) on first use.
+    /// Runs `f` on the ceiling of `bucket` (a crash suspect's is its shape's), made (and
+    /// reported) on first use.
     fn with_ceiling<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Ceiling) -> R) -> R {
+        let shape;
+        let bucket = if bucket.alone.is_some() {
+            shape = Bucket {
+                alone: None,
+                ..bucket.clone()
+            };
+            &shape
+        } else {
+            bucket
+        };
         let mut ceilings = self.ceilings.lock().expect("ceilings");
         let now = self.uses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if ceilings.len() >= MAX_CEILINGS && !ceilings.contains_key(bucket) {
@@ -403,6 +417,7 @@ mod tests {
             key: String::new(),
             model: "fake".into(),
             rows_per_task: rows,
+            alone: None,
         }
     }
 

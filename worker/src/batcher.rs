@@ -159,6 +159,7 @@ mod tests {
             key: String::new(),
             model: "m".into(),
             rows_per_task: rows,
+            alone: None,
         }
     }
 

@@ -35,13 +35,17 @@ use crate::task::Origin;
 /// How long one transactional step may block.
 const TXN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The offsets of `commits`, each with its lease as metadata.
+/// The offsets of `commits`, each with its lease and its started records as metadata.
 pub(crate) fn list_of(commits: &[Commit]) -> TopicPartitionList {
     let mut tpl = TopicPartitionList::new();
     for c in commits {
         let mut e = tpl.add_partition(&c.tp.topic, c.tp.partition);
         if e.set_offset(Offset::Offset(c.offset)).is_ok() {
-            e.set_metadata(lease_metadata(c.lease_end));
+            e.set_metadata(format!(
+                "{}{}",
+                lease_metadata(c.lease_end),
+                crate::crash_guard::starts_metadata(&c.started)
+            ));
         }
     }
     tpl
@@ -164,6 +168,25 @@ impl Committer {
         }
         .emit(metrics);
         if result.is_ok() { commits.len() } else { 0 }
+    }
+
+    /// Exactly-once: records model calls' starts with a plain offset commit (no offset moves:
+    /// each partition at what it last committed), between transactions — a transaction in
+    /// flight could otherwise be overtaken and its offsets lost. At least once the regular
+    /// commit does it. Blocks.
+    pub(crate) fn commit_starts(&self, consumer: &TaskConsumer, offsets: &Offsets) {
+        if self.transactional.is_none() {
+            return;
+        }
+        let _one = self.lock.lock().expect("commit lock");
+        let commits = offsets.start_candidates();
+        if commits.is_empty() {
+            return;
+        }
+        match consumer.commit(&list_of(&commits), rdkafka::consumer::CommitMode::Sync) {
+            Ok(()) => offsets.committed(&commits),
+            Err(e) => tracing::warn!(error = %e, "recording model calls' starts failed; the next transaction carries them"),
+        }
     }
 
     /// The final commit of revoked partitions; their held records are dropped afterwards.
@@ -311,7 +334,10 @@ pub(crate) async fn commit_loop(
             _ = stop.cancelled() => return,
         }
         let (c, k, o, m) = (committer.clone(), consumer.clone(), offsets.clone(), metrics.clone());
-        let mut running = tokio::task::spawn_blocking(move || c.commit_now(&k, &o, &m));
+        let mut running = tokio::task::spawn_blocking(move || {
+            c.commit_starts(&k, &o); // first: model calls wait on it
+            c.commit_now(&k, &o, &m)
+        });
         loop {
             tokio::select! {
                 _ = &mut running => break,
@@ -359,6 +385,8 @@ mod tests {
             offset,
             generation,
             lease_end: 0,
+            started: BTreeMap::new(),
+            starts_version: 0,
         }
     }
 

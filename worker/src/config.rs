@@ -238,6 +238,13 @@ pub struct DeliveryArgs {
     /// at 255 tasks/s, 2048 let it reach 590 tasks/s, the machine's CPU limit).
     #[arg(long, env = "SLUICE_MAX_IN_FLIGHT", default_value_t = 2048)]
     pub max_in_flight: usize,
+    /// A record started this many times without an outcome (each start ended the worker running
+    /// it: an abort, a segfault in native code, an OOM kill) goes to the DLQ as `crashed`
+    /// instead of running again; a record started before runs in a model call of its own. Every
+    /// model call first records its records' starts in the commit metadata (a commit round
+    /// trip, overlapped with the call before). 0 turns the guard off.
+    #[arg(long, env = "SLUICE_MAX_CRASHES", default_value_t = 3)]
+    pub max_crashes: u32,
     /// How often finished offsets are committed, milliseconds.
     #[arg(long, env = "SLUICE_COMMIT_INTERVAL_MS", default_value_t = 500)]
     pub commit_interval_ms: u64,

@@ -55,6 +55,7 @@ impl ModelAdapter for FakeModel {
             key: String::new(),
             model: task.model.clone(),
             rows_per_task: task.request.num_images as usize,
+            alone: None,
         })
     }
 

@@ -4,9 +4,11 @@
 //!
 //! - `panic-prepare=SEED`: preparing the task's inputs panics;
 //! - `panic-run=SEED`: the backend call of any batch holding the task panics;
-//! - `panic-render=SEED`: rendering the task's images panics.
+//! - `panic-render=SEED`: rendering the task's images panics;
+//! - `abort-run=SEED`: the backend call of any batch holding the task aborts the process, as a
+//!   crash in native code would (no panic handler sees it).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -23,6 +25,7 @@ pub struct Faults {
     prepare: HashSet<u64>,
     run: HashSet<u64>,
     render: HashSet<u64>,
+    abort: HashSet<u64>,
 }
 
 impl Faults {
@@ -38,9 +41,10 @@ impl Faults {
                 "panic-prepare" => &mut faults.prepare,
                 "panic-run" => &mut faults.run,
                 "panic-render" => &mut faults.render,
+                "abort-run" => &mut faults.abort,
                 other => {
                     return Err(format!(
-                        "fault {entry:?}: unknown kind {other:?} (panic-prepare, panic-run, panic-render)"
+                        "fault {entry:?}: unknown kind {other:?} (panic-prepare, panic-run, panic-render, abort-run)"
                     ));
                 }
             };
@@ -50,7 +54,7 @@ impl Faults {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.prepare.is_empty() && self.run.is_empty() && self.render.is_empty()
+        self.prepare.is_empty() && self.run.is_empty() && self.render.is_empty() && self.abort.is_empty()
     }
 
     /// `adapter` with these faults injected.
@@ -58,7 +62,7 @@ impl Faults {
         Arc::new(Faulty {
             inner: adapter,
             faults: self.clone(),
-            doomed: Arc::new(Mutex::new(HashSet::new())),
+            doomed: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 }
@@ -66,8 +70,14 @@ impl Faults {
 struct Faulty {
     inner: Arc<dyn ModelAdapter>,
     faults: Arc<Faults>,
-    /// Ids of prepared tasks whose backend call must panic.
-    doomed: Arc<Mutex<HashSet<String>>>,
+    /// Ids of prepared tasks whose backend call must fail, and how.
+    doomed: Arc<Mutex<HashMap<String, Doom>>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Doom {
+    Panic,
+    Abort,
 }
 
 impl ModelAdapter for Faulty {
@@ -81,7 +91,10 @@ impl ModelAdapter for Faulty {
             panic!("injected fault: prepare of task {} (seed {seed})", task.task_id);
         }
         if self.faults.run.contains(&seed) {
-            self.doomed.lock().expect("doomed").insert(task.task_id.to_string());
+            self.doomed.lock().expect("doomed").insert(task.task_id.to_string(), Doom::Panic);
+        }
+        if self.faults.abort.contains(&seed) {
+            self.doomed.lock().expect("doomed").insert(task.task_id.to_string(), Doom::Abort);
         }
         let mut prepared = self.inner.prepare(task)?;
         if self.faults.render.contains(&seed) {
@@ -106,14 +119,25 @@ impl ModelAdapter for Faulty {
 
 struct FaultyBackend {
     inner: Box<dyn Backend>,
-    doomed: Arc<Mutex<HashSet<String>>>,
+    doomed: Arc<Mutex<HashMap<String, Doom>>>,
 }
 
 impl Backend for FaultyBackend {
     fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
         let doomed = self.doomed.lock().expect("doomed").clone();
-        if let Some(task) = call.tasks.iter().find(|t| doomed.contains(&t.id)) {
-            panic!("injected fault: a batch of {} holding task {}", call.tasks.len(), task.id);
+        for task in &call.tasks {
+            match doomed.get(&task.id) {
+                Some(Doom::Panic) => panic!("injected fault: a batch of {} holding task {}", call.tasks.len(), task.id),
+                Some(Doom::Abort) => {
+                    eprintln!(
+                        "injected fault: aborting in a batch of {} holding task {}",
+                        call.tasks.len(),
+                        task.id
+                    );
+                    std::process::abort();
+                }
+                None => {}
+            }
         }
         self.inner.run(call)
     }
@@ -143,8 +167,8 @@ mod tests {
 
     #[test]
     fn parses_faults_and_refuses_unknown_ones() {
-        let f = Faults::parse(&["panic-run=7".into(), " panic-prepare = 8".into(), "".into()]).unwrap();
-        assert!(f.run.contains(&7) && f.prepare.contains(&8) && f.render.is_empty());
+        let f = Faults::parse(&["panic-run=7".into(), " panic-prepare = 8".into(), "".into(), "abort-run=9".into()]).unwrap();
+        assert!(f.run.contains(&7) && f.prepare.contains(&8) && f.render.is_empty() && f.abort.contains(&9));
         assert!(Faults::parse(&["explode=1".into()]).is_err());
         assert!(Faults::parse(&["panic-run".into()]).is_err());
         assert!(Faults::default().is_empty());

@@ -7,6 +7,7 @@ mod batcher;
 mod commit;
 pub mod config;
 mod control;
+mod crash_guard;
 mod encode;
 pub mod engine;
 mod events;

@@ -7,7 +7,8 @@
 //!
 //! Each commit also carries the partition's read lease as its metadata (how far records may have
 //! been started: see [`crate::redelivery`]); the tracker keeps the lease found at assignment,
-//! the one wanted and the one the broker acknowledged.
+//! the one wanted and the one the broker acknowledged — and the records this consumer has
+//! started and not finished, with how often each was started (see [`crate::crash_guard`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
@@ -63,13 +64,18 @@ pub enum LeaseState {
 /// broker again.
 const LEASE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// One partition's commit: the next offset to read and, as its metadata, the read lease.
+/// One partition's commit: the next offset to read and, as its metadata, the read lease and
+/// the records started and not finished.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Commit {
     pub tp: TopicPartition,
     pub offset: i64,
     pub generation: u64,
     pub lease_end: i64,
+    /// Records started and not finished, and how many times each was started.
+    pub started: BTreeMap<i64, u32>,
+    /// The version of `started` this commit writes.
+    pub starts_version: u64,
 }
 
 #[derive(Debug)]
@@ -92,6 +98,14 @@ struct Partition {
     lease: Option<Lease>,
     /// When a lease read or write last failed.
     lease_failed_at: Option<Instant>,
+    /// Records started under this assignment and not finished, with how many times each has
+    /// been started (the previous owners' starts included).
+    started: BTreeMap<i64, u32>,
+    /// What the previous owner left started and unfinished (read with its lease).
+    previous_starts: Option<BTreeMap<i64, u32>>,
+    /// Bumped when a record starts; the version the broker acknowledged.
+    starts_version: u64,
+    starts_confirmed: u64,
 }
 
 impl Partition {
@@ -104,11 +118,14 @@ impl Partition {
     fn commit(&self, tp: &TopicPartition) -> Option<Commit> {
         let lease = self.lease?;
         let offset = self.committable()?;
-        (self.committed != Some(offset) || lease.wanted > lease.confirmed).then(|| Commit {
+        let moved = self.committed != Some(offset) || lease.wanted > lease.confirmed;
+        (moved || self.starts_version > self.starts_confirmed).then(|| Commit {
             tp: tp.clone(),
             offset,
             generation: self.generation,
             lease_end: lease.wanted,
+            started: self.started.range(offset..).map(|(o, n)| (*o, *n)).collect(),
+            starts_version: self.starts_version,
         })
     }
 
@@ -168,6 +185,10 @@ impl Offsets {
                     released: None,
                     lease: None,
                     lease_failed_at: None,
+                    started: BTreeMap::new(),
+                    previous_starts: None,
+                    starts_version: 0,
+                    starts_confirmed: 0,
                 },
             );
         }
@@ -204,6 +225,7 @@ impl Offsets {
         if partition.generation != origin.generation || partition.pending.remove(&origin.offset).is_none() {
             return false;
         }
+        partition.started.remove(&origin.offset);
         state.in_flight -= 1;
         drop(state);
         self.finished.notify_all();
@@ -246,6 +268,86 @@ impl Offsets {
                 p.lease_failed_at = None;
             }
             Err(()) => p.lease_failed_at = Some(Instant::now()),
+        }
+    }
+
+    /// Records what the previous owner of `origin`'s partition left started (read with its
+    /// lease). Kept only the first time under an assignment.
+    pub(crate) fn found_starts(&self, origin: &Origin, starts: BTreeMap<i64, u32>) {
+        let mut state = self.lock();
+        if let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin))
+            && p.generation == origin.generation
+            && p.lease.is_none()
+            && p.previous_starts.is_none()
+        {
+            // Carried into this owner's commits until each finishes: a crash of this owner
+            // before it reaches them must not reset their counts.
+            p.started = starts.clone();
+            p.previous_starts = Some(starts);
+        }
+    }
+
+    /// How many times earlier owners started `origin` without finishing it.
+    pub(crate) fn previous_starts(&self, origin: &Origin) -> u32 {
+        let state = self.lock();
+        state
+            .partitions
+            .get(&TopicPartition::of(origin))
+            .filter(|p| p.generation == origin.generation)
+            .and_then(|p| p.previous_starts.as_ref()?.get(&origin.offset).copied())
+            .unwrap_or(0)
+    }
+
+    /// Notes that `origins` start now (each one's count: the previous owners' starts plus one)
+    /// and wakes the committer. Returns what to wait for with [`Offsets::starts_recorded`]:
+    /// per partition whose lease is known, the version that holds these starts.
+    pub(crate) fn start(&self, origins: &[&Origin]) -> Vec<(Origin, u64)> {
+        let mut state = self.lock();
+        let mut waits: Vec<(Origin, u64)> = Vec::new();
+        for origin in origins {
+            let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin)) else {
+                continue;
+            };
+            if p.generation != origin.generation || p.lease.is_none() || !p.pending.contains_key(&origin.offset) {
+                continue; // nothing of it can be committed: the start cannot be recorded
+            }
+            let before = p.previous_starts.as_ref().and_then(|s| s.get(&origin.offset)).copied().unwrap_or(0);
+            p.started.insert(origin.offset, before + 1);
+            if !waits
+                .iter()
+                .any(|(o, _)| o.topic == origin.topic && o.partition == origin.partition)
+            {
+                p.starts_version += 1;
+                waits.push(((*origin).clone(), p.starts_version));
+            }
+        }
+        drop(state);
+        if !waits.is_empty() {
+            self.commit_wanted.notify_one();
+        }
+        waits
+    }
+
+    /// Waits until the broker acknowledged version `version` of the starts of `origin`'s
+    /// partition; false when `timeout` passed first or the assignment ended.
+    pub(crate) async fn starts_recorded(&self, origin: &Origin, version: u64, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.committed_now.notified();
+            {
+                let state = self.lock();
+                match state.partitions.get(&TopicPartition::of(origin)) {
+                    Some(p) if p.generation == origin.generation => {
+                        if p.starts_confirmed >= version {
+                            return true;
+                        }
+                    }
+                    _ => return false,
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return false;
+            }
         }
     }
 
@@ -305,6 +407,7 @@ impl Offsets {
             return true;
         }
         if p.pending.remove(&origin.offset).is_some() {
+            p.started.remove(&origin.offset);
             p.released = Some(p.released.map_or(origin.offset, |r| r.min(origin.offset)));
             state.in_flight -= 1;
             drop(state);
@@ -350,6 +453,33 @@ impl Offsets {
         out
     }
 
+    /// Commits that record starts and nothing else: each partition whose starts changed, at the
+    /// offset it last committed (so none moves) with its lease and starts as metadata. For
+    /// exactly-once delivery, where a plain commit between transactions is a round trip
+    /// instead of a whole transaction. Partitions that have committed nothing under this
+    /// assignment are left to the next transaction.
+    pub(crate) fn start_candidates(&self) -> Vec<Commit> {
+        let state = self.lock();
+        let mut out: Vec<Commit> = state
+            .partitions
+            .iter()
+            .filter(|(_, p)| p.starts_version > p.starts_confirmed)
+            .filter_map(|(tp, p)| {
+                let (lease, offset) = (p.lease?, p.committed?);
+                Some(Commit {
+                    tp: tp.clone(),
+                    offset,
+                    generation: p.generation,
+                    lease_end: lease.wanted,
+                    started: p.started.range(offset..).map(|(o, n)| (*o, *n)).collect(),
+                    starts_version: p.starts_version,
+                })
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     /// Notes a successful commit.
     pub fn committed(&self, commits: &[Commit]) {
         let mut state = self.lock();
@@ -359,6 +489,7 @@ impl Offsets {
                 if let Some(lease) = &mut p.lease {
                     lease.confirmed = lease.confirmed.max(c.lease_end);
                 }
+                p.starts_confirmed = p.starts_confirmed.max(c.starts_version);
             }
         }
         drop(state);
@@ -481,6 +612,8 @@ mod tests {
             offset,
             generation,
             lease_end: 0,
+            started: BTreeMap::new(),
+            starts_version: 0,
         }]);
     }
 

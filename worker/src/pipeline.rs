@@ -20,6 +20,7 @@ use tracing::Instrument;
 
 use crate::adaptive::{Adaptive, BatchItem, Done};
 use crate::batcher::{Batch, BatchRequests};
+use crate::crash_guard::{CrashGuard, Verdict};
 use crate::engine::{EngineError, Tensor};
 use crate::events::{Emit, MemorySampled};
 use crate::metrics::Metrics;
@@ -41,6 +42,8 @@ pub(crate) struct Shared {
     pub serving: Arc<Serving>,
     pub adaptive: Arc<Adaptive>,
     pub redelivery: Arc<dyn RedeliveryCheck>,
+    /// Records model calls' starts; sends records that keep killing workers to the DLQ.
+    pub crash_guard: CrashGuard,
     pub metrics: Metrics,
     pub worker_id: String,
     pub max_task_bytes: usize,
@@ -97,16 +100,41 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
         if !shared.redelivery.admit(&job.record.origin, replayed).await {
             // No earlier delivery can have started it: no results to look for.
-            let _ = to_batcher.send((bucket, job)).await;
+            if let Some((bucket, job)) = guard(&shared, bucket, job) {
+                let _ = to_batcher.send((bucket, job)).await;
+            }
             continue;
         }
         // The check is a storage round trip: run it concurrently, not in line.
         let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
         shared.tasks.spawn(async move {
-            if let Some(job) = announce_if_done(&shared2, job).await {
+            if let Some((bucket, job)) = announce_if_done(&shared2, job).await.and_then(|job| guard(&shared2, bucket, job)) {
                 let _ = to_batcher.send((bucket, job)).await;
             }
         });
+    }
+}
+
+/// The crash guard's verdict on a task with no earlier results: it runs (alone, when an earlier
+/// worker started it and died), or goes to the DLQ after `SLUICE_MAX_CRASHES` such starts.
+fn guard(shared: &Shared, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
+    let origin = &job.record.origin;
+    match shared.crash_guard.verdict(origin) {
+        Verdict::Run => Some((bucket, job)),
+        Verdict::Alone { starts } => {
+            tracing::warn!(parent: &job.span, starts, "started before by a worker that stopped before it finished; running it alone");
+            let alone = Some((origin.partition, origin.offset));
+            Some((Bucket { alone, ..bucket }, job))
+        }
+        Verdict::Crashed { starts } => {
+            let message = format!(
+                "started {starts} times without an outcome: each start ended the worker that ran it \
+                 (an abort, a crash in native code or an OOM kill; SLUICE_MAX_CRASHES)"
+            );
+            tracing::error!(parent: &job.span, starts, "a record that keeps killing workers goes to the DLQ");
+            shared.outcomes.fail(job, Failure::new(DlqReason::Crashed, message));
+            None
+        }
     }
 }
 
@@ -292,6 +320,13 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
         tracing::error!(model = %bucket.model, "model is not loaded; leaving its tasks for a restarted worker");
         return;
     };
+    // Durably, before the call: should it kill the process, the next owner knows what ran.
+    let _alone = match bucket.alone {
+        Some(_) => Some(shared.crash_guard.alone().await),
+        None => None,
+    };
+    let origins: Vec<&crate::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
+    shared.crash_guard.starting(&origins).await;
     shared
         .adaptive
         .run(&bucket, items, |done| match done {
@@ -596,6 +631,7 @@ mod tests {
                 tasks: tasks.clone(),
             }),
             redelivery: Arc::new(NeverStarted),
+            crash_guard: CrashGuard::new(offsets.clone(), 0),
             sink,
             serving: Arc::new(serving),
             adaptive: adaptive.clone(),

@@ -56,7 +56,10 @@ pub(crate) fn lease_metadata(end: i64) -> String {
 /// The lease end in a commit's metadata; 0 when there is none (no commit yet, or one written by
 /// another tool).
 pub(crate) fn parse_lease_metadata(metadata: &str) -> i64 {
-    metadata.strip_prefix(METADATA_PREFIX).and_then(|end| end.parse().ok()).unwrap_or(0)
+    metadata
+        .strip_prefix(METADATA_PREFIX)
+        .and_then(|rest| rest.split(' ').next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Reads the metadata committed with a partition's offset (blocking: an offset fetch).
@@ -85,7 +88,10 @@ impl CommitMetadataLeases {
         let (reader, tp) = (self.reader.clone(), TopicPartition::of(origin));
         let read = tokio::task::spawn_blocking(move || reader.committed_metadata(&tp, LEASE_TIMEOUT)).await;
         match read {
-            Ok(Ok(metadata)) => self.offsets.found_lease(origin, Ok(parse_lease_metadata(&metadata))),
+            Ok(Ok(metadata)) => {
+                self.offsets.found_starts(origin, crate::crash_guard::parse_starts(&metadata));
+                self.offsets.found_lease(origin, Ok(parse_lease_metadata(&metadata)));
+            }
             other => {
                 let error = match other {
                     Ok(Err(e)) => e,

@@ -307,6 +307,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         offsets: offsets.clone(),
         outcomes,
         redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), consumer.clone(), d.lease_span)),
+        crash_guard: crate::crash_guard::CrashGuard::new(offsets.clone(), d.max_crashes),
         sink,
         serving: serving.clone(),
         adaptive: adaptive.clone(),

@@ -24,6 +24,9 @@ pub struct Bucket {
     pub key: String,
     /// Rows (entries on the model's batch axis) each task of the bucket needs.
     pub rows_per_task: usize,
+    /// The record (partition, offset) of a task that must run in a call of its own: one
+    /// suspected of killing an earlier worker (the crash guard). `None` for every other.
+    pub alone: Option<(i32, i64)>,
 }
 
 impl Bucket {
@@ -189,6 +192,7 @@ mod tests {
             model: "sd".into(),
             key,
             rows_per_task: rows,
+            alone: None,
         };
         assert_eq!(bucket("512x512:euler:25:cfg".into(), 1).label(), "sd:le262144");
         assert_eq!(bucket("512x512:ddim:30:nocfg".into(), 1).label(), "sd:le262144");

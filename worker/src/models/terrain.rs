@@ -104,6 +104,7 @@ impl ModelAdapter for Terrain {
             key: String::new(),
             model: NAME.to_owned(),
             rows_per_task: layout.rows(),
+            alone: None,
         })
     }
 

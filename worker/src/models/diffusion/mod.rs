@@ -74,6 +74,7 @@ impl StableDiffusion {
             model: self.name.clone(),
             key: request.bucket(&self.layout).key(),
             rows_per_task: request.num_images,
+            alone: None,
         };
         let prepared = Prepared {
             inputs,
@@ -100,6 +101,7 @@ impl ModelAdapter for StableDiffusion {
             model: self.name.clone(),
             key: request.bucket(&self.layout).key(),
             rows_per_task: request.num_images,
+            alone: None,
         })
     }
 

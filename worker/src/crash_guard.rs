@@ -1,0 +1,248 @@
+//! The crash-loop guard: a record whose processing kills the worker (an abort or a segfault in
+//! native code, an OOM kill: what no panic handler catches) must not kill every worker that
+//! reads it after.
+//!
+//! Before a model call starts, the records it holds are written, durably, into their
+//! partitions' commit metadata next to the read lease ([`crate::redelivery`]), each with how
+//! many times it has been started; a finished record leaves the set with the next commit. A new
+//! owner of the partition reads the set with the lease: a record in it was running when an
+//! earlier owner stopped. Such a record runs again alone, in a call of its own and one suspect
+//! at a time, so that the tasks batched or running with it are not blamed with it again; once it has been started `SLUICE_MAX_CRASHES`
+//! times without an outcome it goes to the DLQ as `crashed` instead of running.
+//!
+//! The metadata is ` started:` and comma-separated entries: `o` (offset o, started once),
+//! `a-b` (every offset from a to b, once each), either with `*n` for n starts. It is bounded
+//! (the broker refuses commit metadata over `offset.metadata.max.bytes`, 4 KiB by default):
+//! past [`MAX_METADATA_CHARS`] the highest offsets are left out, and their crashes go uncounted.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::offsets::Offsets;
+use crate::task::Origin;
+
+/// What decides a record's fate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Never started before: runs as usual.
+    Run,
+    /// Started before without an outcome: runs in a call of its own.
+    Alone { starts: u32 },
+    /// Started `SLUICE_MAX_CRASHES` times without an outcome: to the DLQ.
+    Crashed { starts: u32 },
+}
+
+/// The longest a model call waits for its starts to be recorded; after that it runs anyway
+/// (the broker is away, and nothing else can be committed either).
+const RECORD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The most characters of started records in one commit's metadata.
+pub(crate) const MAX_METADATA_CHARS: usize = 3000;
+
+/// The most offsets read back from one metadata (its ranges are not trusted).
+const MAX_PARSED: usize = 16_384;
+
+const MARKER: &str = " started:";
+
+/// The guard of one worker.
+pub(crate) struct CrashGuard {
+    offsets: Arc<Offsets>,
+    max_crashes: u32,
+    /// Held by a suspect's call: suspects run one at a time, so that when one kills the
+    /// process no other suspect's count goes up with it.
+    alone: tokio::sync::Mutex<()>,
+}
+
+impl CrashGuard {
+    /// `max_crashes` 0 turns the guard off: nothing is recorded, every record runs.
+    pub(crate) fn new(offsets: Arc<Offsets>, max_crashes: u32) -> CrashGuard {
+        CrashGuard {
+            offsets,
+            max_crashes,
+            alone: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The verdict on a record about to be batched.
+    pub(crate) fn verdict(&self, origin: &Origin) -> Verdict {
+        if self.max_crashes == 0 {
+            return Verdict::Run;
+        }
+        match self.offsets.previous_starts(origin) {
+            0 => Verdict::Run,
+            starts if starts >= self.max_crashes => Verdict::Crashed { starts },
+            starts => Verdict::Alone { starts },
+        }
+    }
+
+    /// Waits until no other suspect runs; the guard is held for the suspect's call.
+    pub(crate) async fn alone(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.alone.lock().await
+    }
+
+    /// Records, durably, that `origins` start now; returns once the broker has acknowledged it
+    /// (or after [`RECORD_TIMEOUT`], with a warning).
+    pub(crate) async fn starting(&self, origins: &[&Origin]) {
+        if self.max_crashes == 0 {
+            return;
+        }
+        for (origin, version) in self.offsets.start(origins) {
+            if !self.offsets.starts_recorded(&origin, version, RECORD_TIMEOUT).await {
+                tracing::warn!(
+                    partition = origin.partition,
+                    offset = origin.offset,
+                    "could not record the start of a model call; running it unrecorded (a crash in it goes uncounted)"
+                );
+            }
+        }
+    }
+}
+
+/// The metadata suffix that records `started` (empty when nothing is).
+pub(crate) fn starts_metadata(started: &BTreeMap<i64, u32>) -> String {
+    let mut out = String::new();
+    let mut entries = started.iter().map(|(o, n)| (*o, *n)).peekable();
+    while let Some((first, n)) = entries.next() {
+        let mut last = first;
+        while let Some(&(next, m)) = entries.peek() {
+            if next != last + 1 || m != n {
+                break;
+            }
+            last = next;
+            entries.next();
+        }
+        let mut entry = if last == first {
+            first.to_string()
+        } else {
+            format!("{first}-{last}")
+        };
+        if n != 1 {
+            let _ = write!(entry, "*{n}");
+        }
+        let separator = if out.is_empty() { MARKER } else { "," };
+        if out.len() + separator.len() + entry.len() > MAX_METADATA_CHARS {
+            break;
+        }
+        out.push_str(separator);
+        out.push_str(&entry);
+    }
+    out
+}
+
+/// The started records in a commit's metadata (none when it has none, or was written by another
+/// tool); malformed entries are skipped, and at most [`MAX_PARSED`] offsets are read.
+pub(crate) fn parse_starts(metadata: &str) -> BTreeMap<i64, u32> {
+    let mut out = BTreeMap::new();
+    let Some((_, list)) = metadata.split_once(MARKER) else {
+        return out;
+    };
+    for entry in list.split(',') {
+        let (range, count) = match entry.split_once('*') {
+            Some((range, count)) => (range, count.parse::<u32>().ok()),
+            None => (entry, Some(1)),
+        };
+        let Some(count) = count.filter(|c| *c > 0) else { continue };
+        let bounds = match range.split_once('-') {
+            Some((a, b)) => a.parse::<i64>().ok().zip(b.parse::<i64>().ok()),
+            None => range.parse::<i64>().ok().map(|o| (o, o)),
+        };
+        let Some((first, last)) = bounds.filter(|(a, b)| 0 <= *a && a <= b) else {
+            continue;
+        };
+        for offset in first..=last {
+            if out.len() >= MAX_PARSED {
+                return out;
+            }
+            out.insert(offset, count);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::offsets::TopicPartition;
+
+    fn tp() -> TopicPartition {
+        TopicPartition {
+            topic: "t".into(),
+            partition: 0,
+        }
+    }
+
+    #[test]
+    fn started_records_survive_the_metadata_round_trip() {
+        let started: BTreeMap<i64, u32> = [(5, 1), (6, 1), (7, 1), (9, 2), (10, 2), (12, 1), (40, 3)].into();
+        let text = starts_metadata(&started);
+        assert_eq!(text, " started:5-7,9-10*2,12,40*3");
+        let metadata = format!("{}{text}", crate::redelivery::lease_metadata(4096));
+        assert_eq!(parse_starts(&metadata), started);
+        assert_eq!(
+            crate::redelivery::parse_lease_metadata(&metadata),
+            4096,
+            "the lease reads as before"
+        );
+        assert_eq!(starts_metadata(&BTreeMap::new()), "");
+        assert!(
+            parse_starts(&crate::redelivery::lease_metadata(7)).is_empty(),
+            "older metadata has none"
+        );
+    }
+
+    #[test]
+    fn the_metadata_is_bounded_both_ways() {
+        // Every other offset: no ranges, the longest encoding.
+        let many: BTreeMap<i64, u32> = (0..10_000).map(|i| (1_000_000_000 + 2 * i, 1)).collect();
+        let text = starts_metadata(&many);
+        assert!(text.len() <= MAX_METADATA_CHARS, "{}", text.len());
+        let back = parse_starts(&text);
+        assert!(
+            !back.is_empty() && back.iter().all(|(o, n)| many.get(o) == Some(n)),
+            "the lowest are kept"
+        );
+        // Hostile metadata: a huge range, junk, zero counts, negative offsets.
+        let hostile = " started:0-9000000000000,x,-5,3*0,7*abc,9-2";
+        assert_eq!(parse_starts(hostile).len(), MAX_PARSED);
+        assert!(parse_starts(" started:x,-5,3*0,7*abc,9-2").is_empty());
+    }
+
+    #[tokio::test]
+    async fn counts_carry_over_owners_and_the_guard_decides_on_them() {
+        let offsets = Arc::new(Offsets::new());
+        offsets.assign(&[tp()]);
+        let o: Vec<Origin> = (0..4).map(|i| offsets.track(&tp(), i).unwrap()).collect();
+        // The previous owner left 1 started twice and 2 started three times.
+        offsets.found_starts(&o[0], parse_starts(" started:1*2,2*3"));
+        offsets.found_lease(&o[0], Ok(4096));
+        let guard = CrashGuard::new(offsets.clone(), 3);
+        assert_eq!(guard.verdict(&o[0]), Verdict::Run);
+        assert_eq!(guard.verdict(&o[1]), Verdict::Alone { starts: 2 });
+        assert_eq!(guard.verdict(&o[2]), Verdict::Crashed { starts: 3 });
+        assert_eq!(CrashGuard::new(offsets.clone(), 0).verdict(&o[2]), Verdict::Run, "0 turns it off");
+        // Carried into this owner's first commit as found.
+        let c = offsets.commit_candidates();
+        assert_eq!(c[0].started, BTreeMap::from([(1, 2), (2, 3)]));
+        // Starting 0 and 1 records them (1 a third time) and wants a commit; the call waits
+        // for its acknowledgement.
+        let waits = offsets.start(&[&o[0], &o[1]]);
+        assert_eq!(waits.len(), 1, "one wait per partition");
+        let c = offsets.commit_candidates();
+        assert_eq!(c[0].started, BTreeMap::from([(0, 1), (1, 3), (2, 3)]));
+        assert!(!offsets.starts_recorded(&waits[0].0, waits[0].1, Duration::from_millis(10)).await);
+        offsets.committed(&c);
+        assert!(offsets.starts_recorded(&waits[0].0, waits[0].1, Duration::from_millis(10)).await);
+        // Finished records leave the set (2 is failed as crashed: it finishes too).
+        assert!(offsets.ack(&o[0]) && offsets.ack(&o[2]));
+        let c = offsets.commit_candidates();
+        assert_eq!((c[0].offset, c[0].started.clone()), (1, BTreeMap::from([(1, 3)])));
+        // Exactly-once records a start with a plain commit that moves no offset: at the one
+        // last committed (0), not at the one a transaction would commit (1).
+        assert!(offsets.start_candidates().is_empty());
+        offsets.start(&[&o[3]]);
+        let s = offsets.start_candidates();
+        assert_eq!((s[0].offset, s[0].started.clone()), (0, BTreeMap::from([(1, 3), (3, 1)])));
+    }
+}
