@@ -1,6 +1,7 @@
 //! A webhook receiver for tests: a real HTTP server on a local port that records every request.
 //! `/hook/flaky` answers 503 to the first three attempts of each event and 204 after,
-//! `/hook/gone` answers 410, any other `/hook/{name}` 204.
+//! `/hook/gone` answers 410, `/hook/busy` 503 with `Retry-After: 999999` to every attempt, any
+//! other `/hook/{name}` 204.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -64,13 +65,15 @@ impl Receiver {
     }
 }
 
-async fn hook(State(r): State<Receiver>, Path(mode): Path<String>, headers: HeaderMap, body: Bytes) -> StatusCode {
+async fn hook(State(r): State<Receiver>, Path(mode): Path<String>, headers: HeaderMap, body: Bytes) -> (StatusCode, HeaderMap) {
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
     let id = header("webhook-id");
     let mut all = r.0.lock().expect("not poisoned");
     let earlier = all.iter().filter(|x| x.id == id && x.mode == mode).count();
+    let mode_is_busy = mode == "busy";
     let answer = match mode.as_str() {
         "gone" => StatusCode::GONE,
+        "busy" => StatusCode::SERVICE_UNAVAILABLE,
         "flaky" if earlier < 3 => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::NO_CONTENT,
     };
@@ -85,5 +88,9 @@ async fn hook(State(r): State<Receiver>, Path(mode): Path<String>, headers: Head
         at: Instant::now(),
         received_at: chrono::Utc::now(),
     });
-    answer
+    let mut reply = HeaderMap::new();
+    if mode_is_busy {
+        reply.insert("retry-after", axum::http::HeaderValue::from_static("999999"));
+    }
+    (answer, reply)
 }

@@ -1024,3 +1024,81 @@ async fn the_api_answers_schemathesis_as_its_openapi_document_says() {
     assert!(with_key + without_key >= 1000, "{with_key} + {without_key} generated requests");
     c.stack.down().unwrap();
 }
+
+/// One tenant's failing receiver does not hold up another tenant's webhooks. Tenant acme's
+/// receiver answers every attempt 503 with `Retry-After: 999999`; the notifier may hold only
+/// 20 records in flight (`SLUICE_WEBHOOK_MAX_PENDING`). After acme's 40 tasks have finished
+/// and been attempted, tenant rival's `completed` still reaches its own receiver within
+/// seconds: acme's retries wait on the retry topic, not in the notifier's memory (before, each
+/// slept in memory, 40 of them paused every partition of the notifier for hours).
+#[tokio::test(flavor = "multi_thread")]
+async fn one_tenants_failing_receiver_does_not_hold_up_another_tenants_webhooks() {
+    let (busy, busy_base) = Receiver::start().await;
+    let (calm, calm_base) = Receiver::start().await;
+    let key = base64::engine::general_purpose::STANDARD.encode(WEBHOOK_KEY);
+    let secrets = format!("acme:whsec_{key},rival:whsec_{key}");
+    let c = Cluster::start_with(
+        "webhook-fairness",
+        1,
+        &[],
+        &[
+            ("SLUICE_WEBHOOK_SECRETS", secrets.as_str()),
+            ("SLUICE_WEBHOOK_ALLOW_CIDRS", "127.0.0.0/8"),
+            ("SLUICE_WEBHOOK_MAX_PENDING", "20"),
+        ],
+    )
+    .await
+    .expect("cluster starts");
+    let task = |seed: u64, url: String| json!({"model": "terrain", "width": 64, "height": 64, "seed": seed, "webhook": {"url": url}});
+    let mut flood = Vec::new();
+    for seed in 0..40 {
+        let (status, body) = c.post(&task(seed, format!("{busy_base}/hook/busy")), Some(API_KEY)).await.unwrap();
+        assert_eq!(status, 202, "{body}");
+        flood.push(body["task_id"].as_str().unwrap().to_owned());
+    }
+    for id in &flood {
+        c.wait_for_status(id, API_KEY, "succeeded", Duration::from_secs(120)).await.unwrap();
+    }
+    let attempted = |r: &Receiver| -> BTreeSet<String> {
+        r.all()
+            .iter()
+            .filter(|x| x.event == "completed")
+            .filter_map(|x| x.json()["task_id"].as_str().map(str::to_owned))
+            .collect()
+    };
+    // Every acme event attempted once (the receiver sees the first few: then the host's circuit
+    // opens and attempts fail at once) and scheduled for a retry.
+    let retrying = "sluice_producer_webhook_deliveries_total{event=\"completed\",outcome=\"retrying\"}";
+    let scheduled = sluice_integration_tests::wait_for("acme's retries scheduled", Duration::from_secs(30), async || {
+        let metrics = c.producer_metrics().await.ok()?;
+        metric_value(&metrics, retrying).filter(|n| *n >= flood.len() as f64)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let (status, body) = c.post(&task(99, format!("{calm_base}/hook/ok")), Some(RIVAL_KEY)).await.unwrap();
+    assert_eq!(status, 202, "{body}");
+    let id = body["task_id"].as_str().unwrap().to_owned();
+    c.wait_for_status(&id, RIVAL_KEY, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let succeeded = std::time::Instant::now();
+    let delivered = sluice_integration_tests::wait_for("rival's completed webhook", Duration::from_secs(20), async || {
+        attempted(&calm).contains(&id).then_some(())
+    })
+    .await;
+    let metrics = c.producer_metrics().await.unwrap();
+    println!(
+        "rival's webhook {:?} after its task succeeded; acme: {} requests reached its receiver, {:?} attempts retrying; notifier pending now {:?}",
+        succeeded.elapsed(),
+        busy.all().len(),
+        metric_value(&metrics, retrying),
+        metric_value(&metrics, "sluice_producer_webhook_pending"),
+    );
+    delivered.expect("rival's completed arrives within seconds");
+    scheduled.expect("every acme event was attempted and scheduled for a retry");
+    assert!(
+        busy.all().iter().all(|r| r.event != "completed" || r.answered == 503),
+        "acme's receiver only ever answered 503"
+    );
+}

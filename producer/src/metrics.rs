@@ -15,7 +15,8 @@ pub struct Metrics {
     pub view_lag_seconds: Histogram,
     /// Webhook attempts by event and outcome: delivered, retrying, dropped (a started or
     /// progress event not delivered), throttled, superseded (a started or progress event after the
-    /// task's completed one, or a step behind), refused, gone, rejected, exhausted.
+    /// task's completed one, or a step behind), deferred (past its tenant's or host's share of
+    /// the attempts in flight), refused, gone, rejected, exhausted.
     pub webhook_deliveries: IntCounterVec,
     /// Attempts after the first.
     pub webhook_retries: IntCounter,

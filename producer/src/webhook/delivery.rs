@@ -22,6 +22,9 @@ const BREAKER_FAILURES: u32 = 5;
 const BREAKER_OPEN: Duration = Duration::from_secs(30);
 /// URLs remembered as gone (410), at most.
 const MAX_GONE: usize = 100_000;
+/// Hosts with failures remembered, at most; past it those with nothing in flight and no open
+/// circuit are forgotten. (A host with no failures and nothing in flight has no entry at all.)
+const MAX_HOSTS: usize = 10_000;
 
 /// How an attempt ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -95,6 +98,17 @@ impl Deliverer {
         })
     }
 
+    /// Concurrent attempts per receiver host.
+    pub fn host_concurrency(&self) -> usize {
+        self.host_concurrency
+    }
+
+    /// Hosts with an entry (failures, an open circuit or attempts in flight).
+    #[cfg(test)]
+    pub(crate) fn hosts_known(&self) -> usize {
+        self.hosts.lock().expect("not poisoned").len()
+    }
+
     /// One attempt at `request`.
     pub async fn attempt(&self, request: &Request<'_>) -> Attempt {
         use sluice_schemas::WebhookFailure::*;
@@ -132,7 +146,7 @@ impl Deliverer {
                 .get_or_insert_with(|| Arc::new(Semaphore::new(self.host_concurrency)))
                 .clone()
         };
-        let _permit = permits.acquire_owned().await.expect("never closed");
+        let permit = permits.clone().acquire_owned().await.expect("never closed");
         let client = if url.scheme() == "https" { &self.https } else { &self.http };
         let mut builder = client
             .post(url)
@@ -157,8 +171,9 @@ impl Deliverer {
                 },
             },
         };
+        drop(permit);
         let mut hosts = self.hosts.lock().expect("not poisoned");
-        let h = hosts.entry(host).or_default();
+        let h = hosts.entry(host.clone()).or_default();
         match &outcome {
             Attempt::Retry { .. } => {
                 h.failures += 1;
@@ -167,6 +182,14 @@ impl Deliverer {
                 }
             }
             _ => h.failures = 0,
+        }
+        // In use: held by the map, by this attempt (`permits`) and by any other attempt.
+        let idle = |h: &Host| h.permits.as_ref().is_none_or(|p| Arc::strong_count(p) <= 2);
+        if h.failures == 0 && idle(h) {
+            hosts.remove(&host);
+        } else if hosts.len() > MAX_HOSTS {
+            let now = Instant::now();
+            hosts.retain(|_, h| !idle(h) || h.open_until.is_some_and(|t| t > now));
         }
         if let Attempt::GiveUp { reason: Gone, .. } = outcome {
             let mut gone = self.gone.lock().expect("not poisoned");
@@ -250,6 +273,52 @@ fn parse_retry_after(value: &str) -> Option<Duration> {
 mod tests {
     use super::*;
     use sluice_schemas::WebhookFailure;
+
+    /// A receiver on a local port answering every request with `status`.
+    async fn receiver(status: &'static str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let _ = socket.read(&mut buf).await;
+                    let answer = format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                    let _ = socket.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn hosts_are_remembered_only_while_they_fail_or_are_in_use() {
+        let guard = Guard::new(&["127.0.0.0/8".into()], false).unwrap();
+        let secrets =
+            super::super::signing::Secrets::load(&["acme:whsec_c2x1aWNlLXRlc3Qtd2ViaG9vay1zZWNyZXQtMzJieXQ=".into()], None).unwrap();
+        let deliverer = Deliverer::new(guard, secrets, Duration::from_secs(5), 2).unwrap();
+        let attempt = async |url: &str| {
+            deliverer
+                .attempt(&Request {
+                    url,
+                    tenant: "acme",
+                    event_id: "msg_1",
+                    event: sluice_schemas::WebhookEvent::Completed,
+                    body: b"{}",
+                    traceparent: None,
+                })
+                .await
+        };
+        for _ in 0..20 {
+            let url = receiver("204 No Content").await;
+            assert!(matches!(attempt(&url).await, Attempt::Delivered { .. }));
+        }
+        assert_eq!(deliverer.hosts_known(), 0, "twenty hosts delivered to, none kept");
+        let failing = receiver("503 Service Unavailable").await;
+        assert!(matches!(attempt(&failing).await, Attempt::Retry { .. }));
+        assert_eq!(deliverer.hosts_known(), 1, "a failing host's count is kept");
+    }
 
     #[test]
     fn answers_are_classified_as_the_contract_says() {

@@ -10,14 +10,20 @@
 //! webhook DLQ). `completed` events are retried over the schedule; `started` and `progress`
 //! events are tried once (progress at most every 500 ms per task); one task's events reach the
 //! receiver in order, `completed` last ([`order`]).
+//!
+//! Nothing waits in memory for long: a retry record not due yet pauses its retry partition at
+//! that record until it is (records of a partition are due in order), and each tenant and each
+//! receiver host gets a bounded share of the attempts in flight ([`fair`]). So one tenant's
+//! failing receiver neither fills the notifier's memory nor holds up other tenants' events.
 
 pub mod delivery;
+mod fair;
 pub mod guard;
 mod order;
 pub mod schedule;
 pub mod signing;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -136,7 +142,17 @@ pub struct Notifier {
     tracker: Mutex<Tracker>,
     order: order::EventOrder,
     retry_partitions: usize,
+    shares: fair::Shares,
 }
+
+/// A retry partition paused at a record that is not due yet.
+struct Waiting {
+    offset: i64,
+    due: Instant,
+}
+
+/// Retry records due sooner than this are waited for in memory rather than by pausing.
+const WAIT_IN_MEMORY: Duration = Duration::from_millis(200);
 
 impl Notifier {
     #[allow(clippy::too_many_arguments)]
@@ -187,6 +203,8 @@ impl Notifier {
             );
         }
         Ok(Notifier {
+            // A tenant may hold half the attempts in flight; a host four times its connections.
+            shares: fair::Shares::new(settings.concurrency / 2, deliverer.host_concurrency() * 4),
             permits: Semaphore::new(settings.concurrency.max(1)),
             settings,
             consumer,
@@ -216,6 +234,10 @@ impl Notifier {
             .subscribe(&[s.completions_topic.as_str(), s.progress_topic.as_str(), s.retry_topic.as_str()])?;
         tracing::info!(group = %s.group, "webhook notifier consuming");
         let mut paused = false;
+        // Retry partitions paused at a record not due yet, and every partition paused now.
+        let mut waiting: HashMap<i32, Waiting> = HashMap::new();
+        let mut paused_now: HashSet<(String, i32)> = HashSet::new();
+        let mut pauses_changed = false;
         let mut last_warning: Option<Instant> = None;
         let mut last_assignment: Vec<String> = Vec::new();
         let mut last_assignment_check = Instant::now() - Duration::from_secs(60);
@@ -225,17 +247,12 @@ impl Notifier {
             // Bounded memory: past max_pending, stop fetching (still polling, to stay in the
             // group) until half of it has finished.
             let want_paused = pending >= s.max_pending || (paused && pending > s.max_pending / 2);
-            if want_paused != paused
-                && let Ok(assignment) = self.consumer.assignment()
-            {
-                let result = if want_paused {
-                    self.consumer.pause(&assignment)
-                } else {
-                    self.consumer.resume(&assignment)
-                };
-                if result.is_ok() {
-                    paused = want_paused;
-                }
+            let now = Instant::now();
+            if want_paused != paused || pauses_changed || waiting.values().any(|w| w.due <= now) {
+                waiting.retain(|_, w| w.due > now);
+                paused = want_paused;
+                pauses_changed = false;
+                self.apply_pauses(paused, &waiting, &mut paused_now);
             }
             if last_assignment_check.elapsed() >= Duration::from_secs(5) {
                 last_assignment_check = Instant::now();
@@ -270,7 +287,36 @@ impl Notifier {
             };
             let (topic, partition, offset) = (message.topic().to_owned(), message.partition(), message.offset());
             tracing::debug!(topic, partition, offset, "webhook notifier: record");
+            if topic == s.retry_topic && waiting.get(&partition).is_some_and(|w| offset >= w.offset) {
+                continue; // fetched before the pause; read again once the partition is due
+            }
             let job = self.job_of(&message);
+            if let Job::Retry(d) = &job
+                && let Ok(wait) = (d.due_at - Utc::now()).to_std()
+                && wait > WAIT_IN_MEMORY
+            {
+                // Not due: pause the partition at this record rather than hold it in memory.
+                match self
+                    .consumer
+                    .seek(&topic, partition, rdkafka::Offset::Offset(offset), Duration::from_secs(1))
+                {
+                    Ok(()) => {
+                        tracing::debug!(partition, offset, ?wait, "webhook notifier: retry partition waits for its head");
+                        waiting.insert(
+                            partition,
+                            Waiting {
+                                offset,
+                                due: Instant::now() + wait,
+                            },
+                        );
+                        pauses_changed = true;
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, partition, "webhook notifier: could not seek a retry partition back; waiting in memory")
+                    }
+                }
+            }
             let traceparent = message
                 .headers()
                 .and_then(|h| h.iter().find(|h| h.key == sluice_service::trace::TRACEPARENT).and_then(|h| h.value))
@@ -290,6 +336,38 @@ impl Notifier {
             });
         }
         Ok(())
+    }
+
+    /// Pauses every assigned partition (`all`: too much in flight) or only the retry partitions
+    /// waiting for their heads, and resumes the rest of those paused before.
+    fn apply_pauses(&self, all: bool, waiting: &HashMap<i32, Waiting>, paused_now: &mut HashSet<(String, i32)>) {
+        let Ok(assignment) = self.consumer.assignment() else { return };
+        let assigned: HashSet<(String, i32)> = assignment
+            .elements()
+            .iter()
+            .map(|e| (e.topic().to_owned(), e.partition()))
+            .collect();
+        let want: HashSet<(String, i32)> = assigned
+            .iter()
+            .filter(|(t, p)| all || (*t == self.settings.retry_topic && waiting.contains_key(p)))
+            .cloned()
+            .collect();
+        let list = |set: &mut dyn Iterator<Item = &(String, i32)>| {
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            for (t, p) in set {
+                tpl.add_partition(t, *p);
+            }
+            tpl
+        };
+        let pause = list(&mut want.difference(paused_now));
+        let resume = list(&mut paused_now.difference(&want).filter(|tp| assigned.contains(*tp)));
+        let paused_ok = pause.count() == 0 || self.consumer.pause(&pause).is_ok();
+        let resumed_ok = resume.count() == 0 || self.consumer.resume(&resume).is_ok();
+        if paused_ok && resumed_ok {
+            *paused_now = want;
+        } else {
+            tracing::warn!("webhook notifier: pausing or resuming partitions failed; trying again");
+        }
     }
 
     fn finish(&self, topic: &str, partition: i32, offset: i64, epoch: Option<u64>) {
@@ -445,6 +523,10 @@ impl Notifier {
     /// One attempt at `delivery`, then whatever follows: done, a retry record, or the DLQ.
     async fn deliver(&self, delivery: WebhookDelivery, traceparent: Option<&str>) {
         let event = delivery.event;
+        let _share = match self.shares.take(&delivery.tenant, &host_of(&delivery.url)) {
+            Ok(share) => share,
+            Err(why) => return self.defer(delivery, why).await,
+        };
         let body = self.body(&delivery.payload).await;
         let started = Instant::now();
         let outcome = {
@@ -512,6 +594,27 @@ impl Notifier {
                 }
             }
         }
+    }
+
+    /// An attempt past its tenant's or host's share: a `completed` event goes to the retry
+    /// topic's shortest tier without counting as an attempt; others are dropped.
+    async fn defer(&self, delivery: WebhookDelivery, why: String) {
+        self.metrics
+            .webhook_deliveries
+            .with_label_values(&[delivery.event.as_str(), "deferred"])
+            .inc();
+        tracing::debug!(event_id = %delivery.event_id, task_id = %delivery.task_id, %why, "webhook attempt deferred");
+        if delivery.event != WebhookEvent::Completed {
+            return;
+        }
+        let delay = self.settings.schedule.shortest();
+        let jitter = delay.mul_f64(fastrand::f64() * 0.5);
+        let retry = WebhookDelivery {
+            due_at: Utc::now() + chrono::Duration::from_std(delay + jitter).unwrap_or_default(),
+            last_error: why,
+            ..delivery
+        };
+        self.publish(&self.settings.retry_topic, Some(0), retry.task_id, &retry).await;
     }
 
     /// The payload as sent: its stored image URLs presigned for this attempt.

@@ -67,13 +67,22 @@ impl RetrySchedule {
         self.tiers.len()
     }
 
+    /// The shortest delay (tier 0's; 5 s when the schedule is empty).
+    pub fn shortest(&self) -> Duration {
+        self.tiers.first().copied().unwrap_or(Duration::from_secs(5))
+    }
+
     /// After attempt `attempt` failed and asked to wait at least `retry_after`: the delay and
     /// the tier of the next attempt, or `None` when the schedule is over. A `Retry-After`
-    /// longer than the scheduled delay moves the retry to the first tier that waits long enough
-    /// (past the longest tier, the longest).
+    /// longer than the scheduled delay moves the retry to the first tier that waits long enough,
+    /// but never past the schedule's following delay: the receiver may put a retry off by one
+    /// step of the schedule, not by however long it names (`Retry-After: 999999` would take
+    /// every event of its tenant to the longest tier at once).
     pub fn next(&self, attempt: u32, retry_after: Option<Duration>) -> Option<(Duration, usize)> {
-        let scheduled = *self.delays.get(attempt.checked_sub(1)? as usize)?;
-        let wanted = scheduled.max(retry_after.unwrap_or_default());
+        let index = attempt.checked_sub(1)? as usize;
+        let scheduled = *self.delays.get(index)?;
+        let cap = self.delays.get(index + 1).copied().unwrap_or(scheduled).max(scheduled);
+        let wanted = scheduled.max(retry_after.unwrap_or_default().min(cap));
         let tier = self.tiers.iter().position(|t| *t >= wanted).unwrap_or(self.tiers.len() - 1);
         Some((self.tiers[tier].max(scheduled), tier))
     }
@@ -100,8 +109,11 @@ mod tests {
         let s = RetrySchedule::parse(RetrySchedule::DEFAULT).unwrap();
         assert_eq!(s.next(1, Some(Duration::from_secs(60))), Some((Duration::from_secs(300), 1)));
         assert_eq!(s.next(1, Some(Duration::from_secs(2))), Some((Duration::from_secs(5), 0)));
+        // A huge Retry-After moves the retry one step of the schedule, no further.
+        assert_eq!(s.next(1, Some(Duration::from_secs(999_999))), Some((Duration::from_secs(300), 1)));
+        assert_eq!(s.next(2, Some(Duration::from_secs(999_999))), Some((Duration::from_secs(1_800), 2)));
         assert_eq!(
-            s.next(2, Some(Duration::from_secs(999_999))),
+            s.next(7, Some(Duration::from_secs(999_999))),
             Some((Duration::from_secs(36_000), 5))
         );
         assert!(RetrySchedule::parse("5s,soon").is_err());
