@@ -1102,3 +1102,52 @@ async fn one_tenants_failing_receiver_does_not_hold_up_another_tenants_webhooks(
         "acme's receiver only ever answered 503"
     );
 }
+
+/// Event streams are bounded per tenant (and per replica): with
+/// `SLUICE_EVENTS_MAX_STREAMS_PER_TENANT=2`, a tenant's third open stream is a JSON 429
+/// `too_many_streams` with `Retry-After`, another tenant's stream still opens, and a closed
+/// stream gives its place back. No workers run, so the streams stay open on queued tasks.
+#[tokio::test(flavor = "multi_thread")]
+async fn event_streams_are_bounded_per_tenant() {
+    let c = Cluster::start_with("streams", 0, &[], &[("SLUICE_EVENTS_MAX_STREAMS_PER_TENANT", "2")])
+        .await
+        .expect("cluster starts");
+    let client = reqwest::Client::new();
+    let submit = async |key: &str| {
+        let (status, body) = c
+            .post(&json!({"model": "terrain", "width": 64, "height": 64}), Some(key))
+            .await
+            .unwrap();
+        assert_eq!(status, 202, "{body}");
+        body["task_id"].as_str().unwrap().to_owned()
+    };
+    let (mine, theirs) = (submit(API_KEY).await, submit(RIVAL_KEY).await);
+    let open = async |id: &str, key: &str| {
+        client
+            .get(format!("{}/v1/tasks/{id}/events", c.producer_url))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap()
+    };
+    let first = open(&mine, API_KEY).await;
+    let second = open(&mine, API_KEY).await;
+    assert_eq!((first.status().as_u16(), second.status().as_u16()), (200, 200));
+    let third = open(&mine, API_KEY).await;
+    assert_eq!(third.status().as_u16(), 429);
+    assert!(third.headers().get("retry-after").is_some(), "Retry-After");
+    let body: Value = third.json().await.unwrap();
+    assert_eq!(body["error"], "too_many_streams", "{body}");
+    let other = open(&theirs, RIVAL_KEY).await;
+    assert_eq!(other.status().as_u16(), 200, "another tenant is not refused");
+    // A closed stream's place comes back (the server notices at its next write: the 15 s
+    // heartbeat at the latest).
+    drop(first);
+    let reopened = sluice_integration_tests::wait_for("a place after a stream closed", Duration::from_secs(40), async || {
+        let r = open(&mine, API_KEY).await;
+        (r.status().as_u16() == 200).then_some(r)
+    })
+    .await
+    .unwrap();
+    drop((second, reopened, other));
+}

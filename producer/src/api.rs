@@ -36,6 +36,8 @@ pub struct AppState {
     pub publish_timeout: Duration,
     /// The longest an event stream stays open; the client reconnects with `Last-Event-ID`.
     pub events_max: Duration,
+    /// Bounds on open event streams, per tenant and in all.
+    pub streams: Arc<crate::streams::Streams>,
     /// What a submitted webhook must satisfy (`None`: no secrets configured, no webhooks).
     pub webhooks: Option<crate::webhook::Policy>,
 }
@@ -423,6 +425,9 @@ async fn task_events(
 ) -> Result<Response, ApiError> {
     use axum::response::sse::{Event, KeepAlive, Sse};
     let (tenant, task_id, first) = callers_task(&s, &headers, &id)?;
+    let slot = s.streams.open(&tenant).map_err(|refused| {
+        ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_streams", refused.to_string()).with_header(header::RETRY_AFTER, "5")
+    })?;
     let last_seen = headers.get("last-event-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let state = (s.clone(), tenant, task_id, Some(first), last_seen, false);
     let stream = futures::stream::unfold(state, |(s, tenant, task_id, mut pending, mut last_seen, done)| async move {
@@ -434,8 +439,10 @@ async fn task_events(
                 Some(c) => c,
                 None => {
                     tokio::time::sleep(EVENTS_POLL).await;
-                    match s.status.as_ref()?.get(&tenant, task_id) {
-                        Ok(Some(c)) => c,
+                    // A view read is disk I/O: on the blocking pool, not the async threads.
+                    let (store, who) = (s.status.clone()?, tenant.clone());
+                    match tokio::task::spawn_blocking(move || store.get(&who, task_id)).await {
+                        Ok(Ok(Some(c))) => c,
                         _ => return None,
                     }
                 }
@@ -473,6 +480,11 @@ async fn task_events(
         }
     });
     let stream = futures::StreamExt::take_until(stream, tokio::time::sleep(s.events_max));
+    // The slot lives as long as the stream: dropped when it ends or the client goes away.
+    let stream = futures::StreamExt::map(stream, move |event| {
+        let _open = &slot;
+        event
+    });
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())

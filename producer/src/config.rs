@@ -168,6 +168,13 @@ pub struct ServeArgs {
     /// reconnects with `Last-Event-ID` (as SSE clients do). Fractions allowed.
     #[arg(long, env = "SLUICE_EVENTS_MAX_SECONDS", default_value_t = 300.0)]
     pub events_max_seconds: f64,
+    /// Event streams open at once on this replica; past it a new one is refused (429 with
+    /// `Retry-After`).
+    #[arg(long, env = "SLUICE_EVENTS_MAX_STREAMS", default_value_t = 10_000)]
+    pub events_max_streams: usize,
+    /// Event streams one tenant may hold open at once on this replica (429 past it).
+    #[arg(long, env = "SLUICE_EVENTS_MAX_STREAMS_PER_TENANT", default_value_t = 100)]
+    pub events_max_streams_per_tenant: usize,
     /// The workers' consumer group, whose backlog on the tasks topic this replica measures
     /// (`sluice_producer_backlog_*`: tasks not committed and the oldest one's age, workers up or
     /// not). It only reads the group's offsets.

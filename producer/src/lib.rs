@@ -12,5 +12,6 @@ pub mod presign;
 pub mod publish;
 pub mod replay;
 pub mod status;
+pub mod streams;
 pub mod view;
 pub mod webhook;

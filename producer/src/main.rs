@@ -172,6 +172,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         metrics,
         publish_timeout: Duration::from_millis(args.publish.publish_timeout_ms),
         events_max: Duration::from_secs_f64(args.events_max_seconds.clamp(0.05, 86_400.0)),
+        streams: sluice_producer::streams::Streams::new(args.events_max_streams, args.events_max_streams_per_tenant),
     });
     let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
         .await

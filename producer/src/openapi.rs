@@ -173,6 +173,7 @@ pub fn document() -> Value {
                         }}}},
                         "401": unauthorized,
                         "404": not_found,
+                        "429": error("Too many event streams are open: the tenant's (`SLUICE_EVENTS_MAX_STREAMS_PER_TENANT`) or the replica's (`SLUICE_EVENTS_MAX_STREAMS`); `too_many_streams`, retry after `Retry-After` seconds."),
                         "503": catching_up.clone()
                     }
                 }
