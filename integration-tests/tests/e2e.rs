@@ -1151,3 +1151,44 @@ async fn event_streams_are_bounded_per_tenant() {
     .unwrap();
     drop((second, reopened, other));
 }
+
+/// A redriven task shows its new attempt: a task that failed (model code panicked on it) and is
+/// redriven is `queued` again as attempt 2, with the old error gone, and can be cancelled; its
+/// end is attempt 2's (before, the view kept showing attempt 1's `failed`, and a cancel was a
+/// 409).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redriven_task_shows_its_new_attempt_and_can_be_cancelled() {
+    let mut c = Cluster::start_with("redrive-view", 1, &[("SLUICE_TEST_FAULTS", "panic-run=4242")], &[])
+        .await
+        .expect("cluster starts");
+    let (status, body) = c
+        .post(&json!({"model": "terrain", "width": 64, "height": 64, "seed": 4242}), Some(API_KEY))
+        .await
+        .unwrap();
+    assert_eq!(status, 202, "{body}");
+    let id = body["task_id"].as_str().unwrap().to_owned();
+    let failed = c.wait_for_status(&id, API_KEY, "failed", Duration::from_secs(120)).await.unwrap();
+    assert_eq!(
+        (&failed["attempt"], &failed["error"]["reason"]),
+        (&json!(1), &json!("model_error")),
+        "{failed}"
+    );
+    // With no worker up, the redriven record waits on the topic.
+    c.workers[0].service.terminate(Duration::from_secs(30)).unwrap();
+    let out = sluice_integration_tests::cluster::producer_cli(&c.stack, &["redrive", "--no-progress", "--reason", "model_error"]).unwrap();
+    let summary: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(summary["written"], 1, "{summary}");
+    let queued = c.wait_for_status(&id, API_KEY, "queued", Duration::from_secs(30)).await.unwrap();
+    assert_eq!(queued["attempt"], 2, "{queued}");
+    assert!(queued["error"].is_null(), "the old error is not shown: {queued}");
+    let cancel = reqwest::Client::new()
+        .post(format!("{}/v1/tasks/{id}/cancel", c.producer_url))
+        .bearer_auth(API_KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancel.status().as_u16(), 202);
+    c.workers[0].restart(&c.stack).await.unwrap();
+    let cancelled = c.wait_for_status(&id, API_KEY, "cancelled", Duration::from_secs(60)).await.unwrap();
+    assert_eq!(cancelled["attempt"], 2, "{cancelled}");
+}

@@ -114,6 +114,13 @@ struct Stored {
 #[derive(Debug, Clone)]
 pub enum Change {
     Queued(TaskRecord),
+    /// The task's record sent back by a redrive, as attempt `attempt` (its `sluice-attempt`),
+    /// at `at`.
+    Redriven {
+        record: TaskRecord,
+        attempt: u32,
+        at: DateTime<Utc>,
+    },
     Progress(ProgressRecord),
     Completed(CompletionEvent),
 }
@@ -121,7 +128,7 @@ pub enum Change {
 impl Change {
     fn task_id(&self) -> Uuid {
         match self {
-            Change::Queued(r) => r.task_id,
+            Change::Queued(r) | Change::Redriven { record: r, .. } => r.task_id,
             Change::Progress(p) => p.task_id,
             Change::Completed(c) => c.task_id,
         }
@@ -129,7 +136,7 @@ impl Change {
 
     fn tenant(&self) -> Option<&str> {
         match self {
-            Change::Queued(r) => Some(&r.tenant),
+            Change::Queued(r) | Change::Redriven { record: r, .. } => Some(&r.tenant),
             Change::Completed(c) => Some(&c.tenant),
             Change::Progress(_) => None,
         }
@@ -138,7 +145,7 @@ impl Change {
     /// A status for a task seen first through this change.
     fn first(&self) -> Option<Stored> {
         let (model, at) = match self {
-            Change::Queued(r) => (r.model.clone(), r.submitted_at),
+            Change::Queued(r) | Change::Redriven { record: r, .. } => (r.model.clone(), r.submitted_at),
             Change::Completed(c) => (c.model.clone(), c.completed_at),
             // Progress carries no tenant: it waits for the task record (the topics are read
             // from their beginning, so it comes).
@@ -178,6 +185,21 @@ impl Stored {
                 self.request_sha256 = r.idempotency.as_ref().map(|i| i.request_sha256.clone());
                 self.webhook = r.webhook.clone();
             }
+            Change::Redriven { record, attempt, at } => {
+                self.apply(&Change::Queued(record.clone()));
+                let s = &mut self.status;
+                // A new attempt starts over: queued, cancellable, nothing of the old one shown.
+                // An older or repeated redrive changes nothing.
+                if *attempt > s.attempt || (*attempt == s.attempt && s.status == Status::Queued) {
+                    s.status = Status::Queued;
+                    s.attempt = *attempt;
+                    s.progress = None;
+                    s.outputs.clear();
+                    s.error = None;
+                    s.timings = None;
+                    s.updated_at = s.updated_at.max(*at);
+                }
+            }
             Change::Progress(p) => {
                 if !s.status.is_terminal() {
                     s.status = Status::Running;
@@ -191,8 +213,8 @@ impl Stored {
                 }
             }
             Change::Completed(c) => {
-                if s.status.is_terminal() && c.attempt < s.attempt {
-                    return;
+                if c.attempt < s.attempt {
+                    return; // an earlier attempt's, read after the redrive that replaced it
                 }
                 s.status = match c.status {
                     CompletionStatus::Succeeded => Status::Succeeded,
@@ -521,6 +543,41 @@ mod tests {
     fn store() -> (StatusStore, std::path::PathBuf) {
         let path = std::env::temp_dir().join(format!("sluice-status-{}-{}.redb", std::process::id(), Uuid::new_v4()));
         (StatusStore::create(&path).unwrap(), path)
+    }
+
+    #[test]
+    fn a_redriven_task_is_its_new_attempt_whatever_order_the_topics_are_read_in() {
+        let (s, path) = store();
+        let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+        let at = Utc::now();
+        let redriven = |id| Change::Redriven {
+            record: record(id, "t", at),
+            attempt: 2,
+            at: Utc::now(),
+        };
+        let failed = |id| {
+            let mut c = completion(id, "t", CompletionStatus::Failed, 1);
+            c.error = Some(CompletionError {
+                reason: sluice_schemas::DlqReason::ModelError,
+                message: "boom".into(),
+            });
+            c
+        };
+        // a: the failure, then the redrive. b: the redrive read before the failure.
+        s.apply(&[Change::Queued(record(a, "t", at)), Change::Completed(failed(a)), redriven(a)])
+            .unwrap();
+        s.apply(&[Change::Queued(record(b, "t", at)), redriven(b), Change::Completed(failed(b))])
+            .unwrap();
+        for id in [a, b] {
+            let st = s.get("t", id).unwrap().unwrap();
+            assert_eq!((st.status, st.attempt, st.error.is_none()), (Status::Queued, 2, true), "{id}");
+        }
+        // The new attempt's result replaces it; the same redrive read again changes nothing.
+        s.apply(&[Change::Completed(completion(a, "t", CompletionStatus::Succeeded, 2)), redriven(a)])
+            .unwrap();
+        let st = s.get("t", a).unwrap().unwrap();
+        assert_eq!((st.status, st.attempt), (Status::Succeeded, 2));
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use rdkafka::Offset;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Message;
 use sluice_service::kafka::{KafkaClientArgs, WholeTopics};
 
 use crate::metrics::Metrics;
@@ -34,9 +33,25 @@ impl CaughtUp {
     }
 }
 
-fn decode(topics: &ViewTopics, topic: &str, payload: &[u8]) -> Option<(Change, DateTime<Utc>)> {
+fn decode(topics: &ViewTopics, m: &rdkafka::message::BorrowedMessage<'_>) -> Option<(Change, DateTime<Utc>)> {
+    use rdkafka::message::{Headers, Message};
+    let (topic, payload) = (m.topic(), m.payload()?);
     if topic == topics.tasks {
         let r: sluice_schemas::TaskRecord = serde_json::from_slice(payload).ok()?;
+        // A redriven record is the original, byte for byte, with its attempt in a header.
+        let attempt = m
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == sluice_schemas::HEADER_ATTEMPT).and_then(|h| h.value))
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u32>().ok())
+            .unwrap_or(1);
+        if attempt > 1 {
+            let at = m
+                .timestamp()
+                .to_millis()
+                .and_then(DateTime::from_timestamp_millis)
+                .unwrap_or_else(Utc::now);
+            return Some((Change::Redriven { record: r, attempt, at }, at));
+        }
         let at = r.submitted_at;
         Some((Change::Queued(r), at))
     } else if topic == topics.progress {
@@ -121,7 +136,7 @@ pub fn start(
             while changes.len() < 1024 && Instant::now() < deadline {
                 match consumer.poll(Duration::from_millis(20)) {
                     Some(Ok(m)) => {
-                        if let Some((change, at)) = m.payload().and_then(|p| decode(&topics, m.topic(), p)) {
+                        if let Some((change, at)) = decode(&topics, &m) {
                             metrics.view_lag_seconds.observe(crate::status::lag_of(at).as_secs_f64());
                             changes.push(change);
                         }
