@@ -18,7 +18,7 @@ use sluice_integration_tests::cluster::{API_KEY, Worker, metric_value};
 use sluice_integration_tests::kafka::{Isolation, producer};
 use sluice_integration_tests::process::{Service, bin};
 use sluice_integration_tests::{Outcomes, Stack, TopicReader, Topics, ids_of, produce_raw, publish_tasks, terrain_task};
-use sluice_schemas::{CompletionStatus, DlqRecord};
+use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord};
 use tokio::sync::{Mutex, OnceCell};
 
 static STACK: OnceCell<Stack> = OnceCell::const_new();
@@ -816,5 +816,100 @@ async fn a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
     .await
     .unwrap();
     assert!(w.service.running(), "the last worker stays up");
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// A task id runs at most once: eight concurrent submissions of one request with one
+/// `Idempotency-Key`, split between two producer replicas, all answer 202 with one task id; each
+/// replica publishes the record it could not yet see from the other (two or more records), and
+/// the worker runs the task once — every later record of it waits for the first and is
+/// announced from its results (`sluice_worker_duplicates_skipped_total`), one set of images.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idempotency_key_sent_to_two_replicas_at_once_runs_once() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("idempotency", 2).unwrap();
+    // Batches wait long enough to hold every copy at once: the hardest case.
+    let mut w = worker_with(
+        stack,
+        "idempotency-0",
+        "chaos-idempotency",
+        &topics,
+        &[("SLUICE_MAX_WAIT_MS", "500")],
+    )
+    .await;
+    w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    let (mut first, url_a) = producer_service(stack, &topics, "producer-idem-a").await;
+    let (mut second, url_b) = producer_service(stack, &topics, "producer-idem-b").await;
+    for url in [&url_a, &url_b] {
+        sluice_integration_tests::wait_for("producer ready", Duration::from_secs(60), async || {
+            let r = reqwest::get(format!("{url}/readyz")).await.ok()?;
+            r.status().is_success().then_some(())
+        })
+        .await
+        .unwrap();
+    }
+    let client = reqwest::Client::new();
+    let mut attempt = 0;
+    let (id, published) = loop {
+        attempt += 1;
+        let key = format!("once-{attempt}");
+        let sends = (0..8).map(|i| {
+            let url = if i % 2 == 0 { &url_a } else { &url_b };
+            client
+                .post(format!("{url}/v1/tasks"))
+                .bearer_auth(API_KEY)
+                .header("idempotency-key", key.as_str())
+                .json(&json!({"model": "terrain", "seed": 31, "width": 128, "height": 128}))
+                .send()
+        });
+        let mut ids = BTreeSet::new();
+        for r in futures::future::join_all(sends).await {
+            let r = r.unwrap();
+            assert_eq!(r.status().as_u16(), 202);
+            ids.insert(r.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned());
+        }
+        assert_eq!(ids.len(), 1, "one task id for one key: {ids:?}");
+        let id = ids.into_iter().next().unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let records = TopicReader::snapshot(stack.brokers(), &topics.tasks, Duration::from_secs(2)).unwrap();
+        let published = records.iter().filter(|r| r.key.as_deref() == Some(id.as_bytes())).count();
+        // The race is what is tested: try another key when one replica saw the other's record.
+        if published >= 2 || attempt == 5 {
+            break (id, published);
+        }
+    };
+    assert!(published >= 2, "the replicas never both published (5 keys tried)");
+    // Every record of the task gets its completion.
+    let completions = sluice_integration_tests::wait_for("a completion per record", Duration::from_secs(120), async || {
+        let records = TopicReader::snapshot(stack.brokers(), &topics.completions, Duration::from_secs(1)).ok()?;
+        let of_task: Vec<CompletionEvent> = records
+            .iter()
+            .filter_map(|r| serde_json::from_slice::<CompletionEvent>(&r.value).ok())
+            .filter(|c| c.task_id.to_string() == id)
+            .collect();
+        (of_task.len() >= published).then_some(of_task)
+    })
+    .await
+    .unwrap();
+    let skipped = w.metric("sluice_worker_duplicates_skipped_total").await.unwrap_or(0.0);
+    table(
+        "one Idempotency-Key, 8 concurrent submissions over two replicas",
+        &[
+            ("task records published", published.to_string()),
+            ("completions", completions.len().to_string()),
+            ("announced from the first one's results", skipped.to_string()),
+            ("executions", (completions.len() as f64 - skipped).to_string()),
+        ],
+    );
+    assert!(completions.iter().all(|c| c.status == CompletionStatus::Succeeded));
+    assert_eq!(skipped as usize, completions.len() - 1, "the task ran once");
+    let outputs: BTreeSet<String> = completions
+        .iter()
+        .flat_map(|c| c.outputs.iter().map(|o| o.sha256.clone()))
+        .collect();
+    assert_eq!(outputs.len(), 1, "one set of images: {outputs:?}");
+    first.terminate(Duration::from_secs(30)).unwrap();
+    second.terminate(Duration::from_secs(30)).unwrap();
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }

@@ -27,6 +27,7 @@ mod progress;
 mod publish;
 mod redelivery;
 mod retry;
+mod running;
 mod service;
 mod serving;
 pub mod sink;

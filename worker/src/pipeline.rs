@@ -44,6 +44,8 @@ pub(crate) struct Shared {
     pub redelivery: Arc<dyn RedeliveryCheck>,
     /// Records model calls' starts; sends records that keep killing workers to the DLQ.
     pub crash_guard: CrashGuard,
+    /// Task ids in flight: a second record of one waits for the first, then for its results.
+    pub running: Arc<crate::running::Running>,
     pub metrics: Metrics,
     pub worker_id: String,
     pub max_task_bytes: usize,
@@ -96,18 +98,34 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         // Before anything of the partition can be committed, a record that fails at once
         // included (a partition holding only those would otherwise never be).
         shared.redelivery.know_partition(&record.origin).await;
-        let Some((bucket, job)) = admit(&shared, record) else { continue };
+        let Some((bucket, mut job)) = admit(&shared, record) else {
+            continue;
+        };
         let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
-        if !shared.redelivery.admit(&job.record.origin, replayed).await {
+        // A task submitted with an Idempotency-Key may have been published twice (two producer
+        // replicas, a retry while one caught up): its results may exist already.
+        let check = shared.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
+        let earlier = match shared.running.claim(job.task.task_id) {
+            Ok(claim) => {
+                job.claim = Some(claim);
+                false
+            }
+            Err(_) => true, // another record of this task is in flight here
+        };
+        if !check && !earlier {
             // No earlier delivery can have started it: no results to look for.
             if let Some((bucket, job)) = guard(&shared, bucket, job) {
                 let _ = to_batcher.send((bucket, job)).await;
             }
             continue;
         }
-        // The check is a storage round trip: run it concurrently, not in line.
+        // The check is a storage round trip (after the earlier record of the same task, if one
+        // is in flight): run it concurrently, not in line.
         let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
         shared.tasks.spawn(async move {
+            if earlier {
+                job.claim = Some(shared2.running.claim_after_others(job.task.task_id).await);
+            }
             if let Some((bucket, job)) = announce_if_done(&shared2, job).await.and_then(|job| guard(&shared2, bucket, job)) {
                 let _ = to_batcher.send((bucket, job)).await;
             }
@@ -178,7 +196,12 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
         .unwrap_or_default();
     let span =
         tracing::info_span!("task", task_id = %task.task_id, trace_id, partition = record.origin.partition, offset = record.origin.offset);
-    let job = Job { record, task, span };
+    let job = Job {
+        record,
+        task,
+        span,
+        claim: None,
+    };
     let Some(adapter) = shared.serving.adapter(&job.task.model) else {
         let failure = Failure::new(
             DlqReason::UnsupportedModel,
@@ -632,6 +655,7 @@ mod tests {
             }),
             redelivery: Arc::new(NeverStarted),
             crash_guard: CrashGuard::new(offsets.clone(), 0),
+            running: Arc::default(),
             sink,
             serving: Arc::new(serving),
             adaptive: adaptive.clone(),

@@ -308,6 +308,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         outcomes,
         redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), consumer.clone(), d.lease_span)),
         crash_guard: crate::crash_guard::CrashGuard::new(offsets.clone(), d.max_crashes),
+        running: Arc::default(),
         sink,
         serving: serving.clone(),
         adaptive: adaptive.clone(),

@@ -61,6 +61,8 @@ pub struct Job {
     pub record: Record,
     pub task: TaskRecord,
     pub span: tracing::Span,
+    /// This record's hold on its task id (see `running`): dropped with the job.
+    pub(crate) claim: Option<crate::running::Claim>,
 }
 
 impl Job {
