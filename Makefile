@@ -13,11 +13,12 @@ STACK ?= .stack
 
 
 .PHONY: assets-cuda gpu-check alerts-test images
-.PHONY: help setup tools stack-tools assets build demo test unit-test integration-test chaos bench stack-up stack-down stack-status lint fmt helm-lint clean
+.PHONY: help setup tools stack-tools assets build demo test unit-test integration-test chaos fuzz bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
 	@echo "make demo        set up and run the pipeline end to end on the local stack"
 	@echo "make test        unit and end-to-end tests (CI runs this)"
+	@echo "make fuzz        the fuzz targets, 5,000,000 executions each (make test runs 100,000)"
 	@echo "make bench       benchmarks, printed as tables"
 	@echo "make chaos       the full chaos suite (longer than the variant in make test)"
 	@echo "make stack-up    start the broker and the S3 server; settings in $(STACK)/env"
@@ -76,6 +77,9 @@ test: setup alerts-test helm-lint
 chaos: setup
 	rm -rf .stack-test
 	SLUICE_CHAOS=full $(CARGO) test --release --locked -p sluice-integration-tests --test chaos -- --nocapture --test-threads 1
+
+fuzz:
+	SLUICE_FUZZ_EXECS=$${SLUICE_FUZZ_EXECS:-5000000} $(CARGO) test --release --locked -p sluice-integration-tests --test fuzz -- --nocapture
 
 bench: setup
 	$(BIN)/sluice-bench
