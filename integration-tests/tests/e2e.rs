@@ -1192,3 +1192,44 @@ async fn a_redriven_task_shows_its_new_attempt_and_can_be_cancelled() {
     let cancelled = c.wait_for_status(&id, API_KEY, "cancelled", Duration::from_secs(60)).await.unwrap();
     assert_eq!(cancelled["attempt"], 2, "{cancelled}");
 }
+
+/// A restarted producer keeps its status view where the volume survives: killed (-9) and
+/// started again on the same store, it is ready and answers for the tasks it knew having read
+/// no record again (`sluice_producer_status_view_lag_seconds_count`, one per record applied, stays at
+/// what came after the restart); before, the store was deleted on every start and rebuilt from
+/// the topics.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_producer_keeps_its_status_view() {
+    let mut c = Cluster::start("view-kept", 1, &[]).await.expect("cluster starts");
+    let mut ids = Vec::new();
+    for seed in 0..5 {
+        ids.push(
+            c.submit_ok(&json!({"model": "terrain", "width": 64, "height": 64, "seed": seed}))
+                .await
+                .unwrap(),
+        );
+    }
+    for id in &ids {
+        c.wait_for_status(id, API_KEY, "succeeded", Duration::from_secs(120)).await.unwrap();
+    }
+    let applied = |m: &str| metric_value(m, "sluice_producer_status_view_lag_seconds_count").unwrap_or(0.0);
+    let before = applied(&c.producer_metrics().await.unwrap());
+    assert!(before >= 10.0, "the view applied the tasks' records: {before}");
+    c.kill_and_restart_producer().await.unwrap();
+    sluice_integration_tests::wait_for("the restarted producer ready", Duration::from_secs(60), async || {
+        let r = reqwest::get(format!("{}/readyz", c.producer_url)).await.ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await
+    .unwrap();
+    for id in &ids {
+        let (status, body) = get_json(&format!("{}/v1/tasks/{id}", c.producer_url), API_KEY).await;
+        assert_eq!((status, body["status"].as_str()), (200, Some("succeeded")), "{body}");
+    }
+    let after = applied(&c.producer_metrics().await.unwrap());
+    println!("status view records applied: {before} before the restart, {after} after it");
+    assert!(
+        after < 3.0,
+        "the kept store read on from where it stopped, not from the beginning: {after} records applied"
+    );
+}

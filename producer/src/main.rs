@@ -74,10 +74,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let catalog = Catalog::load(args.publish.model_catalog.as_deref())?;
     tracing::info!(models = ?catalog.names(), "model catalog");
-    let store = Arc::new(
-        sluice_producer::status::StatusStore::create(&args.status_path)
-            .with_context(|| format!("creating the status view at {}", args.status_path.display()))?,
-    );
+    let (store, kept) = sluice_producer::status::StatusStore::open(&args.status_path)
+        .with_context(|| format!("opening the status view at {}", args.status_path.display()))?;
+    tracing::info!(path = %args.status_path.display(), kept, "status view store");
+    let store = Arc::new(store);
     // A task that has not finished stays in the view until its longest possible deadline has
     // passed, whatever the retention of finished ones.
     let longest_ttl = catalog

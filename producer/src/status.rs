@@ -4,8 +4,11 @@
 //! Every state change is a Kafka record — the task record (queued), progress records (running,
 //! step n/N), the completion (succeeded, failed) — and every producer replica reads every
 //! partition of those topics itself (no consumer group), so any replica answers for any task.
-//! The store is rebuilt from the topics on start and keeps tasks for a retention period. The
-//! 202 path writes its task through, so a task accepted a moment ago is `queued`, never a 404.
+//! The store keeps, in the same transactions as the changes, how far it has read each
+//! partition: a replica restarted on the same volume opens it and reads on from there, instead
+//! of rebuilding it from the topics (a store of another format, or none, is rebuilt). It keeps
+//! tasks for a retention period. The 202 path writes its task through, so a task accepted a
+//! moment ago is `queued`, never a 404.
 
 use std::ops::Bound;
 use std::path::Path;
@@ -22,6 +25,11 @@ use uuid::Uuid;
 const TASKS: TableDefinition<&str, &[u8]> = TableDefinition::new("tasks");
 /// `tenant \0 inverted created-at millis \0 task id` → (): a tenant's tasks, newest first.
 const BY_TENANT: TableDefinition<&str, ()> = TableDefinition::new("by_tenant");
+/// `topic \0 partition` → the next offset to read there.
+const POSITIONS: TableDefinition<&str, i64> = TableDefinition::new("positions");
+/// `format` → [`FORMAT`]: a store written in another format is rebuilt.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const FORMAT: u64 = 2;
 
 #[derive(Debug, Error)]
 pub enum StatusError {
@@ -282,16 +290,75 @@ impl StatusStore {
         let tx = db.begin_write().map_err(store_error)?;
         tx.open_table(TASKS).map_err(store_error)?;
         tx.open_table(BY_TENANT).map_err(store_error)?;
+        tx.open_table(POSITIONS).map_err(store_error)?;
+        tx.open_table(META)
+            .map_err(store_error)?
+            .insert("format", FORMAT)
+            .map_err(store_error)?;
         tx.commit().map_err(store_error)?;
         Ok(StatusStore { db })
     }
 
+    /// Opens the store at `path` as a previous run left it, with how far it had read each
+    /// partition; creates it empty when there is none, or when it is unreadable or of another
+    /// format. Returns whether it was kept.
+    pub fn open(path: &Path) -> Result<(StatusStore, bool), StatusError> {
+        if path.exists() {
+            let kept = Database::create(path)
+                .ok()
+                .map(|db| StatusStore { db })
+                .filter(|s| s.format() == Some(FORMAT));
+            if let Some(store) = kept {
+                return Ok((store, true));
+            }
+            tracing::warn!(path = %path.display(), "status store of another format or unreadable; rebuilding it from the topics");
+        }
+        Ok((StatusStore::create(path)?, false))
+    }
+
+    fn format(&self) -> Option<u64> {
+        let tx = self.db.begin_read().ok()?;
+        let meta = tx.open_table(META).ok()?;
+        let format = meta.get("format").ok()??.value();
+        Some(format)
+    }
+
+    /// How far each partition was read: the next offset, by `(topic, partition)`.
+    pub fn positions(&self) -> Result<std::collections::HashMap<(String, i32), i64>, StatusError> {
+        let tx = self.db.begin_read().map_err(store_error)?;
+        let table = tx.open_table(POSITIONS).map_err(store_error)?;
+        let mut out = std::collections::HashMap::new();
+        for entry in table.iter().map_err(store_error)? {
+            let (k, v) = entry.map_err(store_error)?;
+            if let Some((topic, partition)) = k.value().rsplit_once('\0')
+                && let Ok(partition) = partition.parse()
+            {
+                out.insert((topic.to_owned(), partition), v.value());
+            }
+        }
+        Ok(out)
+    }
+
     /// Applies changes in one transaction.
     pub fn apply(&self, changes: &[Change]) -> Result<(), StatusError> {
-        if changes.is_empty() {
+        self.apply_read(changes, &[])
+    }
+
+    /// Applies changes read from the topics and, in the same transaction, how far each
+    /// partition has been read (`(topic, partition, next offset)`).
+    pub fn apply_read(&self, changes: &[Change], read: &[(String, i32, i64)]) -> Result<(), StatusError> {
+        if changes.is_empty() && read.is_empty() {
             return Ok(());
         }
         let tx = self.db.begin_write().map_err(store_error)?;
+        if !read.is_empty() {
+            let mut positions = tx.open_table(POSITIONS).map_err(store_error)?;
+            for (topic, partition, next) in read {
+                positions
+                    .insert(format!("{topic}\0{partition}").as_str(), *next)
+                    .map_err(store_error)?;
+            }
+        }
         {
             let mut tasks = tx.open_table(TASKS).map_err(store_error)?;
             let mut by_tenant = tx.open_table(BY_TENANT).map_err(store_error)?;
@@ -543,6 +610,32 @@ mod tests {
     fn store() -> (StatusStore, std::path::PathBuf) {
         let path = std::env::temp_dir().join(format!("sluice-status-{}-{}.redb", std::process::id(), Uuid::new_v4()));
         (StatusStore::create(&path).unwrap(), path)
+    }
+
+    #[test]
+    fn a_reopened_store_keeps_its_tasks_and_positions_and_another_format_is_rebuilt() {
+        let (s, path) = store();
+        let a = Uuid::now_v7();
+        s.apply_read(&[Change::Queued(record(a, "t", Utc::now()))], &[("tasks".into(), 3, 42)])
+            .unwrap();
+        drop(s);
+        let (s, kept) = StatusStore::open(&path).unwrap();
+        assert!(kept);
+        assert!(s.get("t", a).unwrap().is_some());
+        assert_eq!(s.positions().unwrap()[&("tasks".to_owned(), 3)], 42);
+        drop(s);
+        // A store without the format mark (as written before positions were kept) is rebuilt.
+        {
+            let db = Database::create(&path).unwrap();
+            let tx = db.begin_write().unwrap();
+            tx.delete_table(META).unwrap();
+            tx.commit().unwrap();
+        }
+        let (s, kept) = StatusStore::open(&path).unwrap();
+        assert!(!kept);
+        assert!(s.get("t", a).unwrap().is_none());
+        assert!(s.positions().unwrap().is_empty());
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Feeds the status view ([`crate::status`]) from the topics: one consumer that is assigned every
-//! partition of the tasks, progress and completion topics from their beginning (no consumer
-//! group: every replica reads everything), on a thread of its own. New partitions are picked up
+//! partition of the tasks, progress and completion topics from their beginning, or from where a
+//! kept store stopped (no consumer group: every replica reads everything), on a thread of its
+//! own. New partitions are picked up
 //! by re-reading the metadata every few seconds.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -10,6 +12,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use rdkafka::Offset;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
 use sluice_service::kafka::{KafkaClientArgs, WholeTopics};
 
 use crate::metrics::Metrics;
@@ -34,7 +37,7 @@ impl CaughtUp {
 }
 
 fn decode(topics: &ViewTopics, m: &rdkafka::message::BorrowedMessage<'_>) -> Option<(Change, DateTime<Utc>)> {
-    use rdkafka::message::{Headers, Message};
+    use rdkafka::message::Headers;
     let (topic, payload) = (m.topic(), m.payload()?);
     if topic == topics.tasks {
         let r: sluice_schemas::TaskRecord = serde_json::from_slice(payload).ok()?;
@@ -102,7 +105,15 @@ pub fn start(
     let flag = caught_up.clone();
     std::thread::Builder::new().name("status-view".into()).spawn(move || {
         let names = [topics.tasks.clone(), topics.progress.clone(), topics.completions.clone()];
-        let mut whole = WholeTopics::new(names.to_vec());
+        // A kept store reads on from where it stopped.
+        let mut read_to = store.positions().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "status view: stored positions unreadable; reading the topics from their beginning");
+            Default::default()
+        });
+        if !read_to.is_empty() {
+            tracing::info!(partitions = read_to.len(), "status view: reading on from the stored positions");
+        }
+        let mut whole = WholeTopics::new(names.to_vec()).starting_at(read_to.clone());
         // High watermarks at the start: reaching them all is "caught up".
         let mut targets: Option<Vec<(String, i32, i64)>> = None;
         let mut last_metadata = Instant::now() - Duration::from_secs(60);
@@ -126,16 +137,27 @@ pub fn start(
                         })
                         .collect();
                     match t {
-                        Ok(t) => targets = Some(t),
+                        Ok(t) => {
+                            // A stored position past a partition's end is of a topic since
+                            // recreated: only what is read now counts.
+                            for (topic, p, high) in &t {
+                                if read_to.get(&(topic.clone(), *p)).is_some_and(|n| n > high) {
+                                    read_to.remove(&(topic.clone(), *p));
+                                }
+                            }
+                            targets = Some(t)
+                        }
                         Err(e) => tracing::warn!(error = %e, "status view: reading the topics' ends failed; trying again"),
                     }
                 }
             }
             let mut changes = Vec::new();
+            let mut read: HashMap<(String, i32), i64> = HashMap::new();
             let deadline = Instant::now() + Duration::from_millis(50);
             while changes.len() < 1024 && Instant::now() < deadline {
                 match consumer.poll(Duration::from_millis(20)) {
                     Some(Ok(m)) => {
+                        read.insert((m.topic().to_owned(), m.partition()), m.offset() + 1);
                         if let Some((change, at)) = decode(&topics, &m) {
                             metrics.view_lag_seconds.observe(crate::status::lag_of(at).as_secs_f64());
                             changes.push(change);
@@ -145,7 +167,11 @@ pub fn start(
                     None => break,
                 }
             }
-            while let Err(e) = store.apply(&changes) {
+            let read: Vec<(String, i32, i64)> = read.into_iter().map(|((t, p), o)| (t, p, o)).collect();
+            for (t, p, o) in &read {
+                read_to.insert((t.clone(), *p), *o);
+            }
+            while let Err(e) = store.apply_read(&changes, &read) {
                 tracing::warn!(error = %e, "status view: store write failed; retrying");
                 std::thread::sleep(Duration::from_secs(1));
             }
@@ -154,6 +180,7 @@ pub fn start(
                 && let Ok(pos) = consumer.position()
                 && t.iter().all(|(topic, p, high)| {
                     *high == 0
+                        || read_to.get(&(topic.clone(), *p)).is_some_and(|n| n >= high)
                         || pos
                             .find_partition(topic, *p)
                             .is_some_and(|e| matches!(e.offset(), Offset::Offset(o) if o >= *high))

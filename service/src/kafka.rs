@@ -124,11 +124,12 @@ impl KafkaClientArgs {
 }
 
 /// Keeps a consumer assigned to every partition of some topics, outside any consumer group
-/// (every replica reads everything): partitions that appear are read from their beginning, the
-/// others keep their position.
+/// (every replica reads everything): partitions that appear are read from their beginning (or
+/// from where [`WholeTopics::starting_at`] says), the others keep their position.
 pub struct WholeTopics {
     topics: Vec<String>,
     assigned: std::collections::BTreeSet<(String, i32)>,
+    start: std::collections::HashMap<(String, i32), i64>,
 }
 
 impl WholeTopics {
@@ -136,7 +137,15 @@ impl WholeTopics {
         WholeTopics {
             topics,
             assigned: Default::default(),
+            start: Default::default(),
         }
+    }
+
+    /// Starts these partitions at these offsets (where an earlier run stopped) rather than at
+    /// their beginning.
+    pub fn starting_at(mut self, start: std::collections::HashMap<(String, i32), i64>) -> WholeTopics {
+        self.start = start;
+        self
     }
 
     /// Reads the topics' metadata and assigns any partition not assigned yet.
@@ -160,6 +169,7 @@ impl WholeTopics {
                 .as_ref()
                 .and_then(|pos| pos.find_partition(topic, *partition).map(|e| e.offset()))
                 .filter(|o| matches!(o, Offset::Offset(_)))
+                .or_else(|| self.start.get(&(topic.clone(), *partition)).map(|o| Offset::Offset(*o)))
                 .unwrap_or(Offset::Beginning);
             tpl.add_partition_offset(topic, *partition, offset)?;
         }
