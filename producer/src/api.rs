@@ -193,9 +193,10 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
             );
         }
     }
-    if let (Some(key), Some(store), Some(idem)) = (&key, &s.status, &record.idempotency) {
+    if let (Some(key), Some(_), Some(idem)) = (&key, &s.status, &record.idempotency) {
         // A retry of a task the view already knows: the same answer, nothing published.
-        match store.request_hash(&tenant, record.task_id).map_err(internal)? {
+        let (who, task_id) = (tenant.clone(), record.task_id);
+        match on_store(s, move |store| store.request_hash(&who, task_id)).await? {
             Some(Some(hash)) if hash == idem.request_sha256 => return Ok(accepted(record.task_id)),
             Some(_) => {
                 let message = format!("Idempotency-Key {key:?} was used for another request");
@@ -237,11 +238,11 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
         tracing::warn!(error = %e, "broker unavailable; task refused");
         return Err(unavailable(s, e));
     }
-    if let Some(store) = &s.status {
+    if s.status.is_some() {
         // Written through: the task is `queued` here at once, before the view reads it back.
         let task_id = record.task_id;
-        if let Err(e) = store.apply(&[crate::status::Change::Queued(record)]) {
-            tracing::warn!(error = %e, %task_id, "status view write-through failed; the view will read the task from its topic");
+        if let Err(e) = on_store(s, move |store| store.apply(&[crate::status::Change::Queued(record)])).await {
+            tracing::warn!(error = %e.message, %task_id, "status view write-through failed; the view will read the task from its topic");
         }
         return Ok(accepted(task_id));
     }
@@ -277,10 +278,23 @@ fn tenant_of(s: &AppState, headers: &HeaderMap) -> Result<String, ApiError> {
         .map_err(|e| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()).with_header(header::WWW_AUTHENTICATE, "Bearer"))
 }
 
-fn status_store(s: &AppState) -> Result<&crate::status::StatusStore, ApiError> {
+fn status_store(s: &AppState) -> Result<Arc<crate::status::StatusStore>, ApiError> {
     s.status
-        .as_deref()
+        .clone()
         .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "this producer keeps no status view"))
+}
+
+/// Runs `f` on the status view on the blocking pool: redb reads and writes are disk I/O, kept
+/// off the async threads that serve requests.
+async fn on_store<T: Send + 'static>(
+    s: &AppState,
+    f: impl FnOnce(&crate::status::StatusStore) -> Result<T, crate::status::StatusError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let store = status_store(s)?;
+    tokio::task::spawn_blocking(move || f(&store))
+        .await
+        .map_err(internal)?
+        .map_err(internal)
 }
 
 /// A 503 when the broker did not acknowledge in time; retry after the publish timeout.
@@ -305,13 +319,12 @@ fn catching_up(s: &AppState) -> Option<ApiError> {
 
 /// The caller's tenant and the status of task `id` in the view: 401 without a valid key, 404
 /// for an id that is no task of that tenant's (503 while the view catches up).
-fn callers_task(s: &AppState, headers: &HeaderMap, id: &str) -> Result<(String, uuid::Uuid, crate::status::TaskStatus), ApiError> {
+async fn callers_task(s: &AppState, headers: &HeaderMap, id: &str) -> Result<(String, uuid::Uuid, crate::status::TaskStatus), ApiError> {
     let tenant = tenant_of(s, headers)?;
-    let store = status_store(s)?;
     let task_id = uuid::Uuid::parse_str(id).map_err(|_| not_found(id))?;
-    let status = store
-        .get(&tenant, task_id)
-        .map_err(internal)?
+    let who = tenant.clone();
+    let status = on_store(s, move |store| store.get(&who, task_id))
+        .await?
         .ok_or_else(|| catching_up(s).unwrap_or_else(|| not_found(id)))?;
     Ok((tenant, task_id, status))
 }
@@ -330,7 +343,7 @@ async fn task_status(
     headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
-    let (_, _, mut status) = callers_task(&s, &headers, &id)?;
+    let (_, _, mut status) = callers_task(&s, &headers, &id).await?;
     s.presigner.sign(&mut status).await;
     Ok(Json(status).into_response())
 }
@@ -351,7 +364,7 @@ async fn list_tasks(
     query: Result<axum::extract::Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let tenant = tenant_of(&s, &headers)?;
-    let store = status_store(&s)?;
+    status_store(&s)?;
     // A partial list would leave out tasks that exist.
     if let Some(e) = catching_up(&s) {
         return Err(e);
@@ -395,7 +408,8 @@ async fn list_tasks(
     {
         return Err(bad("cursor", "not a cursor this API returned".into()));
     }
-    let mut page = store.list(&tenant, status, since, limit, q.cursor.as_deref()).map_err(internal)?;
+    let cursor = q.cursor.clone();
+    let mut page = on_store(&s, move |store| store.list(&tenant, status, since, limit, cursor.as_deref())).await?;
     for task in &mut page.tasks {
         s.presigner.sign(task).await;
     }
@@ -424,7 +438,7 @@ async fn task_events(
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
     use axum::response::sse::{Event, KeepAlive, Sse};
-    let (tenant, task_id, first) = callers_task(&s, &headers, &id)?;
+    let (tenant, task_id, first) = callers_task(&s, &headers, &id).await?;
     let slot = s.streams.open(&tenant).map_err(|refused| {
         ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_streams", refused.to_string()).with_header(header::RETRY_AFTER, "5")
     })?;
@@ -498,7 +512,7 @@ async fn cancel_task(
     headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
-    let (tenant, task_id, status) = callers_task(&s, &headers, &id)?;
+    let (tenant, task_id, status) = callers_task(&s, &headers, &id).await?;
     if status.status.is_terminal() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,

@@ -133,6 +133,7 @@ pub fn document() -> Value {
                 "get": {
                     "operationId": "listTasks",
                     "summary": "The caller's tasks, newest first",
+                    "description": "Pages of at most `limit` tasks; follow `next_cursor` while it is present. One request examines at most 2,000 tasks: with a `status` filter that skips most of them a page may hold fewer than `limit` tasks, even none, and still a `next_cursor`.",
                     "parameters": [
                         {"name": "status", "in": "query", "required": false, "schema": {"enum": ["queued", "running", "succeeded", "failed", "cancelled", "expired"]}},
                         {"name": "since", "in": "query", "required": false, "schema": {"type": "string", "format": "date-time"}},

@@ -30,6 +30,8 @@ const POSITIONS: TableDefinition<&str, i64> = TableDefinition::new("positions");
 /// `format` → [`FORMAT`]: a store written in another format is rebuilt.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const FORMAT: u64 = 2;
+/// The most index entries one list request examines.
+pub const MAX_LIST_SCAN: usize = 2_000;
 
 #[derive(Debug, Error)]
 pub enum StatusError {
@@ -460,11 +462,20 @@ impl StatusStore {
         };
         let mut page: Vec<TaskStatus> = Vec::new();
         let mut more = false;
-        for entry in by_tenant
+        // Bounded work: a filter that skips most tasks stops after MAX_LIST_SCAN of them, with
+        // a cursor where it stopped (the page may then hold fewer than `limit`, even none).
+        let mut stopped_at: Option<String> = None;
+        for (examined, entry) in by_tenant
             .range::<&str>((start, Bound::Excluded(end.as_str())))
             .map_err(store_error)?
+            .enumerate()
         {
             let (key, _) = entry.map_err(store_error)?;
+            if examined == MAX_LIST_SCAN && page.len() < limit {
+                more = true;
+                break;
+            }
+            stopped_at = key.value().strip_prefix(prefix.as_str()).map(|k| k.replacen('\0', ".", 1));
             let id = key.value().rsplit('\0').next().unwrap_or_default().to_owned();
             let Some(stored) = read_stored(&tasks, &id)? else {
                 continue;
@@ -481,13 +492,15 @@ impl StatusStore {
             }
             page.push(stored.status);
         }
-        let next_cursor = page.last().filter(|_| more).map(|last| {
-            format!(
+        let next_cursor = match page.last() {
+            _ if !more => None,
+            Some(last) if page.len() == limit => Some(format!(
                 "{:020}.{}",
                 u64::MAX - last.created_at.timestamp_millis().max(0) as u64,
                 last.task_id
-            )
-        });
+            )),
+            _ => stopped_at, // the scan bound: on from the last task examined
+        };
         Ok(Page { tasks: page, next_cursor })
     }
 
@@ -610,6 +623,28 @@ mod tests {
     fn store() -> (StatusStore, std::path::PathBuf) {
         let path = std::env::temp_dir().join(format!("sluice-status-{}-{}.redb", std::process::id(), Uuid::new_v4()));
         (StatusStore::create(&path).unwrap(), path)
+    }
+
+    #[test]
+    fn a_filtered_list_examines_a_bounded_number_of_tasks_and_goes_on_from_where_it_stopped() {
+        let (s, path) = store();
+        let base = Utc::now() - chrono::Duration::hours(1);
+        // The oldest task runs; MAX_LIST_SCAN + 10 newer ones have succeeded.
+        let running = Uuid::now_v7();
+        let mut changes = vec![Change::Queued(record(running, "t", base)), Change::Progress(progress(running, 1))];
+        for i in 0..MAX_LIST_SCAN + 10 {
+            let id = Uuid::now_v7();
+            changes.push(Change::Queued(record(id, "t", base + chrono::Duration::milliseconds(1 + i as i64))));
+            changes.push(Change::Completed(completion(id, "t", CompletionStatus::Succeeded, 1)));
+        }
+        s.apply(&changes).unwrap();
+        let first = s.list("t", Some(Status::Running), None, 10, None).unwrap();
+        assert!(first.tasks.is_empty(), "the scan stopped before reaching it");
+        let cursor = first.next_cursor.expect("a cursor where the scan stopped");
+        let second = s.list("t", Some(Status::Running), None, 10, Some(&cursor)).unwrap();
+        assert_eq!(second.tasks.iter().map(|t| t.task_id).collect::<Vec<_>>(), [running]);
+        assert!(second.next_cursor.is_none());
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]
