@@ -507,7 +507,12 @@ impl Notifier {
     ) -> Option<(String, String, TaskStatus)> {
         let started = Instant::now();
         loop {
-            match self.store.with_webhook(task_id, change) {
+            // A view read is disk I/O: on the blocking pool.
+            let (store, c) = (self.store.clone(), change.clone());
+            let read = tokio::task::spawn_blocking(move || store.with_webhook(task_id, &c))
+                .await
+                .unwrap_or_else(|e| Err(crate::status::StatusError::Store(e.to_string())));
+            match read {
                 Ok(Some(t)) => {
                     let webhook = t.webhook?;
                     return webhook.events.contains(&event).then_some((t.tenant, webhook.url, t.status));
