@@ -1155,14 +1155,29 @@ async fn event_streams_are_bounded_per_tenant() {
 /// A redriven task shows its new attempt: a task that failed (model code panicked on it) and is
 /// redriven is `queued` again as attempt 2, with the old error gone, and can be cancelled; its
 /// end is attempt 2's (before, the view kept showing attempt 1's `failed`, and a cancel was a
-/// 409).
+/// 409). Its two `completed` webhooks carry different `webhook-id`s (before, the second reused
+/// the first's, and a receiver deduplicating by id dropped it).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_redriven_task_shows_its_new_attempt_and_can_be_cancelled() {
-    let mut c = Cluster::start_with("redrive-view", 1, &[("SLUICE_TEST_FAULTS", "panic-run=4242")], &[])
-        .await
-        .expect("cluster starts");
+    let (receiver, base) = Receiver::start().await;
+    let secret = format!("acme:whsec_{}", base64::engine::general_purpose::STANDARD.encode(WEBHOOK_KEY));
+    let mut c = Cluster::start_with(
+        "redrive-view",
+        1,
+        &[("SLUICE_TEST_FAULTS", "panic-run=4242")],
+        &[
+            ("SLUICE_WEBHOOK_SECRETS", secret.as_str()),
+            ("SLUICE_WEBHOOK_ALLOW_CIDRS", "127.0.0.0/8"),
+        ],
+    )
+    .await
+    .expect("cluster starts");
+    let completed = || -> Vec<Received> { receiver.all().into_iter().filter(|r| r.event == "completed").collect() };
     let (status, body) = c
-        .post(&json!({"model": "terrain", "width": 64, "height": 64, "seed": 4242}), Some(API_KEY))
+        .post(
+            &json!({"model": "terrain", "width": 64, "height": 64, "seed": 4242, "webhook": {"url": format!("{base}/hook/ok")}}),
+            Some(API_KEY),
+        )
         .await
         .unwrap();
     assert_eq!(status, 202, "{body}");
@@ -1191,6 +1206,66 @@ async fn a_redriven_task_shows_its_new_attempt_and_can_be_cancelled() {
     c.workers[0].restart(&c.stack).await.unwrap();
     let cancelled = c.wait_for_status(&id, API_KEY, "cancelled", Duration::from_secs(60)).await.unwrap();
     assert_eq!(cancelled["attempt"], 2, "{cancelled}");
+    let hooks = sluice_integration_tests::wait_for("both attempts' completed webhooks", Duration::from_secs(60), async || {
+        let hooks = completed();
+        (hooks.len() >= 2).then_some(hooks)
+    })
+    .await
+    .unwrap();
+    let statuses: Vec<_> = hooks
+        .iter()
+        .map(|h| (h.json()["status"].clone(), h.json()["attempt"].clone()))
+        .collect();
+    assert_eq!(
+        statuses,
+        [(json!("failed"), json!(1)), (json!("cancelled"), json!(2))],
+        "{statuses:?}"
+    );
+    assert_ne!(hooks[0].id, hooks[1].id, "each attempt's completed event has its own webhook-id");
+}
+
+/// A list request's work is bounded, not only its page: with 2,100 queued tasks (no worker
+/// runs) and a filter that matches none of them, `GET /v1/tasks?status=succeeded` answers pages
+/// that examined at most 2,000 tasks each, empty, with a cursor to go on from, until the end
+/// (before, one request read all 2,100 and more without bound).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_filtered_list_of_a_large_backlog_is_bounded_work() {
+    let c = Cluster::start("list-bounded", 0, &[]).await.expect("cluster starts");
+    let tasks: Vec<(String, Value)> = (0..2_100).map(|i| terrain_task(i, 64, 64, 1)).collect();
+    let kafka = producer(c.stack.brokers()).unwrap();
+    for chunk in tasks.chunks(500) {
+        sluice_integration_tests::publish_tasks(&kafka, topics::TASKS, chunk).await.unwrap();
+    }
+    let list = async |query: &str| get_json(&format!("{}/v1/tasks?{query}", c.producer_url), API_KEY).await;
+    // Until the view has read them all (unfiltered pages of 500).
+    sluice_integration_tests::wait_for("the view to hold the backlog", Duration::from_secs(60), async || {
+        let mut seen = 0;
+        let mut cursor = String::new();
+        loop {
+            let (_, page) = list(&format!("limit=500{cursor}")).await;
+            seen += page["tasks"].as_array()?.len();
+            match page["next_cursor"].as_str() {
+                Some(c) => cursor = format!("&cursor={c}"),
+                None => break,
+            }
+        }
+        (seen >= tasks.len()).then_some(())
+    })
+    .await
+    .unwrap();
+    let (mut pages, mut cursor) = (0, String::new());
+    loop {
+        let (status, page) = list(&format!("status=succeeded&limit=10{cursor}")).await;
+        assert_eq!(status, 200, "{page}");
+        assert!(page["tasks"].as_array().unwrap().is_empty(), "{page}");
+        pages += 1;
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = format!("&cursor={c}"),
+            None => break,
+        }
+        assert!(pages < 10, "the cursor moves on");
+    }
+    assert_eq!(pages, 2, "2,100 tasks, at most 2,000 examined per request");
 }
 
 /// A restarted producer keeps its status view where the volume survives: killed (-9) and
