@@ -119,14 +119,23 @@ impl Partition {
         let lease = self.lease?;
         let offset = self.committable()?;
         let moved = self.committed != Some(offset) || lease.wanted > lease.confirmed;
-        (moved || self.starts_version > self.starts_confirmed).then(|| Commit {
+        (moved || self.starts_changed()).then(|| self.commit_at(tp, offset, lease))
+    }
+
+    /// A commit of `offset` carrying the wanted lease and the starts as they are now.
+    fn commit_at(&self, tp: &TopicPartition, offset: i64, lease: Lease) -> Commit {
+        Commit {
             tp: tp.clone(),
             offset,
             generation: self.generation,
             lease_end: lease.wanted,
             started: self.started.range(offset..).map(|(o, n)| (*o, *n)).collect(),
             starts_version: self.starts_version,
-        })
+        }
+    }
+
+    fn starts_changed(&self) -> bool {
+        self.starts_version > self.starts_confirmed
     }
 
     fn may_try(&self) -> bool {
@@ -463,18 +472,8 @@ impl Offsets {
         let mut out: Vec<Commit> = state
             .partitions
             .iter()
-            .filter(|(_, p)| p.starts_version > p.starts_confirmed)
-            .filter_map(|(tp, p)| {
-                let (lease, offset) = (p.lease?, p.committed?);
-                Some(Commit {
-                    tp: tp.clone(),
-                    offset,
-                    generation: p.generation,
-                    lease_end: lease.wanted,
-                    started: p.started.range(offset..).map(|(o, n)| (*o, *n)).collect(),
-                    starts_version: p.starts_version,
-                })
-            })
+            .filter(|(_, p)| p.starts_changed())
+            .filter_map(|(tp, p)| Some(p.commit_at(tp, p.committed?, p.lease?)))
             .collect();
         out.sort();
         out
