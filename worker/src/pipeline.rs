@@ -105,7 +105,8 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.
         let check = shared.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
-        let earlier = match shared.running.claim(job.task.task_id) {
+        let current = |o: &crate::task::Origin| shared.offsets.lease(o) != crate::offsets::LeaseState::Gone;
+        let earlier = match shared.running.claim(job.task.task_id, &job.record.origin, current) {
             Ok(claim) => {
                 job.claim = Some(claim);
                 false
@@ -124,7 +125,13 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
         shared.tasks.spawn(async move {
             if earlier {
-                job.claim = Some(shared2.running.claim_after_others(job.task.task_id).await);
+                let current = |o: &crate::task::Origin| shared2.offsets.lease(o) != crate::offsets::LeaseState::Gone;
+                job.claim = Some(
+                    shared2
+                        .running
+                        .claim_after_others(job.task.task_id, &job.record.origin, current)
+                        .await,
+                );
             }
             if let Some((bucket, job)) = announce_if_done(&shared2, job).await.and_then(|job| guard(&shared2, bucket, job)) {
                 let _ = to_batcher.send((bucket, job)).await;
