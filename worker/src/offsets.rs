@@ -280,6 +280,11 @@ impl Offsets {
         }
     }
 
+    /// Whether `origin` belongs to a current assignment (its partition was not revoked since).
+    pub(crate) fn is_current(&self, origin: &Origin) -> bool {
+        self.lease(origin) != LeaseState::Gone
+    }
+
     /// Records what the previous owner of `origin`'s partition left started (read with its
     /// lease). Kept only the first time under an assignment.
     pub(crate) fn found_starts(&self, origin: &Origin, starts: BTreeMap<i64, u32>) {

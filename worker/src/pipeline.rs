@@ -105,7 +105,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.
         let check = shared.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
-        let current = |o: &crate::task::Origin| shared.offsets.lease(o) != crate::offsets::LeaseState::Gone;
+        let current = |o: &crate::task::Origin| shared.offsets.is_current(o);
         let earlier = match shared.running.claim(job.task.task_id, &job.record.origin, current) {
             Ok(claim) => {
                 job.claim = Some(claim);
@@ -125,7 +125,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
         shared.tasks.spawn(async move {
             if earlier {
-                let current = |o: &crate::task::Origin| shared2.offsets.lease(o) != crate::offsets::LeaseState::Gone;
+                let current = |o: &crate::task::Origin| shared2.offsets.is_current(o);
                 job.claim = Some(
                     shared2
                         .running
