@@ -228,14 +228,14 @@ stop() { # name [seconds before SIGKILL; default 5]
 # few seconds: allow 10 before SIGKILL. (A SIGKILLed broker recovers its logs at the next start.)
 stop_broker() { stop broker 10; }
 
-topics() { # NAME:PARTITIONS...
+topics() { # NAME:PARTITIONS[:compact]...  (compact: cleanup.policy=compact)
   admin topics "127.0.0.1:$(port_of broker)" "$@" \
     || { echo "creating topics failed (see $dir/logs/admin.log): $*" >&2; exit 1; }
 }
 
 create_topics() {
   topics "sluice.tasks.v1:$TASK_PARTITIONS" sluice.completions.v1:4 sluice.dlq.v1:2 sluice.progress.v1:4 \
-    sluice.control.v1:2 sluice.webhooks.retry.v1:8 sluice.webhooks.dlq.v1:2
+    sluice.control.v1:2 sluice.webhooks.retry.v1:8 sluice.webhooks.dlq.v1:2 sluice.ceilings.v1:1:compact
 }
 
 write_env() {

@@ -124,6 +124,15 @@ pub fn metric_value(text: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// The sum of every series of metric `name` (all label values) in a Prometheus text exposition.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    let prefix = format!("{name}{{");
+    text.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |sum, n| sum + n)
+}
+
 /// The `q` quantile of histogram `name` in a Prometheus text exposition, interpolated within
 /// its bucket as `histogram_quantile` does; `None` without observations.
 pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {

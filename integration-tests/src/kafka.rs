@@ -59,6 +59,21 @@ pub fn create_topics(brokers: &str, topics: &[(&str, u32)]) -> anyhow::Result<()
     Ok(())
 }
 
+/// Creates a one-partition topic that keeps the latest record per key (cleanup.policy=compact),
+/// as `scripts/stack.sh` creates the ceilings topic; one that exists is left as it is.
+pub fn create_compacted_topic(brokers: &str, name: &str) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::types::RDKafkaErrorCode;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new().set("bootstrap.servers", brokers).create()?;
+    let topic = NewTopic::new(name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", "compact");
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    match futures::executor::block_on(admin.create_topics([&topic], &options))?.remove(0) {
+        Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => Ok(()),
+        Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
+    }
+}
+
 /// Which records a reader sees: `read_committed` leaves out those of aborted transactions (and
 /// waits for open ones), `read_uncommitted` sees every record written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

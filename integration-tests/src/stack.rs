@@ -134,11 +134,13 @@ impl Stack {
             tasks: format!("{}.{scenario}", sluice_schemas::topics::TASKS),
             completions: format!("{}.{scenario}", sluice_schemas::topics::COMPLETIONS),
             dlq: format!("{}.{scenario}", sluice_schemas::topics::DLQ),
+            ceilings: format!("{}.{scenario}", sluice_schemas::topics::CEILINGS),
         };
         crate::kafka::create_topics(
             self.brokers(),
             &[(&topics.tasks, task_partitions), (&topics.completions, 2), (&topics.dlq, 2)],
         )?;
+        crate::kafka::create_compacted_topic(self.brokers(), &topics.ceilings)?;
         Ok(topics)
     }
 
@@ -162,12 +164,14 @@ impl Stack {
     }
 }
 
-/// The three topics one scenario uses.
+/// The topics one scenario uses.
 #[derive(Debug, Clone)]
 pub struct Topics {
     pub tasks: String,
     pub completions: String,
     pub dlq: String,
+    /// Learned batch ceilings (compacted).
+    pub ceilings: String,
 }
 
 impl Default for Topics {
@@ -177,17 +181,19 @@ impl Default for Topics {
             tasks: sluice_schemas::topics::TASKS.into(),
             completions: sluice_schemas::topics::COMPLETIONS.into(),
             dlq: sluice_schemas::topics::DLQ.into(),
+            ceilings: sluice_schemas::topics::CEILINGS.into(),
         }
     }
 }
 
 impl Topics {
     /// Worker settings that point at these topics.
-    pub fn worker_env(&self) -> [(&'static str, &str); 3] {
+    pub fn worker_env(&self) -> [(&'static str, &str); 4] {
         [
             ("SLUICE_TASKS_TOPIC", self.tasks.as_str()),
             ("SLUICE_COMPLETIONS_TOPIC", self.completions.as_str()),
             ("SLUICE_DLQ_TOPIC", self.dlq.as_str()),
+            ("SLUICE_CEILINGS_TOPIC", self.ceilings.as_str()),
         ]
     }
 }

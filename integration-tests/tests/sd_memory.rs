@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice_integration_tests::cluster::{Worker, metric_value};
+use sluice_integration_tests::cluster::{Worker, metric_sum, metric_value};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::repo_root;
 use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, sd_task};
@@ -160,6 +160,64 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
     assert!(
         worst <= baseline + RSS_BOUND_BYTES,
         "RSS after reloads grew from {baseline} to {worst} bytes"
+    );
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// A worker keeps what it learned of memory across a restart: the same memory-capped workload
+/// run again by the same worker restarted (same identity, same device class) handles at most a
+/// third of the out-of-memory errors of the first run, because it starts from the ceilings the
+/// first run kept in the compacted ceilings topic. No task of either run fails: each fits alone
+/// on a clean arena.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_worker_starts_from_the_ceilings_it_learned() {
+    let stack = stack().await;
+    let topics = stack.topics("sd-ceilings", 4).unwrap();
+    let mut worker = worker(
+        stack,
+        "ceilings",
+        &topics,
+        &[memory_cap("400000000"), ("SLUICE_MAX_BATCH", "8"), ("SLUICE_MAX_WAIT_MS", "2000")],
+    )
+    .await;
+    worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    let kafka = producer(stack.brokers()).unwrap();
+    // Eight one-image tasks (two fit in one call under this cap, four do not) and one task of
+    // three images, whose rows run in parts.
+    let workload = |base: u64| -> Vec<(String, Value)> {
+        let mut tasks: Vec<_> = (0..8).map(|i| sd_task(base + i, 256, 2, 1)).collect();
+        tasks.push(sd_task(base + 8, 256, 2, 3));
+        tasks
+    };
+    let mut ooms = Vec::new();
+    for (run, base) in [(1, 100), (2, 200)] {
+        let tasks = workload(base);
+        publish_tasks(&kafka, &topics.tasks, &tasks).await.unwrap();
+        let done = outcomes(stack, &topics, &ids_of(&tasks));
+        assert_eq!(
+            done.with_status(CompletionStatus::Succeeded).len(),
+            tasks.len(),
+            "run {run}: every task fits alone on a clean arena: {:?}",
+            done.dlq
+        );
+        let metrics = worker.metrics().await.unwrap();
+        ooms.push(metric_sum(&metrics, "sluice_worker_oom_total"));
+        if run == 2 {
+            let restored = metric_value(&metrics, "sluice_worker_ceilings_restored").unwrap();
+            assert!(restored >= 1.0, "the restarted worker read back what it learned: {restored}");
+            break;
+        }
+        worker.service.terminate(Duration::from_secs(30)).unwrap();
+        worker.restart(stack).await.unwrap();
+        worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    }
+    eprintln!("out-of-memory errors handled: first run {}, after the restart {}", ooms[0], ooms[1]);
+    assert!(ooms[0] >= 3.0, "the first run learns through out-of-memory errors: {}", ooms[0]);
+    assert!(
+        ooms[1] * 3.0 <= ooms[0],
+        "after the restart: {} of the first run's {}",
+        ooms[1],
+        ooms[0]
     );
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }

@@ -40,6 +40,8 @@ pub mod topics {
     pub const WEBHOOK_RETRY: &str = "sluice.webhooks.retry.v1";
     /// Webhook events that were given up.
     pub const WEBHOOK_DLQ: &str = "sluice.webhooks.dlq.v1";
+    /// Workers' learned batch ceilings, compacted: the latest per device class and bucket.
+    pub const CEILINGS: &str = "sluice.ceilings.v1";
 }
 
 /// Headers on every DLQ record; the same facts are fields of [`DlqRecord`].

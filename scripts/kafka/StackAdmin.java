@@ -6,7 +6,7 @@
 //       with acks=all to sluice.stack.ready (created with 1 partition if missing) and
 //       acknowledged. Exit 0 when it is; 1 after TIMEOUT_S seconds, or as soon as process PID
 //       (the broker) has exited.
-//   java -cp "$KAFKA_LIB/*" scripts/kafka/StackAdmin.java topics BOOTSTRAP NAME:PARTITIONS...
+//   java -cp "$KAFKA_LIB/*" scripts/kafka/StackAdmin.java topics BOOTSTRAP NAME:PARTITIONS[:compact]...
 //       Creates each topic that does not exist (replication factor 1) and waits until the
 //       metadata shows it with all its partitions led. Exit 0, or 1 with a message.
 //
@@ -59,14 +59,20 @@ public class StackAdmin {
         }
         if (args.length >= 3 && args[0].equals("topics")) {
             Map<String, Integer> wanted = new LinkedHashMap<>();
+            Set<String> compacted = new java.util.HashSet<>();
             for (int i = 2; i < args.length; i++) {
-                int colon = args[i].lastIndexOf(':');
-                if (colon <= 0) throw new IllegalArgumentException("expected NAME:PARTITIONS, got " + args[i]);
-                wanted.put(args[i].substring(0, colon), Integer.parseInt(args[i].substring(colon + 1)));
+                String[] parts = args[i].split(":");
+                boolean compact = parts.length == 3 && parts[2].equals("compact");
+                if (parts.length != 2 && !compact || parts[0].isEmpty()) {
+                    throw new IllegalArgumentException("expected NAME:PARTITIONS[:compact], got " + args[i]);
+                }
+                wanted.put(parts[0], Integer.parseInt(parts[1]));
+                if (compact) compacted.add(parts[0]);
             }
-            return topics(args[1], wanted);
+            ensure(admin(args[1]), wanted, compacted, TOPICS_TIMEOUT_MS);
+            return 0;
         }
-        System.err.println("usage: StackAdmin ready BOOTSTRAP TIMEOUT_S [PID] | topics BOOTSTRAP NAME:PARTITIONS...");
+        System.err.println("usage: StackAdmin ready BOOTSTRAP TIMEOUT_S [PID] | topics BOOTSTRAP NAME:PARTITIONS[:compact]...");
         return 2;
     }
 
@@ -110,7 +116,7 @@ public class StackAdmin {
             }
             try {
                 admin.describeCluster(new DescribeClusterOptions().timeoutMs((int) Math.min(left, 2000))).nodes().get();
-                ensure(admin, Map.of(READY_TOPIC, 1), Math.min(left, 10_000));
+                ensure(admin, Map.of(READY_TOPIC, 1), Set.of(), Math.min(left, 10_000));
                 producer.send(new ProducerRecord<>(READY_TOPIC, "ready".getBytes()))
                     .get(Math.max(1, deadline - System.currentTimeMillis()), TimeUnit.MILLISECONDS);
                 return 0;
@@ -123,19 +129,18 @@ public class StackAdmin {
         return 1;
     }
 
-    static int topics(String bootstrap, Map<String, Integer> wanted) throws Exception {
-        ensure(admin(bootstrap), wanted, TOPICS_TIMEOUT_MS);
-        return 0;
-    }
-
     // Creates the missing topics and waits until each is in the metadata with every partition
     // led. A topic that already exists is fine (a warning if its partition count differs).
-    static void ensure(Admin admin, Map<String, Integer> wanted, long timeoutMs) throws Exception {
+    // Topics in `compacted` keep the latest record per key (cleanup.policy=compact).
+    static void ensure(Admin admin, Map<String, Integer> wanted, Set<String> compacted, long timeoutMs) throws Exception {
         long deadline = System.currentTimeMillis() + timeoutMs;
         Set<String> existing = admin.listTopics().names().get();
         List<NewTopic> create = new ArrayList<>();
         for (Map.Entry<String, Integer> t : wanted.entrySet()) {
-            if (!existing.contains(t.getKey())) create.add(new NewTopic(t.getKey(), t.getValue(), (short) 1));
+            if (existing.contains(t.getKey())) continue;
+            NewTopic topic = new NewTopic(t.getKey(), t.getValue(), (short) 1);
+            if (compacted.contains(t.getKey())) topic.configs(Map.of("cleanup.policy", "compact"));
+            create.add(topic);
         }
         for (String name : existing) {
             Integer want = wanted.get(name);

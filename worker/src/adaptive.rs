@@ -1,13 +1,20 @@
 //! Adaptive batch backoff. On out-of-memory the batch is halved and the same tasks run again,
-//! down to one; a bucket at one runs its device work through an exclusive permit; a task that
-//! does not fit even alone fails on its own. The largest size that works is remembered per
-//! bucket and probed upwards slowly, so a transient OOM does not pin it low forever.
+//! down to one; a task alone whose rows don't fit together runs its rows in halves, down to one
+//! row; a single then runs with the device to itself (an exclusive permit); and one that still
+//! runs out of memory runs once more on a clean arena — every model's sessions rebuilt, so that
+//! nothing earlier failures left behind (a fragmented arena) takes part in the verdict. Only an
+//! out-of-memory there fails the task. The largest size that works is remembered per bucket,
+//! probed upwards slowly so a transient OOM does not pin it low forever, and kept (through a
+//! [`CeilingStore`]) where a restarted worker of the same kind finds it.
 //!
 //! Nothing here knows of Kafka: items are anything with prepared inputs.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::{Call, CallTask, Engine, EngineError, Tensor};
 use crate::events::{self, Emit};
@@ -45,6 +52,12 @@ impl Ceiling {
         }
     }
 
+    /// Starts at `limit` (a stored ceiling) instead of the maximum; it still probes upwards.
+    pub fn starting_at(mut self, limit: usize) -> Ceiling {
+        self.limit = limit.clamp(1, self.max);
+        self
+    }
+
     pub fn limit(&self) -> usize {
         self.limit
     }
@@ -67,6 +80,18 @@ impl Ceiling {
         None
     }
 
+    /// Probes one task higher now, without waiting for clean batches: what the limit was learned
+    /// on is gone (the arena was rebuilt). Returns the new limit, if it went up.
+    pub fn probe_now(&mut self) -> Option<usize> {
+        if self.limit >= self.max || self.probing {
+            return None;
+        }
+        self.limit += 1;
+        self.streak = 0;
+        self.probing = true;
+        Some(self.limit)
+    }
+
     /// A batch of `size` ran out of memory. Returns the new limit.
     pub fn on_oom(&mut self, size: usize) -> usize {
         self.streak = 0;
@@ -82,6 +107,56 @@ impl Ceiling {
         self.limit
     }
 }
+
+/// What a bucket learned that is worth keeping across restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Learned {
+    /// Tasks per call that ran.
+    pub limit: usize,
+    /// Rows per call for one task of the bucket, when its rows don't fit together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part_rows: Option<usize>,
+}
+
+/// Where learned ceilings outlive the process, keyed by bucket (its `Display` form) on this
+/// worker's device class. Both calls are cheap and never block on I/O.
+pub trait CeilingStore: Send + Sync {
+    fn get(&self, bucket: &str) -> Option<Learned>;
+    /// Keeps `learned` for `bucket`; `None` forgets it (the bucket is back at its maximum).
+    fn put(&self, bucket: &str, learned: Option<Learned>);
+}
+
+/// What a rebuild on a clean arena found, bytes of the arena (where it can be read: the shared
+/// CPU arena) before the rebuild, after it, and after the first load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cleaned {
+    pub before: Option<u64>,
+    pub after: Option<u64>,
+    pub baseline: Option<u64>,
+}
+
+impl Cleaned {
+    /// Whether the arena is back near its baseline (within 5 %, at least 1 MiB), or can't be read.
+    pub fn is_clean(&self) -> bool {
+        match (self.after, self.baseline) {
+            (Some(after), Some(baseline)) => after <= baseline + (baseline / 20).max(1 << 20),
+            _ => true,
+        }
+    }
+}
+
+/// Gives the device a clean arena: every session rebuilt, nothing of earlier runs left.
+pub trait CleanArena: Send + Sync {
+    /// An error means the models could not be loaded again; the task is left for another try.
+    fn clean(&self) -> BoxFuture<'_, Result<Cleaned, EngineError>>;
+}
+
+/// Least time between two clean-arena rebuilds for one bucket, and how many times the last
+/// rebuild's duration it must be at least: a rebuild reloads every model (a few seconds for a
+/// real one on a GPU, ~0.1 s for the tiny ones here), so at most 1/20 of the device's time goes
+/// to rebuilds for any one bucket however many of its tasks run out of memory alone.
+pub const CLEAN_EVERY_MIN: Duration = Duration::from_secs(5);
+pub const CLEAN_EVERY_FACTOR: u32 = 20;
 
 /// Something that can be batched: its prepared inputs, and how to name it in logs.
 pub trait BatchItem: Send + 'static {
@@ -145,11 +220,42 @@ pub struct BatchSize {
 /// The most buckets whose ceilings are kept; a forgotten one is learned again from the start.
 pub const MAX_CEILINGS: usize = 512;
 
+/// A bucket's learned state.
+struct Entry {
+    ceiling: Ceiling,
+    /// Rows per call for one task alone, once its rows did not fit together.
+    part_rows: Option<usize>,
+    /// What the store holds for the bucket.
+    stored: Option<Learned>,
+    /// The last clean-arena retry: when it ended and whether the task fit.
+    last_clean: Option<(Instant, bool)>,
+    /// The bucket's next call runs on a freshly rebuilt arena: the probe that follows a clean
+    /// retry, or the smaller call after such a probe failed (on the arena it left behind, the
+    /// size that fits might not).
+    clean_next: bool,
+    /// When a probe on a clean arena last failed: no other one follows a clean retry before
+    /// the bucket may rebuild again.
+    clean_probe_failed: Option<Instant>,
+    /// When the sessions were last rebuilt for this bucket.
+    rebuilt_at: Option<Instant>,
+    /// Last use, to forget the stalest bucket first.
+    used: u64,
+}
+
+impl Entry {
+    fn learned(&self) -> Option<Learned> {
+        (self.ceiling.limit < self.ceiling.max || self.part_rows.is_some()).then_some(Learned {
+            limit: self.ceiling.limit,
+            part_rows: self.part_rows,
+        })
+    }
+}
+
 /// Runs batches adaptively on the engine.
 pub struct Adaptive {
     engine: Engine,
-    /// Learned ceilings, at most [`MAX_CEILINGS`]: the least recently used goes first.
-    ceilings: Mutex<HashMap<Bucket, (Ceiling, u64)>>,
+    /// Learned state per bucket, at most [`MAX_CEILINGS`]: the least recently used goes first.
+    ceilings: Mutex<HashMap<Bucket, Entry>>,
     /// Uses so far, to order the ceilings by their last use.
     uses: std::sync::atomic::AtomicU64,
     max_batch: usize,
@@ -157,12 +263,28 @@ pub struct Adaptive {
     probe_after: u32,
     serialize_singles: bool,
     metrics: Metrics,
+    store: Option<Arc<dyn CeilingStore>>,
+    cleaner: Option<Arc<dyn CleanArena>>,
+    /// How long the last clean-arena rebuild took.
+    last_rebuild: Mutex<Duration>,
 }
 
 struct Chunk<T> {
     items: Vec<T>,
     /// Run alone on the device (a single retried after an OOM, or a bucket down to one).
     exclusive: bool,
+    /// Runs right after a rebuild on a clean arena: an out-of-memory here is a verdict.
+    clean: bool,
+}
+
+impl<T> Chunk<T> {
+    fn of(items: Vec<T>, exclusive: bool) -> Chunk<T> {
+        Chunk {
+            items,
+            exclusive,
+            clean: false,
+        }
+    }
 }
 
 impl Adaptive {
@@ -176,7 +298,23 @@ impl Adaptive {
             probe_after,
             serialize_singles,
             metrics,
+            store: None,
+            cleaner: None,
+            last_rebuild: Mutex::new(Duration::ZERO),
         }
+    }
+
+    /// Keeps learned ceilings in `store` and starts each bucket from what it holds.
+    pub fn with_store(mut self, store: Arc<dyn CeilingStore>) -> Adaptive {
+        self.store = Some(store);
+        self
+    }
+
+    /// Gives a task that runs out of memory alone one more run on a clean arena from `cleaner`
+    /// before it fails. Without one, the exclusive run's out-of-memory is the verdict.
+    pub fn with_cleaner(mut self, cleaner: Arc<dyn CleanArena>) -> Adaptive {
+        self.cleaner = Some(cleaner);
+        self
     }
 
     /// The most tasks of `bucket` one call may take: the task cap, or fewer to stay within the
@@ -190,12 +328,12 @@ impl Adaptive {
         if bucket.alone.is_some() {
             return 1; // a crash suspect runs in a call of its own
         }
-        self.with_ceiling(bucket, |c| c.limit())
+        self.with_entry(bucket, |e| e.ceiling.limit())
     }
 
-    /// Runs `f` on the ceiling of `bucket` (a crash suspect's is its shape's), made (and
-    /// reported) on first use.
-    fn with_ceiling<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Ceiling) -> R) -> R {
+    /// Runs `f` on the state of `bucket` (a crash suspect's is its shape's), made on first use
+    /// from what the store holds (and reported).
+    fn with_entry<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Entry) -> R) -> R {
         let shape;
         let bucket = if bucket.alone.is_some() {
             shape = Bucket {
@@ -210,44 +348,76 @@ impl Adaptive {
         let now = self.uses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if ceilings.len() >= MAX_CEILINGS && !ceilings.contains_key(bucket) {
             // Buckets are as many as the requests clients can make: forget the stalest.
-            if let Some(stalest) = ceilings.iter().min_by_key(|(_, (_, used))| *used).map(|(b, _)| b.clone()) {
+            if let Some(stalest) = ceilings.iter().min_by_key(|(_, e)| e.used).map(|(b, _)| b.clone()) {
                 ceilings.remove(&stalest);
             }
         }
-        let (ceiling, used) = ceilings.entry(bucket.clone()).or_insert_with(|| {
-            let c = Ceiling::new(self.max_for(bucket), self.probe_after);
-            events::CeilingIs { bucket, limit: c.limit() }.emit(&self.metrics);
-            (c, now)
+        let entry = ceilings.entry(bucket.clone()).or_insert_with(|| {
+            let stored = self.store.as_ref().and_then(|s| s.get(&bucket.to_string()));
+            let mut ceiling = Ceiling::new(self.max_for(bucket), self.probe_after);
+            if let Some(learned) = stored {
+                ceiling = ceiling.starting_at(learned.limit);
+            }
+            events::CeilingIs {
+                bucket,
+                limit: ceiling.limit(),
+            }
+            .emit(&self.metrics);
+            Entry {
+                ceiling,
+                part_rows: stored.and_then(|l| l.part_rows).filter(|&r| r >= 1),
+                stored,
+                last_clean: None,
+                clean_next: false,
+                clean_probe_failed: None,
+                rebuilt_at: None,
+                used: now,
+            }
         });
-        *used = now;
-        f(ceiling)
+        entry.used = now;
+        f(entry)
     }
 
-    /// Changes the ceiling of `bucket` through `f` and reports its limit.
-    fn update<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Ceiling) -> R) -> R {
-        self.with_ceiling(bucket, |c| {
-            let r = f(c);
-            events::CeilingIs { bucket, limit: c.limit() }.emit(&self.metrics);
+    /// Changes the state of `bucket` through `f`, reports its limit, and keeps what it learned
+    /// in the store (not a probe's raise until a full batch proved it).
+    fn update<R>(&self, bucket: &Bucket, f: impl FnOnce(&mut Entry) -> R) -> R {
+        self.with_entry(bucket, |e| {
+            let r = f(e);
+            events::CeilingIs {
+                bucket,
+                limit: e.ceiling.limit(),
+            }
+            .emit(&self.metrics);
+            let learned = e.learned();
+            if let Some(store) = self.store.as_ref().filter(|_| !e.ceiling.probing && learned != e.stored) {
+                store.put(&bucket.to_string(), learned);
+                e.stored = learned;
+            }
             r
         })
     }
 
-    /// Runs `items` as one model call; or, one task with more rows than a call may take, as
-    /// consecutive calls of at most the row cap whose outputs are joined, so that the size of
-    /// a request never sets the size of a call. An error in any part is the task's.
+    /// Rows per call of a task of `bucket` that runs alone.
+    fn part_rows(&self, bucket: &Bucket) -> usize {
+        self.with_entry(bucket, |e| e.part_rows).unwrap_or(self.max_rows).min(self.max_rows)
+    }
+
+    /// Runs `items` as one model call; or, one task with more rows than a call may take (the row
+    /// cap, or the parts its bucket learned to cut it in), as consecutive calls of at most that
+    /// many rows whose outputs are joined, so that the size of a request never sets the size of
+    /// a call. An error in any part is the task's.
     async fn call<T: BatchItem>(&self, bucket: &Bucket, items: &[T], exclusive: bool) -> Result<Vec<Tensor>, EngineError> {
         let call = call_of(bucket, items);
         let rows: usize = call.tasks.iter().map(|t| t.rows).sum();
-        // Only inputs that are all one row per task row can be cut into parts.
-        let by_rows = call.inputs.iter().all(|t| t.shape.first() == Some(&rows));
-        if call.tasks.len() != 1 || rows <= self.max_rows || !by_rows {
+        let part_rows = self.part_rows(bucket);
+        if call.tasks.len() != 1 || rows <= part_rows || !by_rows(&call) {
             return self.engine.run(&bucket.model, call, exclusive).await;
         }
         let task = &call.tasks[0];
-        tracing::debug!(task_id = %task.id, rows, max_rows = self.max_rows, "running the task in parts of the row cap");
+        tracing::debug!(task_id = %task.id, rows, part_rows, "running the task in parts");
         let mut parts: Vec<Vec<Tensor>> = Vec::new();
-        for start in (0..rows).step_by(self.max_rows) {
-            let end = (start + self.max_rows).min(rows);
+        for start in (0..rows).step_by(part_rows) {
+            let end = (start + part_rows).min(rows);
             let part = Call {
                 key: call.key.clone(),
                 inputs: call.inputs.iter().map(|t| t.slice_rows(start, end)).collect(),
@@ -270,6 +440,68 @@ impl Adaptive {
             .collect())
     }
 
+    /// Rows the largest call of `items` (one chunk) holds, and whether they could be cut into
+    /// smaller parts.
+    fn call_rows<T: BatchItem>(&self, bucket: &Bucket, items: &[T]) -> (usize, bool) {
+        let rows: usize = items.iter().map(|i| i.prepared().rows).sum();
+        if items.len() != 1 {
+            return (rows, false);
+        }
+        let splittable = by_rows(&call_of(bucket, items));
+        if splittable {
+            (rows.min(self.part_rows(bucket)), true)
+        } else {
+            (rows, false)
+        }
+    }
+
+    /// Least time between two clean-arena rebuilds of one bucket: [`CLEAN_EVERY_FACTOR`] times
+    /// the last rebuild's duration, at least [`CLEAN_EVERY_MIN`].
+    fn clean_every(&self) -> Duration {
+        (*self.last_rebuild.lock().expect("last rebuild") * CLEAN_EVERY_FACTOR).max(CLEAN_EVERY_MIN)
+    }
+
+    /// Rebuilds every session on a clean arena before `items` of `bucket` run; `Err` if the
+    /// models could not be loaded again (the worker stops: the items are not at fault).
+    async fn rebuild<T: BatchItem>(&self, bucket: &Bucket, items: &[T]) -> Result<(), ()> {
+        let Some(cleaner) = &self.cleaner else { return Err(()) };
+        let started = Instant::now();
+        match cleaner.clean().await {
+            Ok(cleaned) => {
+                *self.last_rebuild.lock().expect("last rebuild") = started.elapsed();
+                self.with_entry(bucket, |e| e.rebuilt_at = Some(Instant::now()));
+                let (task_ids, dimensions) = names(items);
+                events::ArenaCleaned {
+                    bucket,
+                    task_ids: &task_ids,
+                    dimensions: &dimensions,
+                    arena_before: cleaned.before,
+                    arena_after: cleaned.after,
+                    arena_baseline: cleaned.baseline,
+                    clean: cleaned.is_clean(),
+                    elapsed: started.elapsed(),
+                }
+                .emit(&self.metrics);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "rebuilding the sessions on a clean arena failed");
+                Err(())
+            }
+        }
+    }
+
+    /// Whether `bucket` may rebuild on a clean arena now: `Ok(())`, `Err(Some(wait))` if its
+    /// last rebuild (which fit) was too recent, `Err(None)` if its last one was a verdict that
+    /// still holds.
+    fn may_clean(&self, bucket: &Bucket) -> Result<(), Option<Duration>> {
+        let every = self.clean_every();
+        match self.with_entry(bucket, |e| e.last_clean) {
+            Some((at, fit)) if at.elapsed() < every => Err(fit.then(|| every - at.elapsed())),
+            _ => Ok(()),
+        }
+    }
+
     /// Runs `items` (all of `bucket`) and reports each chunk as it finishes, so that CPU work on
     /// its results overlaps the next chunk's inference.
     pub async fn run<T: BatchItem>(&self, bucket: &Bucket, items: Vec<T>, mut on_done: impl FnMut(Done<T>)) {
@@ -286,9 +518,24 @@ impl Adaptive {
                     let items: Vec<T> = pending.drain(..n).collect();
                     // A bucket down to one serializes its device work.
                     let exclusive = n == 1 && self.serialize_singles && self.limit(bucket) == 1;
-                    Chunk { items, exclusive }
+                    Chunk::of(items, exclusive)
                 }
             };
+            let mut chunk = chunk;
+            if !chunk.clean && self.with_entry(bucket, |e| std::mem::take(&mut e.clean_next)) {
+                match self.rebuild(bucket, &chunk.items).await {
+                    Ok(()) => chunk.clean = true,
+                    Err(()) => {
+                        for item in chunk.items {
+                            on_done(Done::Failed {
+                                item,
+                                error: EngineError::Stopped,
+                            });
+                        }
+                        continue;
+                    }
+                }
+            }
             let size = chunk.items.len();
             let started = Instant::now();
             let result = self.call(bucket, &chunk.items, chunk.exclusive).await;
@@ -296,7 +543,24 @@ impl Adaptive {
             match result {
                 Ok(outputs) => {
                     events::BatchRan { bucket, size, elapsed }.emit(&self.metrics);
-                    if let Some(to) = self.update(bucket, |c| c.on_success(size)) {
+                    let probe = if chunk.clean && size == 1 {
+                        events::CleanRetryEnded { bucket, fit: true }.emit(&self.metrics);
+                        // The ceiling was learned on the arena that is gone: probe above it now,
+                        // on a clean arena too, unless such a probe failed a moment ago.
+                        let every = self.clean_every();
+                        self.update(bucket, |e| {
+                            e.last_clean = Some((Instant::now(), true));
+                            if e.clean_probe_failed.is_some_and(|at| at.elapsed() < every) {
+                                return None;
+                            }
+                            let to = e.ceiling.probe_now();
+                            e.clean_next = to.is_some();
+                            to
+                        })
+                    } else {
+                        self.update(bucket, |e| e.ceiling.on_success(size))
+                    };
+                    if let Some(to) = probe {
                         events::CeilingProbed { bucket, to }.emit(&self.metrics);
                     }
                     on_done(Done::Ran {
@@ -307,50 +571,8 @@ impl Adaptive {
                     });
                 }
                 Err(error) if error.is_oom() => {
-                    self.engine.release_memory(&bucket.model);
-                    let (task_ids, dimensions) = names(&chunk.items);
-                    if size > 1 {
-                        let to = self.update(bucket, |c| c.on_oom(size));
-                        events::OomHandled {
-                            bucket,
-                            from: size,
-                            to,
-                            task_ids,
-                            dimensions,
-                            error: &error,
-                        }
-                        .emit(&self.metrics);
-                        // The same tasks again, at the new size.
-                        for item in chunk.items.into_iter().rev() {
-                            pending.push_front(item);
-                        }
-                    } else if !chunk.exclusive && self.serialize_singles {
-                        // Alone but beside other runs: try once more with the device to itself.
-                        self.update(bucket, |c| c.on_oom(1));
-                        events::OomHandled {
-                            bucket,
-                            from: 1,
-                            to: 1,
-                            task_ids,
-                            dimensions,
-                            error: &error,
-                        }
-                        .emit(&self.metrics);
-                        retries.push_front(Chunk {
-                            items: chunk.items,
-                            exclusive: true,
-                        });
-                    } else {
-                        self.update(bucket, |c| c.on_oom(1));
-                        events::DoesNotFit {
-                            bucket,
-                            task_id: &task_ids[0],
-                            dimensions: &dimensions[0],
-                            error: &error,
-                        }
-                        .emit(&self.metrics);
-                        let item = chunk.items.into_iter().next().expect("one item");
-                        on_done(Done::Failed { item, error });
+                    if let Some(retry) = self.on_oom(bucket, chunk, error, &mut pending, &mut on_done).await {
+                        retries.push_front(retry);
                     }
                 }
                 Err(error) if error.is_task_error() && size > 1 => {
@@ -364,14 +586,8 @@ impl Adaptive {
                     .emit(&self.metrics);
                     let mut items = chunk.items;
                     let second = items.split_off(size / 2);
-                    retries.push_front(Chunk {
-                        items: second,
-                        exclusive: chunk.exclusive,
-                    });
-                    retries.push_front(Chunk {
-                        items,
-                        exclusive: chunk.exclusive,
-                    });
+                    retries.push_front(Chunk::of(second, chunk.exclusive));
+                    retries.push_front(Chunk::of(items, chunk.exclusive));
                 }
                 Err(error) => {
                     for item in chunk.items {
@@ -384,6 +600,133 @@ impl Adaptive {
             }
         }
     }
+
+    /// What follows an out-of-memory of `chunk`, in order: fewer tasks per call; one task's rows
+    /// in smaller parts; the single alone with the device to itself; the single once more on a
+    /// clean arena; and only then a failed task. Returns the chunk to run next, if any (fewer
+    /// tasks go back to `pending`).
+    async fn on_oom<T: BatchItem>(
+        &self,
+        bucket: &Bucket,
+        chunk: Chunk<T>,
+        error: EngineError,
+        pending: &mut VecDeque<T>,
+        on_done: &mut impl FnMut(Done<T>),
+    ) -> Option<Chunk<T>> {
+        self.engine.release_memory(&bucket.model);
+        let size = chunk.items.len();
+        let (task_ids, dimensions) = names(&chunk.items);
+        if size > 1 {
+            let every = self.clean_every();
+            let to = self.update(bucket, |e| {
+                if chunk.clean {
+                    // A probe on a clean arena failed: the smaller call gets a clean one too.
+                    e.clean_probe_failed = Some(Instant::now());
+                    e.clean_next = true;
+                } else if e.ceiling.probing && size == e.ceiling.limit && e.rebuilt_at.is_none_or(|at| at.elapsed() >= every) {
+                    // A failed probe leaves the arena in pieces that the size below it may not
+                    // fit in; the call after it runs on a clean one.
+                    e.clean_next = self.cleaner.is_some();
+                }
+                e.ceiling.on_oom(size)
+            });
+            events::OomHandled {
+                bucket,
+                from: size,
+                to,
+                task_ids,
+                dimensions,
+                error: &error,
+            }
+            .emit(&self.metrics);
+            // The same tasks again, at the new size.
+            for item in chunk.items.into_iter().rev() {
+                pending.push_front(item);
+            }
+            return None;
+        }
+        let (rows, splittable) = self.call_rows(bucket, &chunk.items);
+        if splittable && rows > 1 {
+            let to = rows / 2;
+            self.update(bucket, |e| {
+                e.ceiling.on_oom(1);
+                e.part_rows = Some(to);
+            });
+            events::RowsHalved {
+                bucket,
+                task_id: &task_ids[0],
+                dimensions: &dimensions[0],
+                from: rows,
+                to,
+                error: &error,
+            }
+            .emit(&self.metrics);
+            return Some(chunk);
+        }
+        self.update(bucket, |e| e.ceiling.on_oom(1));
+        if !chunk.exclusive && self.serialize_singles {
+            // Alone but beside other runs: try once more with the device to itself.
+            events::OomHandled {
+                bucket,
+                from: 1,
+                to: 1,
+                task_ids,
+                dimensions,
+                error: &error,
+            }
+            .emit(&self.metrics);
+            return Some(Chunk { exclusive: true, ..chunk });
+        }
+        let verdict = match (&self.cleaner, chunk.clean) {
+            (_, true) => {
+                self.update(bucket, |e| e.last_clean = Some((Instant::now(), false)));
+                events::CleanRetryEnded { bucket, fit: false }.emit(&self.metrics);
+                "out of memory on a clean arena"
+            }
+            (None, false) => "out of memory alone with the device to itself",
+            (Some(_), false) => match self.may_clean(bucket) {
+                Err(None) => "a task of the same shape ran out of memory on a clean arena a moment ago",
+                wait => {
+                    if let Err(Some(wait)) = wait {
+                        tokio::time::sleep(wait).await;
+                    }
+                    if self.rebuild(bucket, &chunk.items).await.is_ok() {
+                        return Some(Chunk {
+                            exclusive: true,
+                            clean: true,
+                            ..chunk
+                        });
+                    }
+                    // The models could not be loaded again: not the task's fault.
+                    for item in chunk.items {
+                        on_done(Done::Failed {
+                            item,
+                            error: EngineError::Stopped,
+                        });
+                    }
+                    return None;
+                }
+            },
+        };
+        events::DoesNotFit {
+            bucket,
+            task_id: &task_ids[0],
+            dimensions: &dimensions[0],
+            rows,
+            verdict,
+            error: &error,
+        }
+        .emit(&self.metrics);
+        let item = chunk.items.into_iter().next().expect("one item");
+        on_done(Done::Failed { item, error });
+        None
+    }
+}
+
+/// Whether every input of `call` is one row per task row, so it can be cut into parts.
+fn by_rows(call: &Call) -> bool {
+    let rows: usize = call.tasks.iter().map(|t| t.rows).sum();
+    call.inputs.iter().all(|t| t.shape.first() == Some(&rows))
 }
 
 impl crate::batcher::BatchLimits for Adaptive {
@@ -395,7 +738,7 @@ impl crate::batcher::BatchLimits for Adaptive {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED, prepared};
+    use crate::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED, prepared, prepared_whole};
     use crate::models::ModelAdapter;
 
     struct Item(Prepared, String);
@@ -538,10 +881,14 @@ mod tests {
         assert!(ceilings.contains_key(&bucket(MAX_CEILINGS + 100)) && !ceilings.contains_key(&bucket(1)));
     }
 
+    fn whole(seeds: impl IntoIterator<Item = u64>, rows: usize) -> Vec<Item> {
+        seeds.into_iter().map(|s| Item(prepared_whole(s, rows), s.to_string())).collect()
+    }
+
     #[tokio::test]
     async fn a_task_that_does_not_fit_even_alone_fails_on_its_own() {
         let (a, _, metrics) = adaptive(4, 1, 8, 16, true).await;
-        let (sizes, ran, failed) = run(&a, &bucket(5), items([1, 2], 5)).await;
+        let (sizes, ran, failed) = run(&a, &bucket(5), whole([1, 2], 5)).await;
         assert!(sizes.is_empty() && ran.is_empty());
         assert_eq!(failed.len(), 2);
         assert!(failed.iter().all(|(_, e)| e.is_oom()));
@@ -601,6 +948,155 @@ mod tests {
         assert!(matches!(&by_id[&PANIC_SEED.to_string()], EngineError::Panicked(m) if m.contains("panicking task")));
         assert!(matches!(&by_id[&ERROR_SEED.to_string()], EngineError::Run(_)));
         assert_eq!(a.limit(&bucket(1)), 8, "model errors say nothing about memory");
+    }
+
+    /// A task whose rows don't fit together runs them in halves, down to one row, before it
+    /// fails: its outputs are whole and in order, and its bucket remembers the parts.
+    #[tokio::test]
+    async fn a_task_whose_rows_do_not_fit_together_runs_them_in_smaller_parts() {
+        let (a, device, metrics) = adaptive(3, 1, 8, 16, true).await;
+        let mut task = prepared(3, 10);
+        task.inputs[0] = Tensor::f32("x", vec![10, 1], (0..10).map(|r| r as f32).collect());
+        let mut outputs = Vec::new();
+        a.run(&bucket(10), vec![Item(task, "big".into())], |done| match done {
+            Done::Ran { outputs: o, .. } => outputs.push(o),
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        let want: Vec<f32> = (0..10).map(|r| 2.0 * r as f32).collect();
+        assert_eq!(outputs[0][0].f32_rows(0, 10).unwrap(), want.as_slice());
+        assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 3);
+        // 10 rows, then parts of 5, then of 2: two out-of-memory errors.
+        assert_eq!(metrics.ooms(&bucket(10)), 2);
+        assert_eq!(a.part_rows(&bucket(10)), 2);
+        // The next task of the bucket starts in parts of 2.
+        let (_, ran, failed) = run(&a, &bucket(10), items([4], 10)).await;
+        assert_eq!((ran.len(), failed.len()), (1, 0));
+        assert_eq!(metrics.ooms(&bucket(10)), 2);
+    }
+
+    /// A rebuild of the sessions on a clean arena, as the worker's serving layer does it.
+    struct Rebuild(Engine, Arc<std::sync::atomic::AtomicUsize>);
+
+    impl CleanArena for Rebuild {
+        fn clean(&self) -> BoxFuture<'_, Result<Cleaned, EngineError>> {
+            Box::pin(async move {
+                self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                self.0.rebuild(|| Ok(())).await?;
+                Ok(Cleaned::default())
+            })
+        }
+    }
+
+    /// On a device that every out-of-memory error fragments further, halving alone ends with
+    /// singles that fail although they fit; a clean arena before the verdict runs them all.
+    /// What does not fit on a clean arena fails, after one rebuild for its bucket.
+    #[tokio::test]
+    async fn only_an_out_of_memory_on_a_clean_arena_fails_a_task() {
+        let fragmenting = |cleaner: bool| async move {
+            let device = Device::fragmenting(4, Duration::from_millis(5), 2);
+            let engine = Engine::start(1);
+            let model = Arc::new(FakeModel { device: device.clone() });
+            engine
+                .load("fake", Arc::new(move || model.load(std::path::Path::new(""), &Default::default())))
+                .await
+                .unwrap();
+            let rebuilds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let limits = BatchSize {
+                max_tasks: 16,
+                max_rows: 1024,
+            };
+            let mut a = Adaptive::new(engine.clone(), limits, 16, true, Metrics::new());
+            if cleaner {
+                a = a.with_cleaner(Arc::new(Rebuild(engine, rebuilds.clone())));
+            }
+            (a, device, rebuilds)
+        };
+        // Without a clean arena: 16, 8, 4 and 2 fail and leave the device too fragmented for one.
+        let (a, _, _) = fragmenting(false).await;
+        let (_, ran, failed) = run(&a, &bucket(1), items(0..16, 1)).await;
+        assert!(
+            !failed.is_empty(),
+            "the fragmented device fails singles that fit: {} ran",
+            ran.len()
+        );
+
+        let (a, device, rebuilds) = fragmenting(true).await;
+        let (_, ran, failed) = run(&a, &bucket(1), items(0..16, 1)).await;
+        assert!(failed.is_empty(), "{failed:?}");
+        assert_eq!(ran.len(), 16);
+        // One rebuild for the single's verdict, one for the probe above the ceiling learned on
+        // the fragmented device.
+        assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(device.loads.load(std::sync::atomic::Ordering::SeqCst), 3, "loaded, rebuilt twice");
+        assert_eq!(a.metrics.clean_arena_retries.with_label_values(&["fit"]).get(), 1);
+
+        // Five rows that can't be cut apart never fit: one rebuild gives the verdict, and the
+        // next task of the same shape fails without another.
+        let (_, ran, failed) = run(&a, &bucket(5), whole([1, 2], 5)).await;
+        assert!(ran.is_empty());
+        assert_eq!(failed.len(), 2);
+        assert!(failed.iter().all(|(_, e)| e.is_oom()));
+        assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 3);
+        assert_eq!(a.metrics.clean_arena_retries.with_label_values(&["does_not_fit"]).get(), 1);
+        // Other buckets still run.
+        assert_eq!(run(&a, &bucket(1), items(20..21, 1)).await.1.len(), 1);
+    }
+
+    /// A store in memory, as a restarted worker finds the ceilings topic.
+    #[derive(Default)]
+    struct Kept(Mutex<HashMap<String, Learned>>);
+
+    impl CeilingStore for Kept {
+        fn get(&self, bucket: &str) -> Option<Learned> {
+            self.0.lock().unwrap().get(bucket).copied()
+        }
+        fn put(&self, bucket: &str, learned: Option<Learned>) {
+            let mut kept = self.0.lock().unwrap();
+            match learned {
+                Some(l) => kept.insert(bucket.to_owned(), l),
+                None => kept.remove(bucket),
+            };
+        }
+    }
+
+    /// As [`adaptive`] (one engine thread, at most 8 tasks per call), keeping ceilings in `store`.
+    async fn kept(capacity: usize, probe_after: u32, store: &Arc<Kept>) -> (Adaptive, Metrics) {
+        let (a, _, metrics) = adaptive(capacity, 1, 8, probe_after, true).await;
+        let limits = BatchSize {
+            max_tasks: 8,
+            max_rows: 1024,
+        };
+        let a = Adaptive::new(a.engine.clone(), limits, probe_after, true, metrics.clone()).with_store(store.clone());
+        (a, metrics)
+    }
+
+    /// What a runner learned is kept; a new one (a restarted worker) starts there and runs
+    /// into no out-of-memory error again; a probe's raise is kept only once a batch proved it.
+    #[tokio::test]
+    async fn a_restarted_runner_starts_at_the_stored_ceiling() {
+        let store = Arc::new(Kept::default());
+        let (a, metrics) = kept(4, 2, &store).await;
+        assert_eq!(run(&a, &bucket(1), items(0..8, 1)).await.0, vec![4, 4]);
+        assert_eq!(metrics.ooms(&bucket(1)), 1);
+        let key = bucket(1).to_string();
+        assert_eq!(store.get(&key), Some(Learned { limit: 4, part_rows: None }));
+        assert_eq!(a.limit(&bucket(1)), 5, "probing");
+        assert_eq!(store.get(&key).unwrap().limit, 4, "an unproved probe is not kept");
+
+        let (b, metrics) = kept(4, 16, &store).await;
+        assert_eq!(b.limit(&bucket(1)), 4, "starts at the stored ceiling");
+        assert_eq!(run(&b, &bucket(1), items(0..12, 1)).await.0, vec![4, 4, 4]);
+        assert_eq!(metrics.ooms(&bucket(1)), 0);
+
+        // A ceiling that probes back up to its maximum is forgotten.
+        let (c, _) = kept(64, 1, &store).await;
+        for _ in 0..5 {
+            let n = c.limit(&bucket(1));
+            run(&c, &bucket(1), items(0..n as u64, 1)).await;
+        }
+        assert_eq!(c.limit(&bucket(1)), 8);
+        assert_eq!(store.get(&key), None);
     }
 
     #[test]

@@ -74,6 +74,11 @@ pub struct KafkaArgs {
     /// Cancels; every worker reads it whole.
     #[arg(long, env = "SLUICE_CONTROL_TOPIC", default_value = sluice_schemas::topics::CONTROL)]
     pub control_topic: String,
+    /// Learned batch ceilings, kept across restarts and shared by workers of one device class
+    /// (a compacted topic; see the README's adaptive batching section). Empty: kept in memory
+    /// only, learned again after every restart.
+    #[arg(long, env = "SLUICE_CEILINGS_TOPIC", default_value = sluice_schemas::topics::CEILINGS)]
+    pub ceilings_topic: String,
     /// Records larger than this go to the DLQ as `too_large` without being parsed.
     #[arg(long, env = "SLUICE_MAX_TASK_BYTES", default_value_t = 1 << 20)]
     pub max_task_bytes: usize,

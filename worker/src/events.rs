@@ -63,11 +63,16 @@ impl Emit for OomHandled<'_> {
     }
 }
 
-/// A task ran out of memory alone, with the device to itself: it goes to the DLQ.
+/// A task ran out of memory alone, with the device to itself, on a clean arena (or one of its
+/// bucket, the same shape, did so a moment ago): it goes to the DLQ.
 pub(crate) struct DoesNotFit<'a> {
     pub bucket: &'a Bucket,
     pub task_id: &'a str,
     pub dimensions: &'a str,
+    /// Rows of the call that failed (the task's rows, or the part it was cut into).
+    pub rows: usize,
+    /// Why this is a verdict: "on a clean arena", or the earlier verdict it repeats.
+    pub verdict: &'a str,
     pub error: &'a EngineError,
 }
 
@@ -78,9 +83,109 @@ impl Emit for DoesNotFit<'_> {
             bucket = %self.bucket,
             task_id = self.task_id,
             dimensions = self.dimensions,
-            rows = self.bucket.rows_per_task,
+            rows = self.rows,
+            verdict = self.verdict,
             error = %short(self.error),
             "out of memory at batch 1; the task does not fit and goes to the DLQ"
+        );
+    }
+}
+
+/// A task's rows ran out of memory together: it runs again with its rows in smaller parts.
+pub(crate) struct RowsHalved<'a> {
+    pub bucket: &'a Bucket,
+    pub task_id: &'a str,
+    pub dimensions: &'a str,
+    pub from: usize,
+    pub to: usize,
+    pub error: &'a EngineError,
+}
+
+impl Emit for RowsHalved<'_> {
+    fn emit(self, m: &Metrics) {
+        m.ooms.with_label_values(&[&self.bucket.label()]).inc();
+        tracing::warn!(
+            bucket = %self.bucket,
+            task_id = self.task_id,
+            dimensions = self.dimensions,
+            rows_before = self.from,
+            rows_after = self.to,
+            error = %short(self.error),
+            "out of memory; running the task's rows in smaller parts"
+        );
+    }
+}
+
+/// Every session was rebuilt on a clean arena before the tasks named run: a task that ran out of
+/// memory alone runs once more, or the size above its bucket's ceiling is probed. Arena figures
+/// in bytes.
+pub(crate) struct ArenaCleaned<'a> {
+    pub bucket: &'a Bucket,
+    pub task_ids: &'a [String],
+    pub dimensions: &'a [String],
+    pub arena_before: Option<u64>,
+    pub arena_after: Option<u64>,
+    pub arena_baseline: Option<u64>,
+    pub clean: bool,
+    pub elapsed: Duration,
+}
+
+impl Emit for ArenaCleaned<'_> {
+    fn emit(self, _: &Metrics) {
+        if self.clean {
+            tracing::warn!(
+                bucket = %self.bucket,
+                task_ids = %self.task_ids.join(","),
+                dimensions = %self.dimensions.join(","),
+                batch = self.task_ids.len(),
+                arena_before = ?self.arena_before,
+                arena_after = ?self.arena_after,
+                arena_baseline = ?self.arena_baseline,
+                ms = self.elapsed.as_millis() as u64,
+                "sessions rebuilt on a clean arena for the next call"
+            );
+        } else {
+            tracing::error!(
+                bucket = %self.bucket,
+                arena_after = ?self.arena_after,
+                arena_baseline = ?self.arena_baseline,
+                "sessions rebuilt, but the arena holds more than after the first load: memory is held outside the sessions"
+            );
+        }
+    }
+}
+
+/// A task that ran out of memory alone ran once more on a clean arena.
+pub(crate) struct CleanRetryEnded<'a> {
+    pub bucket: &'a Bucket,
+    pub fit: bool,
+}
+
+impl Emit for CleanRetryEnded<'_> {
+    fn emit(self, m: &Metrics) {
+        let result = if self.fit { "fit" } else { "does_not_fit" };
+        m.clean_arena_retries.with_label_values(&[result]).inc();
+        tracing::info!(bucket = %self.bucket, result, "clean-arena retry ended");
+    }
+}
+
+/// Learned ceilings read back at start.
+pub(crate) struct CeilingsRestored<'a> {
+    pub topic: &'a str,
+    pub device: &'a str,
+    pub count: usize,
+    pub skipped: usize,
+}
+
+impl Emit for CeilingsRestored<'_> {
+    fn emit(self, m: &Metrics) {
+        m.ceilings_restored.set(self.count as i64);
+        tracing::info!(
+            topic = self.topic,
+            device = self.device,
+            ceilings = self.count,
+            skipped = self.skipped,
+            "learned batch ceilings restored"
         );
     }
 }

@@ -20,12 +20,18 @@ pub(crate) const PANIC_SEED: u64 = 666;
 /// A task with this seed makes the backend fail with a model error.
 pub(crate) const ERROR_SEED: u64 = 404;
 
-/// The fake device: rows in use right now, and how many fit.
+/// The fake device: rows in use right now, and how many fit. A fragmenting one loses rows to
+/// every out-of-memory error, as an arena whose failed runs left it in pieces, until the model
+/// is loaded again.
 #[derive(Debug)]
 pub(crate) struct Device {
     capacity: usize,
     in_use: AtomicUsize,
     latency: Duration,
+    lost_per_oom: usize,
+    lost: AtomicUsize,
+    /// Times the model was loaded.
+    pub loads: AtomicUsize,
     /// Calls that ran, and the largest number of rows that ran at once.
     pub calls: AtomicUsize,
     pub peak: AtomicUsize,
@@ -33,10 +39,18 @@ pub(crate) struct Device {
 
 impl Device {
     pub(crate) fn new(capacity: usize, latency: Duration) -> Arc<Device> {
+        Device::fragmenting(capacity, latency, 0)
+    }
+
+    /// A device that loses `lost_per_oom` rows of its capacity to every out-of-memory error.
+    pub(crate) fn fragmenting(capacity: usize, latency: Duration, lost_per_oom: usize) -> Arc<Device> {
         Arc::new(Device {
             capacity,
             in_use: AtomicUsize::new(0),
             latency,
+            lost_per_oom,
+            lost: AtomicUsize::new(0),
+            loads: AtomicUsize::new(0),
             calls: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
         })
@@ -69,6 +83,8 @@ impl ModelAdapter for FakeModel {
     }
 
     fn load(&self, _: &Path, _: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
+        self.device.lost.store(0, Ordering::SeqCst);
+        self.device.loads.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(FakeBackend {
             device: self.device.clone(),
         }))
@@ -82,6 +98,13 @@ pub(crate) fn prepared(seed: u64, rows: usize) -> Prepared {
         rows,
         render: Box::new(FakeRender),
     }
+}
+
+/// As [`prepared`], with one more input that is not per row: the task's rows can't be cut apart.
+pub(crate) fn prepared_whole(seed: u64, rows: usize) -> Prepared {
+    let mut p = prepared(seed, rows);
+    p.inputs.push(Tensor::f32("scale", vec![1], vec![1.0]));
+    p
 }
 
 struct FakeBackend {
@@ -101,11 +124,14 @@ impl Backend for FakeBackend {
         let rows = x.rows();
         let d = &self.device;
         let before = d.in_use.fetch_add(rows, Ordering::SeqCst);
-        if before + rows > d.capacity {
+        let capacity = d.capacity.saturating_sub(d.lost.load(Ordering::SeqCst));
+        if before + rows > capacity {
             d.in_use.fetch_sub(rows, Ordering::SeqCst);
+            let lost = (d.lost.load(Ordering::SeqCst) + d.lost_per_oom).min(d.capacity);
+            d.lost.store(lost, Ordering::SeqCst);
             return Err(EngineError::OutOfMemory(format!(
                 "fake device: Available memory of {} is smaller than requested bytes of {rows}",
-                d.capacity - before.min(d.capacity)
+                capacity - before.min(capacity)
             )));
         }
         d.peak.fetch_max(before + rows, Ordering::SeqCst);

@@ -4,6 +4,7 @@
 
 pub mod adaptive;
 mod batcher;
+mod ceilings;
 mod commit;
 pub mod config;
 mod control;

@@ -17,6 +17,8 @@ pub struct Metrics {
     pub(crate) batch_size: HistogramVec,
     pub(crate) batch_ceiling: IntGaugeVec,
     pub(crate) ooms: IntCounterVec,
+    pub(crate) clean_arena_retries: IntCounterVec,
+    pub(crate) ceilings_restored: IntGauge,
     pub(crate) inference_seconds: HistogramVec,
     pub(crate) upload_seconds: Histogram,
     pub(crate) task_seconds: Histogram,
@@ -107,6 +109,22 @@ impl Metrics {
             ooms: register(
                 &r,
                 counter_vec("sluice_worker_oom_total", "Out-of-memory errors handled, by size class", &["bucket"]),
+            ),
+            clean_arena_retries: register(
+                &r,
+                counter_vec(
+                    "sluice_worker_clean_arena_retries_total",
+                    "Tasks that ran out of memory alone and ran once more on a clean arena (sessions rebuilt), by result (fit, does_not_fit)",
+                    &["result"],
+                ),
+            ),
+            ceilings_restored: register(
+                &r,
+                IntGauge::new(
+                    "sluice_worker_ceilings_restored",
+                    "Learned batch ceilings this worker started from, read from the ceilings topic at start",
+                )
+                .unwrap(),
             ),
             inference_seconds: register(
                 &r,
@@ -237,8 +255,17 @@ fn page_size() -> u64 {
 
 /// Memory the system can still give, bytes (`MemAvailable`).
 pub fn available_memory_bytes() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+/// The machine's memory, bytes.
+pub fn total_memory_bytes() -> Option<u64> {
+    meminfo("MemTotal:")
+}
+
+fn meminfo(field: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let line = text.lines().find(|l| l.starts_with(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }

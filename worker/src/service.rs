@@ -16,6 +16,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::adaptive::{Adaptive, BatchSize};
 use crate::batcher::Batcher;
+use crate::ceilings::KafkaCeilings;
 use crate::commit::{Committer, Outbox, Transactional};
 use crate::config::{Config, DeliveryMode, GroupProtocol};
 use crate::engine::{Engine, EngineError, Runtime};
@@ -265,13 +266,26 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         max_tasks: b.max_batch,
         max_rows: b.max_batch_rows,
     };
-    let adaptive = Arc::new(Adaptive::new(
-        engine.clone(),
-        limits,
-        b.probe_after,
-        !b.no_serialize_singles,
-        metrics.clone(),
-    ));
+    let mut adaptive = Adaptive::new(engine.clone(), limits, b.probe_after, !b.no_serialize_singles, metrics.clone()).with_cleaner(
+        Arc::new(crate::serving::Rebuild {
+            serving: serving.clone(),
+            fatal: fatal.clone(),
+        }),
+    );
+    if !k.ceilings_topic.is_empty() {
+        let consumer: rdkafka::consumer::BaseConsumer = k
+            .client
+            .whole_topic_config(&format!("{worker_id}-ceilings"))
+            .create()
+            .map_err(kafka("creating the ceilings-topic consumer"))?;
+        let (producer, topic, worker_id, metrics) = (producer.clone(), k.ceilings_topic.clone(), worker_id.clone(), metrics.clone());
+        let device = crate::ceilings::device_class(&e.device.session_options().device, e.device.runtime_options().cpu_arena_max_bytes);
+        let store = tokio::task::spawn_blocking(move || KafkaCeilings::load(consumer, producer, topic, device, worker_id, &metrics))
+            .await
+            .expect("reading the ceilings topic does not panic");
+        adaptive = adaptive.with_store(Arc::new(store));
+    }
+    let adaptive = Arc::new(adaptive);
     let abandon = CancellationToken::new();
     let tasks = TaskTracker::new();
     let outcomes = Outcomes::new(OutcomeSettings {

@@ -19,6 +19,9 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::sync::{Mutex, RwLock, RwLockReadGuard, watch};
 
+use futures::future::BoxFuture;
+
+use crate::adaptive::{CleanArena, Cleaned};
 use crate::engine::{ArenaStats, Device, Engine, EngineError, Loader, Placement, Runtime, SessionOptions};
 use crate::events::{Emit, ModelLoaded, ReloadEnded};
 use crate::metrics::{self, Metrics};
@@ -173,6 +176,11 @@ pub struct Serving {
     metrics: Metrics,
     health: watch::Sender<Health>,
     min_free_bytes: u64,
+    /// Held while sessions are dropped and loaded (a reload's swap, a clean-arena rebuild), so
+    /// that one never sees the other's half-done work.
+    sessions: Mutex<()>,
+    /// Bytes the shared CPU arena held right after the models were loaded, before any run.
+    arena_baseline: std::sync::Mutex<Option<u64>>,
 }
 
 /// A held model: batches run while one of these is alive; a reload waits for all of them.
@@ -228,6 +236,7 @@ impl Serving {
             );
         }
         health.send_modify(|h| h.models_loaded = true);
+        let arena_baseline = runtime.as_ref().and_then(|r| r.cpu_arena_stats()).map(|a| a.total_allocated);
         Ok(Serving {
             engine,
             runtime,
@@ -236,6 +245,8 @@ impl Serving {
             metrics,
             health,
             min_free_bytes,
+            sessions: Mutex::new(()),
+            arena_baseline: std::sync::Mutex::new(arena_baseline),
         })
     }
 
@@ -320,6 +331,7 @@ impl Serving {
         let started = Instant::now();
         // Stop taking batches for this model; wait for those in flight.
         let mut state = served.state.write().await;
+        let _sessions = self.sessions.lock().await;
         let result = self.swap(name, served, &mut state, options, started).await;
         if result.is_err() {
             state.serving = false;
@@ -414,6 +426,7 @@ impl Serving {
             }
         };
         ModelLoaded { model: name, loaded: true }.emit(&self.metrics);
+        *self.arena_baseline.lock().expect("baseline") = self.arena_stats().map(|a| a.total_allocated);
         ReloadEnded {
             model: name,
             result: result.as_str(),
@@ -448,11 +461,59 @@ impl Serving {
         Ok(report)
     }
 
+    /// Rebuilds every model's sessions on a clean arena (see [`Engine::rebuild`]): nothing that
+    /// failed runs left behind stays. A model that cannot be loaded again makes the worker
+    /// unable to serve: reported as fatal, as a failed reload is.
+    pub async fn clean_arena(&self) -> Result<Cleaned, ServingError> {
+        let _sessions = self.sessions.lock().await;
+        let before = self.arena_stats().map(|a| a.total_allocated);
+        let runtime = self.runtime.clone();
+        let rebuilt = self
+            .engine
+            .rebuild(|| {
+                if let Some(runtime) = &runtime {
+                    runtime.reset_cpu_arena()?;
+                }
+                // SAFETY: malloc_trim only returns free heap pages to the system.
+                unsafe { libc::malloc_trim(0) };
+                Ok(())
+            })
+            .await;
+        if let Err(e) = rebuilt {
+            let e = ServingError::Fatal(format!("rebuilding the sessions on a clean arena failed: {e}"));
+            self.health.send_modify(|h| h.fatal = Some(e.to_string()));
+            return Err(e);
+        }
+        Ok(Cleaned {
+            before,
+            after: self.arena_stats().map(|a| a.total_allocated),
+            baseline: *self.arena_baseline.lock().expect("baseline"),
+        })
+    }
+
     fn device_free(&self, placement: Placement) -> Option<u64> {
         match placement {
             Placement::Cuda(id) => crate::gpu::device_memory(id).map(|(free, _)| free),
             Placement::Cpu => None,
         }
+    }
+}
+
+/// The worker's clean arena for the adaptive batcher: a failed rebuild stops the worker.
+pub(crate) struct Rebuild {
+    pub serving: Arc<Serving>,
+    pub fatal: tokio_util::sync::CancellationToken,
+}
+
+impl CleanArena for Rebuild {
+    fn clean(&self) -> BoxFuture<'_, Result<Cleaned, EngineError>> {
+        Box::pin(async move {
+            self.serving.clean_arena().await.map_err(|e| {
+                tracing::error!(error = %e, "the worker cannot serve and exits");
+                self.fatal.cancel();
+                EngineError::Stopped
+            })
+        })
     }
 }
 

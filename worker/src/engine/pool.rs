@@ -31,6 +31,10 @@ enum Command {
     ReleaseMemory {
         model: String,
     },
+    /// Drops every session of every model.
+    DropAll {
+        reply: oneshot::Sender<()>,
+    },
 }
 
 /// Handle to the engine threads. Cheap to clone; the threads stop when the last handle is dropped.
@@ -43,6 +47,8 @@ struct Inner {
     slots: Vec<std_mpsc::Sender<Command>>,
     idle: Mutex<Vec<usize>>,
     gate: Semaphore,
+    /// How each loaded model was loaded, for [`Engine::rebuild`].
+    loaders: Mutex<HashMap<String, Loader>>,
 }
 
 impl Engine {
@@ -64,6 +70,7 @@ impl Engine {
                 slots: senders,
                 idle: Mutex::new((0..slots).rev().collect()),
                 gate: Semaphore::new(slots),
+                loaders: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -122,12 +129,14 @@ impl Engine {
             self.unload(model).await;
             return Err(e);
         }
+        self.inner.loaders.lock().expect("loaders").insert(model.to_owned(), loader);
         Ok(placement.expect("at least one slot"))
     }
 
     /// Drops every session of `model` on every engine thread and waits until they are gone.
     /// Returns whether any thread had it loaded.
     pub async fn unload(&self, model: &str) -> bool {
+        self.inner.loaders.lock().expect("loaders").remove(model);
         let mut replies = Vec::new();
         for slot in &self.inner.slots {
             let (reply, rx) = oneshot::channel();
@@ -146,6 +155,44 @@ impl Engine {
             any |= rx.await.unwrap_or(false);
         }
         any
+    }
+
+    /// Loads every model again from scratch, with nothing else on the device meanwhile: waits
+    /// until no run is on it and keeps it to itself, drops every session of every model on
+    /// every thread, calls `between` (nothing allocated by a session is alive then: the place
+    /// to reset an arena), then loads each model as it was loaded. What the failed runs of an
+    /// allocator left behind is gone afterwards, whatever the allocator. On an error a model may
+    /// be left unloaded: the caller decides whether the process can still serve.
+    pub async fn rebuild(&self, between: impl FnOnce() -> Result<(), EngineError>) -> Result<(), EngineError> {
+        let _all = self
+            .inner
+            .gate
+            .acquire_many(self.inner.slots.len() as u32)
+            .await
+            .map_err(|_| EngineError::Stopped)?;
+        let mut loaders: Vec<(String, Loader)> = self
+            .inner
+            .loaders
+            .lock()
+            .expect("loaders")
+            .iter()
+            .map(|(m, l)| (m.clone(), l.clone()))
+            .collect();
+        loaders.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut replies = Vec::new();
+        for slot in &self.inner.slots {
+            let (reply, rx) = oneshot::channel();
+            slot.send(Command::DropAll { reply }).map_err(|_| EngineError::Stopped)?;
+            replies.push(rx);
+        }
+        for rx in replies {
+            rx.await.map_err(|_| EngineError::Stopped)?;
+        }
+        between()?;
+        for (model, loader) in loaders {
+            self.load(&model, loader).await?;
+        }
+        Ok(())
     }
 
     /// Asks every session of `model` to give back unused arena memory on its next run.
@@ -198,6 +245,10 @@ fn slot_main(commands: std_mpsc::Receiver<Command>) {
                 if let Some(backend) = models.get_mut(&model) {
                     backend.release_memory();
                 }
+            }
+            Command::DropAll { reply } => {
+                models.clear();
+                let _ = reply.send(());
             }
         }
     }
