@@ -646,7 +646,9 @@ mod group {
 /// engine the worker uses, so that the table measures batching and not the broker.
 mod adaptive {
     use super::*;
-    use sluice_worker::adaptive::{Adaptive, BatchItem, BatchSize, Done};
+    use futures::future::BoxFuture;
+    use sluice_worker::adaptive::{Adaptive, BatchItem, BatchSize, CeilingStore, CleanArena, Cleaned, Done, Learned};
+    use sluice_worker::engine::EngineError;
     use sluice_worker::metrics::Metrics;
     use sluice_worker::models::{Bucket, Prepared};
 
@@ -664,8 +666,59 @@ mod adaptive {
         }
     }
 
+    /// A clean arena as the worker makes one: every session rebuilt, the shared CPU arena reset
+    /// while none is alive.
+    struct Rebuild {
+        engine: Engine,
+        runtime: Arc<Runtime>,
+        baseline: Option<u64>,
+    }
+
+    impl CleanArena for Rebuild {
+        fn clean(&self) -> BoxFuture<'_, Result<Cleaned, EngineError>> {
+            Box::pin(async move {
+                let before = self.runtime.cpu_arena_stats();
+                let started = Instant::now();
+                self.engine.rebuild(|| self.runtime.reset_cpu_arena().map(drop)).await?;
+                let cleaned = Cleaned {
+                    before: before.map(|a| a.total_allocated),
+                    after: self.runtime.cpu_arena_stats().map(|a| a.total_allocated),
+                    baseline: self.baseline,
+                };
+                eprintln!(
+                    "clean arena: {:.0} ms; arena allocated {:?} (in use {:?}) before, {:?} after, {:?} after the first load",
+                    started.elapsed().as_secs_f64() * 1e3,
+                    cleaned.before,
+                    before.map(|a| a.in_use),
+                    cleaned.after,
+                    cleaned.baseline
+                );
+                Ok(cleaned)
+            })
+        }
+    }
+
+    /// Learned ceilings kept in memory, as the worker keeps them in the ceilings topic: the
+    /// "restarted" row starts from what the first adaptive row learned.
+    #[derive(Default)]
+    struct Kept(std::sync::Mutex<std::collections::HashMap<String, Learned>>);
+
+    impl CeilingStore for Kept {
+        fn get(&self, bucket: &str) -> Option<Learned> {
+            self.0.lock().expect("kept").get(bucket).copied()
+        }
+        fn put(&self, bucket: &str, learned: Option<Learned>) {
+            let mut kept = self.0.lock().expect("kept");
+            match learned {
+                Some(l) => kept.insert(bucket.to_owned(), l),
+                None => kept.remove(bucket),
+            };
+        }
+    }
+
     /// What one table measures: a model, its loader and adapter, and its tasks.
     struct Subject<'a> {
+        runtime: Arc<Runtime>,
         model: &'a str,
         loader: Loader,
         adapter: &'a dyn ModelAdapter,
@@ -683,9 +736,22 @@ mod adaptive {
 
     /// Runs `tasks` tasks in calls of at most `max`, as the batcher hands them over: each batch
     /// as large as the bucket's current limit.
-    async fn measure(engine: &Engine, subject: &Subject<'_>, max: usize, tasks: usize) -> anyhow::Result<Outcome> {
+    async fn measure(
+        engine: &Engine,
+        subject: &Subject<'_>,
+        max: usize,
+        tasks: usize,
+        store: Option<Arc<Kept>>,
+    ) -> anyhow::Result<Outcome> {
+        // Every strategy starts on a fresh arena, as a started worker does.
+        subject.runtime.reset_cpu_arena()?;
         engine.load(subject.model, subject.loader.clone()).await?;
         let metrics = Metrics::new();
+        let cleaner = Rebuild {
+            engine: engine.clone(),
+            runtime: subject.runtime.clone(),
+            baseline: subject.runtime.cpu_arena_stats().map(|a| a.total_allocated),
+        };
         let adaptive = Adaptive::new(
             engine.clone(),
             BatchSize {
@@ -695,7 +761,12 @@ mod adaptive {
             16,
             true,
             metrics.clone(),
-        );
+        )
+        .with_cleaner(Arc::new(cleaner));
+        let adaptive = match store {
+            Some(store) => adaptive.with_store(store),
+            None => adaptive,
+        };
         let bucket: Bucket = subject.adapter.bucket(&(subject.task)(0)).map_err(anyhow::Error::msg)?;
         // Inputs prepared beforehand: the table compares batching, not input preparation.
         // A pool of prepared inputs, recycled as runs finish.
@@ -767,6 +838,7 @@ mod adaptive {
         let adapter = Terrain::new(runtime.clone());
         let task = |i: usize| -> TaskRecord { serde_json::from_value(task_record(i)).expect("task") };
         let subject = Subject {
+            runtime: runtime.clone(),
             model: "terrain",
             loader: ort_loader(&runtime, &tiny),
             adapter: &adapter,
@@ -787,10 +859,15 @@ mod adaptive {
         let tasks = env_or("SLUICE_BENCH_SD_ADAPTIVE_TASKS", 48);
         let runtime = runtime_with(stack, Some(cap))?;
         let dir = stack.dir.join("models/sd-tiny");
-        let adapter = Arc::new(sluice_worker::models::diffusion::StableDiffusion::open(runtime, "sd-tiny", &dir)?);
+        let adapter = Arc::new(sluice_worker::models::diffusion::StableDiffusion::open(
+            runtime.clone(),
+            "sd-tiny",
+            &dir,
+        )?);
         let (a, d) = (adapter.clone(), dir.clone());
         let task = |i: usize| -> TaskRecord { serde_json::from_value(sd_task(i as u64, 256, 2, 1).1).expect("task") };
         let subject = Subject {
+            runtime,
             model: "sd-tiny",
             loader: Arc::new(move || a.load(&d, &SessionOptions::default())),
             adapter: adapter.as_ref(),
@@ -807,6 +884,10 @@ mod adaptive {
     /// Adaptive (at `sizes[0]` at most) against each fixed size of `sizes[1..]`, as a table.
     async fn table(subject: &Subject<'_>, sizes: &[usize], tasks: usize, cap: usize, title: &str) -> anyhow::Result<()> {
         let engine = Engine::start(1);
+        // Not measured: the first model calls of a process pay for its warm-up (thread pools,
+        // page faults), which would otherwise fall on the first row only.
+        measure(&engine, subject, 1, 4.min(tasks), None).await?;
+        let kept = Arc::new(Kept::default());
         let mut rows = Vec::new();
         for (i, &max) in sizes.iter().enumerate() {
             let label = if i == 0 {
@@ -815,7 +896,14 @@ mod adaptive {
                 format!("fixed {max}")
             };
             eprintln!("== adaptive: {label}, {tasks} tasks, CPU arena capped at {} MiB", cap >> 20);
-            rows.push((label, max, measure(&engine, subject, max, tasks).await?));
+            let store = (i == 0).then(|| kept.clone());
+            rows.push((label, max, measure(&engine, subject, max, tasks, store).await?));
+            if i == 0 {
+                // The same again as a restarted worker: from the ceiling the first run kept.
+                let label = format!("adaptive (max {max}), restarted");
+                eprintln!("== adaptive: {label}, {tasks} tasks");
+                rows.push((label, max, measure(&engine, subject, max, tasks, Some(kept.clone())).await?));
+            }
         }
         let best_fixed = rows
             .iter()
