@@ -5,7 +5,12 @@
 #      the diffusers reference case `euler` within 1e-2 (GPU kernels round differently);
 #   2. the end-to-end suites (terrain and SD over Kafka and S3) with every worker on CUDA, and
 #      the SD memory suite with the cap as `gpu_mem_limit`: a batch that does not fit halves
-#      and completes on a real CUDA OOM, 20 reloads bring free device memory back to baseline.
+#      and completes on a real CUDA OOM, what fits alone completes (the clean-arena retry
+#      rebuilds the sessions, and with them their CUDA arenas), a restarted worker starts from
+#      the ceilings it kept (device class `cuda:memory=…:gpu_mem_limit=…`), 20 reloads bring
+#      free device memory back to baseline;
+#   3. `sluice-bench adaptive-sd` on the CUDA arena (the cap as `gpu_mem_limit`): adaptive
+#      batching against each fixed batch size, tasks failed, OOMs handled, restarted.
 # Written without a GPU to run it on (none was lent to the session that wrote it): treat a
 # failure here as this script's bug until proven otherwise.
 set -euo pipefail
@@ -29,3 +34,4 @@ print(f"CUDA vs diffusers (CPU) final latents: max |d| {err:.2e}")
 sys.exit(0 if err <= 1e-2 else 1)
 PYEOF
 SLUICE_DEVICE=cuda SLUICE_REQUIRE_GPU=true cargo test --release --locked -p sluice-integration-tests --test e2e --test sd --test sd_memory
+SLUICE_DEVICE=cuda "$BIN/sluice-bench" adaptive-sd

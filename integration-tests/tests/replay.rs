@@ -8,7 +8,8 @@ use std::time::Duration;
 use serde_json::Value;
 use sluice_integration_tests::cluster::{Worker, producer_cli};
 use sluice_integration_tests::kafka::producer;
-use sluice_integration_tests::{Outcomes, Stack, TopicReader, ids_of, produce_raw, publish_tasks, terrain_task};
+use sluice_integration_tests::stack::repo_root;
+use sluice_integration_tests::{Outcomes, Stack, TopicReader, ids_of, produce_raw, publish_tasks, sd_task, terrain_task};
 use sluice_schemas::{CompletionStatus, HEADER_ORIGIN};
 use tokio::sync::OnceCell;
 
@@ -27,18 +28,26 @@ fn all_records(stack: &Stack, topic: &str) -> Vec<sluice_integration_tests::Cons
 async fn redrive_sends_the_chosen_dlq_records_back_once_and_they_complete() {
     let stack = stack().await;
     let topics = stack.topics("redrive", 2).unwrap();
-    // Under a 400 MB arena a 320×320 map (9 tiles) does not fit even alone: resource_exhausted.
+    // Under a 400 MB arena one 512×512 image of the tiny SD model does not fit even alone, on a
+    // clean arena (one row: nothing to cut in parts): resource_exhausted.
+    let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
+    let models = [("SLUICE_MODEL_CATALOG", catalog.as_str()), ("SLUICE_MODELS", "terrain,sd-tiny")];
     let mut capped = Worker::on_topics(
         stack,
         "redrive-capped",
         "redrive",
         &topics,
-        &[("SLUICE_ORT_CPU_ARENA_MAX_BYTES", "400000000"), ("SLUICE_MAX_BATCH", "1")],
+        &[
+            models[0],
+            models[1],
+            ("SLUICE_ORT_CPU_ARENA_MAX_BYTES", "400000000"),
+            ("SLUICE_MAX_BATCH", "1"),
+        ],
     )
     .await
     .unwrap();
     let kafka = producer(stack.brokers()).unwrap();
-    let too_big: Vec<_> = (0..3).map(|i| terrain_task(i, 320, 320, 30)).collect();
+    let too_big: Vec<_> = (0..3).map(|i| sd_task(i, 512, 2, 1)).collect();
     let fine: Vec<_> = (0..2).map(|i| terrain_task(10 + i, 128, 128, 30)).collect();
     publish_tasks(&kafka, &topics.tasks, &too_big).await.unwrap();
     publish_tasks(&kafka, &topics.tasks, &fine).await.unwrap();
@@ -67,7 +76,9 @@ async fn redrive_sends_the_chosen_dlq_records_back_once_and_they_complete() {
         .unwrap();
 
     // A worker with room for them.
-    let mut roomy = Worker::on_topics(stack, "redrive-roomy", "redrive", &topics, &[]).await.unwrap();
+    let mut roomy = Worker::on_topics(stack, "redrive-roomy", "redrive", &topics, &models)
+        .await
+        .unwrap();
     let args = |dry: bool| {
         let mut a = vec![
             "redrive",

@@ -147,14 +147,24 @@ fn runtime(stack: &Stack) -> anyhow::Result<Arc<Runtime>> {
     runtime_with(stack, None)
 }
 
+/// Whether the benchmark runs on CUDA (`SLUICE_DEVICE=cuda`, as `make gpu-check` runs it).
+fn on_cuda() -> bool {
+    std::env::var("SLUICE_DEVICE").is_ok_and(|d| d == "cuda")
+}
+
 /// The process's runtime; `cpu_arena_max_bytes` applies when this call creates it.
 fn runtime_with(stack: &Stack, cpu_arena_max_bytes: Option<usize>) -> anyhow::Result<Arc<Runtime>> {
     static RUNTIME: std::sync::OnceLock<Arc<Runtime>> = std::sync::OnceLock::new();
     if let Some(r) = RUNTIME.get() {
         return Ok(r.clone());
     }
+    // On a GPU node (`make gpu-check`) the CUDA flavour of ONNX Runtime is the one exported.
+    let dylib = match std::env::var("ORT_DYLIB_PATH") {
+        Ok(path) if on_cuda() => path,
+        _ => stack.env["ORT_DYLIB_PATH"].clone(),
+    };
     let r = Arc::new(Runtime::init(&RuntimeOptions {
-        dylib_path: Some(stack.env["ORT_DYLIB_PATH"].clone().into()),
+        dylib_path: Some(dylib.into()),
         cpu_arena_max_bytes,
     })?);
     Ok(RUNTIME.get_or_init(|| r).clone())
@@ -853,11 +863,28 @@ mod adaptive {
     }
 
     /// The tiny Stable Diffusion model, 256x256 at 2 euler steps with guidance, under a 400 MB
-    /// CPU arena cap (two images fit in one call, four do not).
+    /// CPU arena cap (two images fit in one call, four do not); with `SLUICE_DEVICE=cuda`, the
+    /// same cap as the CUDA arena's `gpu_mem_limit`.
     pub async fn run_sd(stack: &Stack) -> anyhow::Result<()> {
+        use sluice_worker::engine::{ArenaExtend, ConvSearch, Device};
         let cap = env_or("SLUICE_BENCH_SD_ARENA_BYTES", 400_000_000);
         let tasks = env_or("SLUICE_BENCH_SD_ADAPTIVE_TASKS", 48);
-        let runtime = runtime_with(stack, Some(cap))?;
+        let (runtime, options, arena) = if on_cuda() {
+            let device = Device::Cuda {
+                device_id: 0,
+                mem_limit: Some(cap),
+                arena_extend: ArenaExtend::SameAsRequested,
+                conv_search: ConvSearch::Heuristic,
+                require: true,
+            };
+            let options = SessionOptions {
+                device,
+                ..SessionOptions::default()
+            };
+            (runtime_with(stack, None)?, options, "CUDA arena (gpu_mem_limit)")
+        } else {
+            (runtime_with(stack, Some(cap))?, SessionOptions::default(), "CPU arena")
+        };
         let dir = stack.dir.join("models/sd-tiny");
         let adapter = Arc::new(sluice_worker::models::diffusion::StableDiffusion::open(
             runtime.clone(),
@@ -869,13 +896,13 @@ mod adaptive {
         let subject = Subject {
             runtime,
             model: "sd-tiny",
-            loader: Arc::new(move || a.load(&d, &SessionOptions::default())),
+            loader: Arc::new(move || a.load(&d, &options)),
             adapter: adapter.as_ref(),
             task: &task,
         };
         let sizes = [16, 1, 2, 4, 8, 16];
         let title = format!(
-            "sd-tiny, CPU arena capped at {} MB, {tasks} tasks of 256x256 at 2 steps, one engine thread",
+            "sd-tiny, {arena} capped at {} MB, {tasks} tasks of 256x256 at 2 steps, one engine thread",
             cap / 1_000_000
         );
         table(&subject, &sizes, tasks, cap, &title).await
@@ -895,7 +922,7 @@ mod adaptive {
             } else {
                 format!("fixed {max}")
             };
-            eprintln!("== adaptive: {label}, {tasks} tasks, CPU arena capped at {} MiB", cap >> 20);
+            eprintln!("== adaptive: {label}, {tasks} tasks, arena capped at {} MiB", cap >> 20);
             let store = (i == 0).then(|| kept.clone());
             rows.push((label, max, measure(&engine, subject, max, tasks, store).await?));
             if i == 0 {
