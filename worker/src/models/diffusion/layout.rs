@@ -76,7 +76,7 @@ impl SdLayout {
             let path = dir.join(file);
             std::fs::read_to_string(&path)
                 .map_err(|e| e.to_string())
-                .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+                .and_then(|t| super::python_json::parse(&t).map_err(|e| e.to_string()))
                 .map_err(|reason| LayoutError::Config {
                     file: path.display().to_string(),
                     reason,

@@ -7,6 +7,7 @@
 pub mod denoise;
 pub mod layout;
 pub mod npy;
+mod python_json;
 pub mod request;
 pub mod schedulers;
 pub mod tokenizer;

@@ -56,7 +56,7 @@ impl ClipTokenizer {
         }
         let config: serde_json::Value = std::fs::read_to_string(&config_path)
             .map_err(|e| e.to_string())
-            .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+            .and_then(|t| super::python_json::parse(&t).map_err(|e| e.to_string()))
             .map_err(|e| file_error(&config_path, e))?;
         let token_of = |key: &str, default: &str| -> String {
             match &config[key] {

@@ -27,6 +27,8 @@ mod lcm;
 use serde::Deserialize;
 use thiserror::Error;
 
+use super::python_json;
+
 /// A sampler a task can ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Sampler {
@@ -84,7 +86,9 @@ pub enum ScheduleError {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct SchedulerConfig {
     pub num_train_timesteps: Option<usize>,
+    #[serde(default, deserialize_with = "python_json::float")]
     pub beta_start: Option<f64>,
+    #[serde(default, deserialize_with = "python_json::float")]
     pub beta_end: Option<f64>,
     pub beta_schedule: Option<String>,
     pub trained_betas: Option<Vec<f64>>,
@@ -93,6 +97,7 @@ pub struct SchedulerConfig {
     pub steps_offset: Option<i64>,
     pub rescale_betas_zero_snr: Option<bool>,
     pub clip_sample: Option<bool>,
+    #[serde(default, deserialize_with = "python_json::float")]
     pub clip_sample_range: Option<f64>,
     pub set_alpha_to_one: Option<bool>,
     pub thresholding: Option<bool>,
@@ -100,7 +105,9 @@ pub struct SchedulerConfig {
     pub use_karras_sigmas: Option<bool>,
     pub use_exponential_sigmas: Option<bool>,
     pub use_beta_sigmas: Option<bool>,
+    #[serde(default, deserialize_with = "python_json::float")]
     pub sigma_min: Option<f64>,
+    #[serde(default, deserialize_with = "python_json::float")]
     pub sigma_max: Option<f64>,
     pub final_sigmas_type: Option<String>,
     pub timestep_type: Option<String>,
@@ -108,18 +115,20 @@ pub struct SchedulerConfig {
     pub lower_order_final: Option<bool>,
     pub euler_at_final: Option<bool>,
     pub use_lu_lambdas: Option<bool>,
+    #[serde(default, deserialize_with = "python_json::float")]
     pub lambda_min_clipped: Option<f64>,
     pub variance_type: Option<String>,
     pub original_inference_steps: Option<usize>,
+    #[serde(default, deserialize_with = "python_json::float")]
     pub timestep_scaling: Option<f64>,
 }
 
 impl SchedulerConfig {
-    /// Parses the file. Keys listed in `_use_default_values` were filled by the class that saved
+    /// Parses the file as diffusers writes it (Python's `json`: `-Infinity` bare). Keys listed in `_use_default_values` were filled by the class that saved
     /// the file with its own defaults; `from_config` does not pass them on, so neither does this.
     pub fn from_json(text: &str) -> Result<SchedulerConfig, ScheduleError> {
         let bad = |e: serde_json::Error| ScheduleError::Config(e.to_string());
-        let mut value: serde_json::Value = serde_json::from_str(text).map_err(bad)?;
+        let mut value = python_json::parse(text).map_err(bad)?;
         if let Some(map) = value.as_object_mut() {
             let defaults: Vec<String> = map
                 .remove("_use_default_values")

@@ -124,6 +124,31 @@ fn every_sampler_matches_diffusers_step_by_step() {
     assert_eq!(checked, 240, "every recorded entry");
 }
 
+/// Every entry's scheduler config as diffusers saves it (`scheduler.config` written by Python's
+/// `json`: `lambda_min_clipped` and any other non-finite float bare, `-Infinity`) loads and gives
+/// the recorded timesteps.
+#[test]
+fn configs_load_as_diffusers_writes_them() {
+    let traces: Value = serde_json::from_str(TRACES).unwrap();
+    let mut bare = 0;
+    for entry in traces["entries"].as_array().unwrap() {
+        if entry.get("error").is_some() {
+            continue;
+        }
+        let sampler = Sampler::parse(entry["sampler"].as_str().unwrap()).unwrap();
+        let steps = entry["steps"].as_u64().unwrap() as usize;
+        let name = format!("{} / {} / {steps} steps", sampler.name(), entry["config_name"]);
+        let written = ["NaN", "Infinity", "-Infinity"]
+            .iter()
+            .fold(entry["config"].to_string(), |text, t| text.replace(&format!("\"{t}\""), t));
+        bare += usize::from(written.contains("-Infinity"));
+        let config = SchedulerConfig::from_json(&written).unwrap_or_else(|e| panic!("{name}: {e}\n{written}"));
+        let schedule = Schedule::new(sampler, &config, steps).unwrap_or_else(|e| panic!("{name}: {e}"));
+        close(schedule.timesteps(), &floats(&entry["timesteps"]), &format!("{name}: timesteps"));
+    }
+    assert!(bare >= 10, "the DPM entries' configs carry a bare -Infinity: {bare}");
+}
+
 #[test]
 fn the_training_schedule_matches_torch() {
     let traces: Value = serde_json::from_str(TRACES).unwrap();
