@@ -3,7 +3,10 @@
 //! row; a single then runs with the device to itself (an exclusive permit); and one that still
 //! runs out of memory runs once more on a clean arena — every model's sessions rebuilt, so that
 //! nothing earlier failures left behind (a fragmented arena) takes part in the verdict. Only an
-//! out-of-memory there fails the task. The largest size that works is remembered per bucket,
+//! out-of-memory there fails the task. A call larger than any that ran asks the allocator to give
+//! back what it holds when the call ends, so that its failure leaves the arena as it found it:
+//! where the allocator can (ONNX Runtime's CPU and CUDA arenas), halving alone finds what fits
+//! and a rebuild is rare. The largest size that works is remembered per bucket,
 //! probed upwards slowly so a transient OOM does not pin it low forever, and kept (through a
 //! [`CeilingStore`]) where a restarted worker of the same kind finds it.
 //!
@@ -62,6 +65,19 @@ impl Ceiling {
         self.limit
     }
 
+    /// How many times longer than at first it waits before the next probe (1: never failed;
+    /// doubled by each failed probe, back to 1 when one holds).
+    pub fn backoff(&self) -> u32 {
+        self.probe_every / self.base_probe_every
+    }
+
+    /// Waits `backoff` times longer before its next probe, as after that many failed probes'
+    /// doublings (a restarted worker does not repeat at once a probe that failed before).
+    pub fn backed_off(mut self, backoff: u32) -> Ceiling {
+        self.probe_every = self.base_probe_every * backoff.clamp(1, MAX_PROBE_BACKOFF);
+        self
+    }
+
     /// A batch of `size` ran. Returns the new limit when this success earned a probe.
     pub fn on_success(&mut self, size: usize) -> Option<usize> {
         if size < self.limit {
@@ -116,6 +132,18 @@ pub struct Learned {
     /// Rows per call for one task of the bucket, when its rows don't fit together.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub part_rows: Option<usize>,
+    /// The wait before the next probe, as a multiple of the first ([`Ceiling::backoff`]): a
+    /// probe above `limit` failed that many doublings ago.
+    #[serde(default = "no_backoff", skip_serializing_if = "is_no_backoff")]
+    pub probe_backoff: u32,
+}
+
+fn no_backoff() -> u32 {
+    1
+}
+
+fn is_no_backoff(b: &u32) -> bool {
+    *b <= 1
 }
 
 /// Where learned ceilings outlive the process, keyed by bucket (its `Display` form) on this
@@ -229,6 +257,8 @@ struct Entry {
     stored: Option<Learned>,
     /// The last clean-arena retry: when it ended and whether the task fit.
     last_clean: Option<(Instant, bool)>,
+    /// When the sessions were last rebuilt for this bucket.
+    rebuilt_at: Option<Instant>,
     /// The bucket's next call runs on a freshly rebuilt arena: the probe that follows a clean
     /// retry, or the smaller call after such a probe failed (on the arena it left behind, the
     /// size that fits might not).
@@ -236,8 +266,10 @@ struct Entry {
     /// When a probe on a clean arena last failed: no other one follows a clean retry before
     /// the bucket may rebuild again.
     clean_probe_failed: Option<Instant>,
-    /// When the sessions were last rebuilt for this bucket.
-    rebuilt_at: Option<Instant>,
+    /// The most tasks of the bucket that ran in one call since the last out-of-memory error of
+    /// this size (0: none yet). A larger call may not fit, so it runs with the arena shrunk at
+    /// its end: if it fails, it leaves the arena as clean as it found it.
+    fits: usize,
     /// Last use, to forget the stalest bucket first.
     used: u64,
 }
@@ -247,6 +279,7 @@ impl Entry {
         (self.ceiling.limit < self.ceiling.max || self.part_rows.is_some()).then_some(Learned {
             limit: self.ceiling.limit,
             part_rows: self.part_rows,
+            probe_backoff: self.ceiling.backoff(),
         })
     }
 }
@@ -356,7 +389,7 @@ impl Adaptive {
             let stored = self.store.as_ref().and_then(|s| s.get(&bucket.to_string()));
             let mut ceiling = Ceiling::new(self.max_for(bucket), self.probe_after);
             if let Some(learned) = stored {
-                ceiling = ceiling.starting_at(learned.limit);
+                ceiling = ceiling.starting_at(learned.limit).backed_off(learned.probe_backoff);
             }
             events::CeilingIs {
                 bucket,
@@ -370,6 +403,7 @@ impl Adaptive {
                 last_clean: None,
                 clean_next: false,
                 clean_probe_failed: None,
+                fits: 0,
                 rebuilt_at: None,
                 used: now,
             }
@@ -537,6 +571,11 @@ impl Adaptive {
                 }
             }
             let size = chunk.items.len();
+            if self.with_entry(bucket, |e| size > e.fits) {
+                // This size may not fit: whatever it allocates goes back to the system when it
+                // ends, so that a failure leaves no pieces for the smaller call after it.
+                self.engine.release_memory(&bucket.model);
+            }
             let started = Instant::now();
             let result = self.call(bucket, &chunk.items, chunk.exclusive).await;
             let elapsed = started.elapsed();
@@ -549,6 +588,7 @@ impl Adaptive {
                         // on a clean arena too, unless such a probe failed a moment ago.
                         let every = self.clean_every();
                         self.update(bucket, |e| {
+                            e.fits = e.fits.max(size);
                             e.last_clean = Some((Instant::now(), true));
                             if e.clean_probe_failed.is_some_and(|at| at.elapsed() < every) {
                                 return None;
@@ -558,7 +598,10 @@ impl Adaptive {
                             to
                         })
                     } else {
-                        self.update(bucket, |e| e.ceiling.on_success(size))
+                        self.update(bucket, |e| {
+                            e.fits = e.fits.max(size);
+                            e.ceiling.on_success(size)
+                        })
                     };
                     if let Some(to) = probe {
                         events::CeilingProbed { bucket, to }.emit(&self.metrics);
@@ -613,9 +656,13 @@ impl Adaptive {
         pending: &mut VecDeque<T>,
         on_done: &mut impl FnMut(Done<T>),
     ) -> Option<Chunk<T>> {
+        // A call of a size that ran before may have failed on an arena in pieces: the next run
+        // gives back what they hold when it ends. (A call of a size not known to fit already
+        // shrank the arena as it failed.)
         self.engine.release_memory(&bucket.model);
         let size = chunk.items.len();
         let (task_ids, dimensions) = names(&chunk.items);
+        self.with_entry(bucket, |e| e.fits = e.fits.min(size - 1));
         if size > 1 {
             let every = self.clean_every();
             let to = self.update(bucket, |e| {
@@ -1043,6 +1090,41 @@ mod tests {
         assert_eq!(run(&a, &bucket(1), items(20..21, 1)).await.1.len(), 1);
     }
 
+    /// Where failed calls of sizes not known to fit give their pieces back (ONNX Runtime's arena
+    /// shrinkage), halving finds what fits without a rebuild: the same fragmenting device and
+    /// tasks as above, no task failed and no rebuild.
+    #[tokio::test]
+    async fn a_call_that_may_not_fit_leaves_no_pieces_where_the_arena_shrinks() {
+        let device = Device::shrinking(4, Duration::from_millis(5), 2);
+        let engine = Engine::start(1);
+        let model = Arc::new(FakeModel { device: device.clone() });
+        engine
+            .load("fake", Arc::new(move || model.load(std::path::Path::new(""), &Default::default())))
+            .await
+            .unwrap();
+        let rebuilds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let limits = BatchSize {
+            max_tasks: 16,
+            max_rows: 1024,
+        };
+        let a = Adaptive::new(engine.clone(), limits, 4, true, Metrics::new()).with_cleaner(Arc::new(Rebuild(engine, rebuilds.clone())));
+        let (sizes, ran, failed) = run(&a, &bucket(1), items(0..16, 1)).await;
+        assert!(failed.is_empty(), "{failed:?}");
+        assert_eq!(ran.len(), 16);
+        assert_eq!(sizes, vec![4; 4], "16 and 8 failed, 4 fit on the arena they left");
+        assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(a.metrics.ooms(&bucket(1)), 2);
+        // A known size runs on the arena as it is; the probe above it (5) fails and 4 fits
+        // after. A failed probe is still followed by one rebuild: on ONNX Runtime the sessions
+        // that ran it can fail a size they have not run yet although the arena is empty.
+        let (sizes, _, failed) = run(&a, &bucket(1), items(16..36, 1)).await;
+        assert!(failed.is_empty(), "{failed:?}");
+        assert!(sizes.iter().all(|&s| s == 4), "{sizes:?}");
+        assert_eq!(a.metrics.ooms(&bucket(1)), 3, "one failed probe");
+        assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(device.loads.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
     /// A store in memory, as a restarted worker finds the ceilings topic.
     #[derive(Default)]
     struct Kept(Mutex<HashMap<String, Learned>>);
@@ -1073,6 +1155,33 @@ mod tests {
 
     /// What a runner learned is kept; a new one (a restarted worker) starts there and runs
     /// into no out-of-memory error again; a probe's raise is kept only once a batch proved it.
+    /// A probe that failed is remembered with the ceiling: a restarted runner waits as long
+    /// before probing again as the one that learned it would have (here 4 clean batches, not 2),
+    /// so it does not run into the same out-of-memory error at once.
+    #[tokio::test]
+    async fn a_failed_probe_is_remembered_across_restarts() {
+        let store = Arc::new(Kept::default());
+        let (a, metrics) = kept(4, 2, &store).await;
+        run(&a, &bucket(1), items(0..8, 1)).await;
+        assert_eq!(a.limit(&bucket(1)), 5, "probing");
+        run(&a, &bucket(1), items(8..13, 1)).await;
+        assert_eq!(metrics.ooms(&bucket(1)), 2, "the first call and the probe");
+        let key = bucket(1).to_string();
+        assert_eq!(
+            store.get(&key),
+            Some(Learned {
+                limit: 4,
+                part_rows: None,
+                probe_backoff: 2
+            })
+        );
+
+        let (b, metrics) = kept(4, 2, &store).await;
+        assert_eq!(run(&b, &bucket(1), items(0..16, 1)).await.0, vec![4; 4]);
+        assert_eq!(metrics.ooms(&bucket(1)), 0);
+        assert_eq!(b.limit(&bucket(1)), 5, "it still probes, after 4 clean batches");
+    }
+
     #[tokio::test]
     async fn a_restarted_runner_starts_at_the_stored_ceiling() {
         let store = Arc::new(Kept::default());
@@ -1080,7 +1189,11 @@ mod tests {
         assert_eq!(run(&a, &bucket(1), items(0..8, 1)).await.0, vec![4, 4]);
         assert_eq!(metrics.ooms(&bucket(1)), 1);
         let key = bucket(1).to_string();
-        assert_eq!(store.get(&key), Some(Learned { limit: 4, part_rows: None }));
+        assert_eq!(store.get(&key), Some(Learned {
+                limit: 4,
+                part_rows: None,
+                probe_backoff: 1
+            }));
         assert_eq!(a.limit(&bucket(1)), 5, "probing");
         assert_eq!(store.get(&key).unwrap().limit, 4, "an unproved probe is not kept");
 

@@ -243,7 +243,11 @@ mod tests {
                 version: 1,
                 device: device.into(),
                 bucket: bucket.into(),
-                learned: Learned { limit, part_rows: None },
+                learned: Learned {
+                    limit,
+                    part_rows: None,
+                    probe_backoff: 1,
+                },
                 worker_id: "w".into(),
                 at: Utc::now(),
             })
@@ -252,7 +256,11 @@ mod tests {
         let good = record("cpu:arena=1", "sd:256x256:euler:2:cfg:1", 2);
         assert_eq!(
             parse(&good, "cpu:arena=1", "sd:256x256:euler:2:cfg:1"),
-            Some(Learned { limit: 2, part_rows: None })
+            Some(Learned {
+                limit: 2,
+                part_rows: None,
+                probe_backoff: 1
+            })
         );
         assert_eq!(parse(&good, "cpu:arena=2", "sd:256x256:euler:2:cfg:1"), None, "another device");
         assert_eq!(parse(&good, "cpu:arena=1", "sd:512x512:euler:2:cfg:1"), None, "a key that lies");

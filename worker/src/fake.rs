@@ -22,7 +22,8 @@ pub(crate) const ERROR_SEED: u64 = 404;
 
 /// The fake device: rows in use right now, and how many fit. A fragmenting one loses rows to
 /// every out-of-memory error, as an arena whose failed runs left it in pieces, until the model
-/// is loaded again.
+/// is loaded again — or, on one that shrinks (as ONNX Runtime's arenas do), until a run asked to
+/// give back what the arena holds ends, failed or not.
 #[derive(Debug)]
 pub(crate) struct Device {
     capacity: usize,
@@ -30,6 +31,7 @@ pub(crate) struct Device {
     latency: Duration,
     lost_per_oom: usize,
     lost: AtomicUsize,
+    shrinks: bool,
     /// Times the model was loaded.
     pub loads: AtomicUsize,
     /// Calls that ran, and the largest number of rows that ran at once.
@@ -42,6 +44,13 @@ impl Device {
         Device::fragmenting(capacity, latency, 0)
     }
 
+    /// A fragmenting device whose runs give back the pieces when asked to (`release_memory`).
+    pub(crate) fn shrinking(capacity: usize, latency: Duration, lost_per_oom: usize) -> Arc<Device> {
+        let mut device = Device::fragmenting(capacity, latency, lost_per_oom);
+        Arc::get_mut(&mut device).expect("new").shrinks = true;
+        device
+    }
+
     /// A device that loses `lost_per_oom` rows of its capacity to every out-of-memory error.
     pub(crate) fn fragmenting(capacity: usize, latency: Duration, lost_per_oom: usize) -> Arc<Device> {
         Arc::new(Device {
@@ -50,6 +59,7 @@ impl Device {
             latency,
             lost_per_oom,
             lost: AtomicUsize::new(0),
+            shrinks: false,
             loads: AtomicUsize::new(0),
             calls: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
@@ -87,6 +97,7 @@ impl ModelAdapter for FakeModel {
         self.device.loads.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(FakeBackend {
             device: self.device.clone(),
+            shrink: false,
         }))
     }
 }
@@ -109,6 +120,8 @@ pub(crate) fn prepared_whole(seed: u64, rows: usize) -> Prepared {
 
 struct FakeBackend {
     device: Arc<Device>,
+    /// This run gives back what the device's failed runs left in pieces when it ends.
+    shrink: bool,
 }
 
 impl Backend for FakeBackend {
@@ -122,7 +135,9 @@ impl Backend for FakeBackend {
             return Err(EngineError::Run("fake model: a task it cannot run".into()));
         }
         let rows = x.rows();
-        let d = &self.device;
+        let d = self.device.clone();
+        let shrink = std::mem::take(&mut self.shrink) && d.shrinks;
+        let _shrink = Shrink(shrink.then_some(&d));
         let before = d.in_use.fetch_add(rows, Ordering::SeqCst);
         let capacity = d.capacity.saturating_sub(d.lost.load(Ordering::SeqCst));
         if before + rows > capacity {
@@ -141,10 +156,23 @@ impl Backend for FakeBackend {
         Ok(vec![Tensor::f32("y", vec![rows, 1], values.iter().map(|v| v * 2.0).collect())])
     }
 
-    fn release_memory(&mut self) {}
+    fn release_memory(&mut self) {
+        self.shrink = true;
+    }
 
     fn placement(&self) -> Placement {
         Placement::Cpu
+    }
+}
+
+/// At the end of a run asked to shrink (whatever its outcome), the device's pieces are whole.
+struct Shrink<'a>(Option<&'a Arc<Device>>);
+
+impl Drop for Shrink<'_> {
+    fn drop(&mut self) {
+        if let Some(d) = self.0 {
+            d.lost.store(0, Ordering::SeqCst);
+        }
     }
 }
 
