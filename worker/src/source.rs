@@ -13,6 +13,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::message::{Headers, Message};
 use rdkafka::statistics::Statistics;
 use rdkafka::{ClientContext, TopicPartitionList};
+use sluice_service::backpressure::Backpressure;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -173,7 +174,7 @@ pub(crate) fn poll_loop(
             }
         }
     };
-    let mut paused = false;
+    let mut backpressure = Backpressure::new(max_in_flight);
     let mut last_poll = Instant::now();
     while !control.close.is_cancelled() {
         PollGap { gap: last_poll.elapsed() }.emit(&metrics);
@@ -183,12 +184,10 @@ pub(crate) fn poll_loop(
             tracing::info!("stopped reading new tasks");
         }
         let in_flight = offsets.in_flight();
-        if !paused && (tx.is_none() || in_flight >= max_in_flight) {
-            set_paused(true, in_flight);
-            paused = true;
-        } else if paused && tx.is_some() && in_flight <= max_in_flight / 2 {
-            set_paused(false, in_flight);
-            paused = false;
+        // Stopping: paused for good (nothing read now would be tracked).
+        let counted = if tx.is_none() { usize::MAX } else { in_flight };
+        if let Some(pause) = backpressure.update(counted) {
+            set_paused(pause, in_flight);
         }
         match consumer.poll(Duration::from_millis(100)) {
             None => {}

@@ -36,6 +36,7 @@ use sluice_schemas::{
     CompletionEvent, HEADER_SCHEMA_VERSION, ProgressEvent, ProgressRecord, SCHEMA_VERSION, WebhookDelivery, WebhookDlqRecord, WebhookEvent,
     WebhookFailure,
 };
+use sluice_service::backpressure::Backpressure;
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
@@ -233,7 +234,7 @@ impl Notifier {
         self.consumer
             .subscribe(&[s.completions_topic.as_str(), s.progress_topic.as_str(), s.retry_topic.as_str()])?;
         tracing::info!(group = %s.group, "webhook notifier consuming");
-        let mut paused = false;
+        let mut backpressure = Backpressure::new(s.max_pending);
         // Retry partitions paused at a record not due yet, and every partition paused now.
         let mut waiting: HashMap<i32, Waiting> = HashMap::new();
         let mut paused_now: HashSet<(String, i32)> = HashSet::new();
@@ -246,13 +247,12 @@ impl Notifier {
             self.metrics.webhook_pending.set(pending as i64);
             // Bounded memory: past max_pending, stop fetching (still polling, to stay in the
             // group) until half of it has finished.
-            let want_paused = pending >= s.max_pending || (paused && pending > s.max_pending / 2);
+            let changed = backpressure.update(pending).is_some();
             let now = Instant::now();
-            if want_paused != paused || pauses_changed || waiting.values().any(|w| w.due <= now) {
+            if changed || pauses_changed || waiting.values().any(|w| w.due <= now) {
                 waiting.retain(|_, w| w.due > now);
-                paused = want_paused;
                 pauses_changed = false;
-                self.apply_pauses(paused, &waiting, &mut paused_now);
+                self.apply_pauses(backpressure.is_paused(), &waiting, &mut paused_now);
             }
             if last_assignment_check.elapsed() >= Duration::from_secs(5) {
                 last_assignment_check = Instant::now();
