@@ -4,10 +4,10 @@
 
 pub mod adaptive;
 mod batcher;
+mod cancellations;
 mod ceilings;
 mod commit;
 pub mod config;
-mod control;
 mod crash_guard;
 mod encode;
 pub mod engine;

@@ -1,7 +1,6 @@
 //! `sluice-worker`: see the crate documentation.
 
-mod generate;
-mod sync_models;
+mod cli;
 
 use clap::Parser;
 use sluice_service::{shutdown, telemetry};
@@ -11,9 +10,9 @@ use sluice_worker::{Models, run};
 fn main() {
     // `sluice-worker generate ...`: one run from the command line; anything else is the worker.
     if std::env::args().nth(1).as_deref() == Some("generate") {
-        let args = generate::GenerateArgs::parse_from(std::env::args().skip(1));
+        let args = cli::generate::GenerateArgs::parse_from(std::env::args().skip(1));
         telemetry::init(sluice_service::telemetry::LogFormat::Text);
-        if let Err(e) = generate::run(args) {
+        if let Err(e) = cli::generate::run(args) {
             eprintln!("error: {e:#}");
             std::process::exit(1);
         }
@@ -21,9 +20,9 @@ fn main() {
     }
     // `sluice-worker sync-models ...`: copy the model repository from object storage, then exit.
     if std::env::args().nth(1).as_deref() == Some("sync-models") {
-        let args = sync_models::SyncArgs::parse_from(std::env::args().skip(1));
+        let args = cli::sync_models::SyncArgs::parse_from(std::env::args().skip(1));
         telemetry::init(args.log_format);
-        if let Err(e) = sync_models::run(args) {
+        if let Err(e) = cli::sync_models::run(args) {
             tracing::error!(error = format!("{e:#}"), "sync-models failed");
             std::process::exit(1);
         }

@@ -62,7 +62,7 @@ pub(crate) struct Shared {
     /// Progress records of multi-step models (none in unit tests).
     pub progress: Option<crate::progress::ProgressSink>,
     /// Tasks cancelled by their clients (the control topic).
-    pub cancellations: crate::control::Cancellations,
+    pub cancellations: crate::cancellations::Cancellations,
 }
 
 /// A prepared task inside a batch.

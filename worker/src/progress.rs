@@ -15,7 +15,7 @@ use sluice_schemas::{ProgressEvent, ProgressRecord, SCHEMA_VERSION};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use crate::control::Cancellations;
+use crate::cancellations::Cancellations;
 use crate::engine::TaskHooks;
 use crate::publish::TraceHeaders;
 

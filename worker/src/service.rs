@@ -306,7 +306,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         abandon: abandon.clone(),
         tasks: tasks.clone(),
     });
-    let cancellations = crate::control::Cancellations::default();
+    let cancellations = crate::cancellations::Cancellations::default();
     let control_consumer: rdkafka::consumer::BaseConsumer = k
         .client
         .whole_topic_config(&format!("{worker_id}-control"))
