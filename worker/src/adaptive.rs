@@ -257,8 +257,6 @@ struct Entry {
     stored: Option<Learned>,
     /// The last clean-arena retry: when it ended and whether the task fit.
     last_clean: Option<(Instant, bool)>,
-    /// When the sessions were last rebuilt for this bucket.
-    rebuilt_at: Option<Instant>,
     /// The bucket's next call runs on a freshly rebuilt arena: the probe that follows a clean
     /// retry, or the smaller call after such a probe failed (on the arena it left behind, the
     /// size that fits might not).
@@ -404,7 +402,6 @@ impl Adaptive {
                 clean_next: false,
                 clean_probe_failed: None,
                 fits: 0,
-                rebuilt_at: None,
                 used: now,
             }
         });
@@ -503,7 +500,6 @@ impl Adaptive {
         match cleaner.clean().await {
             Ok(cleaned) => {
                 *self.last_rebuild.lock().expect("last rebuild") = started.elapsed();
-                self.with_entry(bucket, |e| e.rebuilt_at = Some(Instant::now()));
                 let (task_ids, dimensions) = names(items);
                 events::ArenaCleaned {
                     bucket,
@@ -664,17 +660,14 @@ impl Adaptive {
         let (task_ids, dimensions) = names(&chunk.items);
         self.with_entry(bucket, |e| e.fits = e.fits.min(size.saturating_sub(1)));
         if size > 1 {
-            let every = self.clean_every();
             let to = self.update(bucket, |e| {
                 if chunk.clean {
                     // A probe on a clean arena failed: the smaller call gets a clean one too.
                     e.clean_probe_failed = Some(Instant::now());
                     e.clean_next = true;
-                } else if e.ceiling.probing && size == e.ceiling.limit && e.rebuilt_at.is_none_or(|at| at.elapsed() >= every) {
-                    // A failed probe leaves the arena in pieces that the size below it may not
-                    // fit in; the call after it runs on a clean one.
-                    e.clean_next = self.cleaner.is_some();
                 }
+                // A failed probe ran with the arena shrunk at its end (it was larger than
+                // anything that ran): the size below it finds the arena as before the probe.
                 e.ceiling.on_oom(size)
             });
             events::OomHandled {
@@ -1035,6 +1028,27 @@ mod tests {
         }
     }
 
+    /// A runner of at most 16 tasks per call over one engine thread on `device`, rebuilding its
+    /// sessions (counted) when it needs a clean arena, if `cleaner`.
+    async fn on_device(device: &Arc<Device>, probe_after: u32, cleaner: bool) -> (Adaptive, Arc<std::sync::atomic::AtomicUsize>) {
+        let engine = Engine::start(1);
+        let model = Arc::new(FakeModel { device: device.clone() });
+        engine
+            .load("fake", Arc::new(move || model.load(std::path::Path::new(""), &Default::default())))
+            .await
+            .unwrap();
+        let rebuilds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let limits = BatchSize {
+            max_tasks: 16,
+            max_rows: 1024,
+        };
+        let mut a = Adaptive::new(engine.clone(), limits, probe_after, true, Metrics::new());
+        if cleaner {
+            a = a.with_cleaner(Arc::new(Rebuild(engine, rebuilds.clone())));
+        }
+        (a, rebuilds)
+    }
+
     /// On a device that every out-of-memory error fragments further, halving alone ends with
     /// singles that fail although they fit; a clean arena before the verdict runs them all.
     /// What does not fit on a clean arena fails, after one rebuild for its bucket.
@@ -1042,21 +1056,7 @@ mod tests {
     async fn only_an_out_of_memory_on_a_clean_arena_fails_a_task() {
         let fragmenting = |cleaner: bool| async move {
             let device = Device::fragmenting(4, Duration::from_millis(5), 2);
-            let engine = Engine::start(1);
-            let model = Arc::new(FakeModel { device: device.clone() });
-            engine
-                .load("fake", Arc::new(move || model.load(std::path::Path::new(""), &Default::default())))
-                .await
-                .unwrap();
-            let rebuilds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-            let limits = BatchSize {
-                max_tasks: 16,
-                max_rows: 1024,
-            };
-            let mut a = Adaptive::new(engine.clone(), limits, 16, true, Metrics::new());
-            if cleaner {
-                a = a.with_cleaner(Arc::new(Rebuild(engine, rebuilds.clone())));
-            }
+            let (a, rebuilds) = on_device(&device, 16, cleaner).await;
             (a, device, rebuilds)
         };
         // Without a clean arena: 16, 8, 4 and 2 fail and leave the device too fragmented for one.
@@ -1091,23 +1091,11 @@ mod tests {
     }
 
     /// Where failed calls of sizes not known to fit give their pieces back (ONNX Runtime's arena
-    /// shrinkage), halving finds what fits without a rebuild: the same fragmenting device and
-    /// tasks as above, no task failed and no rebuild.
+    /// shrinkage), halving finds what fits without a rebuild.
     #[tokio::test]
     async fn a_call_that_may_not_fit_leaves_no_pieces_where_the_arena_shrinks() {
         let device = Device::shrinking(8, Duration::from_millis(5), 2);
-        let engine = Engine::start(1);
-        let model = Arc::new(FakeModel { device: device.clone() });
-        engine
-            .load("fake", Arc::new(move || model.load(std::path::Path::new(""), &Default::default())))
-            .await
-            .unwrap();
-        let rebuilds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let limits = BatchSize {
-            max_tasks: 16,
-            max_rows: 1024,
-        };
-        let a = Adaptive::new(engine.clone(), limits, 4, true, Metrics::new()).with_cleaner(Arc::new(Rebuild(engine, rebuilds.clone())));
+        let (a, rebuilds) = on_device(&device, 4, true).await;
         // 16 fails and gives its pieces back as it ends, so 8 fits on the arena it left (had 16
         // left its pieces, 8 would fail too and 4 would be learned).
         let (sizes, ran, failed) = run(&a, &bucket(1), items(0..16, 1)).await;
@@ -1117,14 +1105,13 @@ mod tests {
         assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(a.metrics.ooms(&bucket(1)), 1);
         // A known size runs on the arena as it is; the probe above it (9) fails and 8 fits
-        // after. A failed probe is still followed by one rebuild: on ONNX Runtime the sessions
-        // that ran it can fail a size they have not run yet although the arena is empty.
+        // after on the arena the probe left, with no rebuild.
         let (sizes, _, failed) = run(&a, &bucket(1), items(16..56, 1)).await;
         assert!(failed.is_empty(), "{failed:?}");
         assert_eq!(sizes, vec![8; 5]);
         assert_eq!(a.metrics.ooms(&bucket(1)), 2, "one failed probe");
-        assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 1);
-        assert_eq!(device.loads.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(device.loads.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     /// A store in memory, as a restarted worker finds the ceilings topic.

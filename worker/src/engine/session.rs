@@ -181,6 +181,13 @@ impl OrtBackend {
             // Allocate from the process-wide capped arena instead of a private one per session.
             builder = builder.with_env_allocators().map_err(|e| load(&e))?;
         }
+        // No memory patterns: ONNX Runtime caches one per input shapes under a key that XORs
+        // every dimension of every input (`SessionState::CalculateMemoryPatternsKey`), so a batch
+        // dimension that two inputs share cancels out and every batch size gets the pattern of
+        // the first size that ran; a run then pre-allocates that size's whole peak besides its
+        // own tensors. Measured on the tiny SD model under a 400 MB arena: after pairs had run, a
+        // single failed with the arena otherwise empty, and fit in a new session.
+        builder = builder.with_memory_pattern(false).map_err(|e| load(&e))?;
         let mut providers = Vec::new();
         providers.extend(provider);
         providers.push(ep::CPU::default().with_arena_allocator(true).build());
