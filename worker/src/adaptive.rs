@@ -850,6 +850,20 @@ mod tests {
         (sizes, ran, failed)
     }
 
+    /// Runs one task of ten rows (row r holds r) alone and returns the outputs of each call that
+    /// ran; the task must not fail.
+    async fn run_ten_rows(a: &Adaptive) -> Vec<Arc<Vec<Tensor>>> {
+        let mut task = prepared(3, 10);
+        task.inputs[0] = Tensor::f32("x", vec![10, 1], (0..10).map(|r| r as f32).collect());
+        let mut outputs = Vec::new();
+        a.run(&bucket(10), vec![Item(task, "big".into())], |done| match done {
+            Done::Ran { outputs: o, .. } => outputs.push(o),
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        outputs
+    }
+
     #[tokio::test]
     async fn an_oom_halves_the_batch_runs_the_same_tasks_and_remembers_the_size() {
         let (a, device, metrics) = adaptive(4, 1, 8, 16, true).await;
@@ -879,14 +893,7 @@ mod tests {
             .unwrap();
         let limits = BatchSize { max_tasks: 8, max_rows: 4 };
         let a = Adaptive::new(engine, limits, 16, true, Metrics::new());
-        let mut task = prepared(3, 10);
-        task.inputs[0] = Tensor::f32("x", vec![10, 1], (0..10).map(|r| r as f32).collect());
-        let mut outputs = Vec::new();
-        a.run(&bucket(10), vec![Item(task, "big".into())], |done| match done {
-            Done::Ran { outputs: o, .. } => outputs.push(o),
-            Done::Failed { error, .. } => panic!("{error}"),
-        })
-        .await;
+        let outputs = run_ten_rows(&a).await;
         let y = &outputs[0][0];
         assert_eq!(y.shape, vec![10, 1]);
         let want: Vec<f32> = (0..10).map(|r| 2.0 * r as f32).collect();
@@ -995,14 +1002,7 @@ mod tests {
     #[tokio::test]
     async fn a_task_whose_rows_do_not_fit_together_runs_them_in_smaller_parts() {
         let (a, device, metrics) = adaptive(3, 1, 8, 16, true).await;
-        let mut task = prepared(3, 10);
-        task.inputs[0] = Tensor::f32("x", vec![10, 1], (0..10).map(|r| r as f32).collect());
-        let mut outputs = Vec::new();
-        a.run(&bucket(10), vec![Item(task, "big".into())], |done| match done {
-            Done::Ran { outputs: o, .. } => outputs.push(o),
-            Done::Failed { error, .. } => panic!("{error}"),
-        })
-        .await;
+        let outputs = run_ten_rows(&a).await;
         let want: Vec<f32> = (0..10).map(|r| 2.0 * r as f32).collect();
         assert_eq!(outputs[0][0].f32_rows(0, 10).unwrap(), want.as_slice());
         assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 3);
