@@ -912,8 +912,11 @@ mod adaptive {
     async fn table(subject: &Subject<'_>, sizes: &[usize], tasks: usize, cap: usize, title: &str) -> anyhow::Result<()> {
         let engine = Engine::start(1);
         // Not measured: the first model calls of a process pay for its warm-up (thread pools,
-        // page faults), which would otherwise fall on the first row only.
+        // page faults, the allocator growing to the sizes the rows use), which would otherwise
+        // fall on the first row only. So a few singles, then the first row's strategy once with
+        // nothing kept, over as many tasks as its largest call takes twice.
         measure(&engine, subject, 1, 4.min(tasks), None).await?;
+        measure(&engine, subject, sizes[0], (2 * sizes[0]).min(tasks), None).await?;
         let kept = Arc::new(Kept::default());
         let mut rows = Vec::new();
         for (i, &max) in sizes.iter().enumerate() {
