@@ -149,13 +149,16 @@ impl Stack {
     }
 
     /// The object store the workers write to.
-    pub fn sink(&self) -> anyhow::Result<sluice_worker::sink::Sink> {
+    pub fn sink(&self) -> anyhow::Result<sluice_worker::storage::images::ImageStore> {
         let aws = self
             .env
             .iter()
             .filter(|(k, _)| k.starts_with("AWS_"))
             .map(|(k, v)| (k.clone(), v.clone()));
-        Ok(sluice_worker::sink::Sink::from_url_with(&self.env["SLUICE_OUTPUT_URL"], aws)?)
+        Ok(sluice_worker::storage::images::ImageStore::from_url_with(
+            &self.env["SLUICE_OUTPUT_URL"],
+            aws,
+        )?)
     }
 
     /// The stack's settings as `(name, value)` pairs, for child processes.

@@ -108,7 +108,7 @@ pub struct StorageArgs {
     pub output_url: String,
     /// Storage requests in flight at once (checks, images, manifests), over a pool of kept-alive
     /// connections. Twice as many tasks may be rendered and waiting to store.
-    #[arg(long, env = "SLUICE_STORAGE_CONCURRENCY", default_value_t = crate::sink::DEFAULT_CONCURRENCY)]
+    #[arg(long, env = "SLUICE_STORAGE_CONCURRENCY", default_value_t = crate::storage::images::DEFAULT_CONCURRENCY)]
     pub storage_concurrency: usize,
 }
 
@@ -272,7 +272,7 @@ pub struct DeliveryArgs {
     /// Records a partition's read lease covers beyond the record that extended it (one lease
     /// commit per this many records; see the README's delivery guarantees). Tests lower it to
     /// exercise lease commits.
-    #[arg(long, env = "SLUICE_LEASE_SPAN", default_value_t = crate::redelivery::LEASE_SPAN, hide = true)]
+    #[arg(long, env = "SLUICE_LEASE_SPAN", default_value_t = crate::source::redelivery::LEASE_SPAN, hide = true)]
     pub lease_span: i64,
 }
 

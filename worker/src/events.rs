@@ -12,7 +12,7 @@ use sluice_schemas::DlqReason;
 use crate::engine::{ArenaStats, EngineError};
 use crate::metrics::Metrics;
 use crate::models::Bucket;
-use crate::offsets::TopicPartition;
+use crate::source::offsets::TopicPartition;
 
 pub(crate) trait Emit {
     fn emit(self, metrics: &Metrics);
@@ -372,7 +372,7 @@ pub(crate) struct PartitionsRevoked<'a> {
     pub assigned_now: usize,
     pub drained: Duration,
     pub abandoned: usize,
-    pub commits: &'a [crate::offsets::Commit],
+    pub commits: &'a [crate::source::offsets::Commit],
     pub commit_error: Option<String>,
 }
 

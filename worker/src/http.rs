@@ -16,8 +16,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::Emit;
 use crate::metrics::Metrics;
-use crate::offsets::Offsets;
-use crate::serving::{Health, ReloadOverrides, Serving, ServingError};
+use crate::models::serving::{Health, ReloadOverrides, Serving, ServingError};
+use crate::source::offsets::Offsets;
 
 pub(crate) struct AppState {
     pub metrics: Metrics,

@@ -657,7 +657,7 @@ mod group {
 mod adaptive {
     use super::*;
     use futures::future::BoxFuture;
-    use sluice_worker::adaptive::{Adaptive, BatchItem, BatchSize, CeilingStore, CleanArena, Cleaned, Done, Learned};
+    use sluice_worker::batching::adaptive::{Adaptive, BatchItem, BatchSize, CeilingStore, CleanArena, Cleaned, Done, Learned};
     use sluice_worker::engine::EngineError;
     use sluice_worker::metrics::Metrics;
     use sluice_worker::models::{Bucket, Prepared};

@@ -1,12 +1,12 @@
-//! `sluice-worker sync-models`: see [`sluice_worker::model_sync`].
+//! `sluice-worker sync-models`: see [`sluice_worker::storage::sync_models`].
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
 use sluice_service::telemetry::LogFormat;
-use sluice_worker::model_sync;
-use sluice_worker::sink::Sink;
+use sluice_worker::storage::images::ImageStore;
+use sluice_worker::storage::sync_models;
 
 /// Copies a model repository from object storage to a local directory (an initContainer's job);
 /// prints what it did as one JSON line. Endpoint and credentials come from the `AWS_*` variables.
@@ -25,8 +25,8 @@ pub struct SyncArgs {
 
 #[tokio::main]
 pub async fn run(args: SyncArgs) -> anyhow::Result<()> {
-    let source = Sink::from_url(&args.from)?;
-    let summary = model_sync::sync(&source, &args.to)
+    let source = ImageStore::from_url(&args.from)?;
+    let summary = sync_models::sync(&source, &args.to)
         .await
         .with_context(|| format!("copying {} to {}", args.from, args.to.display()))?;
     println!("{}", serde_json::to_string(&summary)?);

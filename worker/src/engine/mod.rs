@@ -3,8 +3,10 @@
 //! Inference runs on `slots` OS threads (never on the async runtime), each owning its own session
 //! of every loaded model. A run takes one permit of the device gate; an *exclusive* run takes all
 //! of them, so nothing else runs on the device beside it. The adaptive batcher
-//! ([`crate::adaptive`]) uses exclusive runs once a bucket is down to batch 1, so that concurrent
+//! ([`crate::batching::adaptive`]) uses exclusive runs once a bucket is down to batch 1, so that concurrent
 //! singles do not fight for memory.
+
+pub(crate) mod gpu;
 
 mod error;
 mod pool;

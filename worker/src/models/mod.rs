@@ -1,6 +1,9 @@
 //! Model adapters: "task parameters → input tensors → images" for each kind of model. The engine
 //! and the batcher don't know which model runs; an adapter knows nothing of Kafka.
 
+pub(crate) mod encode;
+pub(crate) mod serving;
+
 pub mod diffusion;
 pub(crate) mod noise;
 pub mod terrain;
@@ -12,8 +15,8 @@ use std::sync::Arc;
 
 use sluice_schemas::TaskRecord;
 
-use crate::encode::Image;
 use crate::engine::{Backend, EngineError, SessionOptions, Tensor};
+use crate::models::encode::Image;
 
 /// Tasks of one bucket can run in one model call and use the same memory per task.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -15,8 +15,8 @@ use sluice_schemas::models::terrain::{Colormap, NATIVE_SIZE, Params, tile_starts
 
 use super::noise::Gaussian;
 use super::{Bucket, ModelAdapter, Prepared, Render};
-use crate::encode::{self, Image};
 use crate::engine::{Backend, EngineError, OrtBackend, Runtime, SessionOptions, Tensor};
+use crate::models::encode::{self, Image};
 
 pub const NAME: &str = sluice_schemas::models::terrain::NAME;
 

@@ -4,7 +4,7 @@
 //! The pieces are split so that SDXL can reuse them: [`layout`] reads a model directory,
 //! [`request`] turns a task into inputs and outputs into PNGs, [`denoise`] runs the sessions.
 
-pub mod denoise;
+pub mod backend;
 pub mod layout;
 pub mod npy;
 mod python_json;
@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use sluice_schemas::TaskRecord;
 
-use self::denoise::SdBackend;
+use self::backend::SdBackend;
 use self::layout::{LayoutError, SdLayout};
 use self::request::{SdRender, SdRequest};
 use self::schedulers::Sampler;

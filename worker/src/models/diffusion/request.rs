@@ -10,9 +10,9 @@ use std::ops::Range;
 
 use super::layout::SdLayout;
 use super::schedulers::{Sampler, Schedule};
-use crate::encode::{self, Image};
 use crate::engine::Tensor;
 use crate::models::Render;
+use crate::models::encode::{self, Image};
 use crate::models::noise::Gaussian;
 
 /// What tasks must share to run in one call; the bucket key.

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use sluice_schemas::TaskRecord;
 
-use crate::encode::{self, Image};
 use crate::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
+use crate::models::encode::{self, Image};
 use crate::models::{Bucket, ModelAdapter, Prepared, Render};
 
 /// A task with this seed makes the backend panic.

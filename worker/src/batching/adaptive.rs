@@ -769,7 +769,7 @@ fn by_rows(call: &Call) -> bool {
     call.inputs.iter().all(|t| t.shape.first() == Some(&rows))
 }
 
-impl crate::batcher::BatchLimits for Adaptive {
+impl crate::batching::batcher::BatchLimits for Adaptive {
     fn limit(&self, bucket: &Bucket) -> usize {
         Adaptive::limit(self, bucket)
     }
@@ -778,8 +778,8 @@ impl crate::batcher::BatchLimits for Adaptive {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED, prepared, prepared_whole};
     use crate::models::ModelAdapter;
+    use crate::testing::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED, prepared, prepared_whole};
 
     struct Item(Prepared, String);
 

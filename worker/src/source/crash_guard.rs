@@ -3,7 +3,7 @@
 //! reads it after.
 //!
 //! Before a model call starts, the records it holds are written, durably, into their
-//! partitions' commit metadata next to the read lease ([`crate::redelivery`]), each with how
+//! partitions' commit metadata next to the read lease ([`crate::source::redelivery`]), each with how
 //! many times it has been started; a finished record leaves the set with the next commit. A new
 //! owner of the partition reads the set with the lease: a record in it was running when an
 //! earlier owner stopped. Such a record runs again alone, in a call of its own and one suspect
@@ -20,8 +20,8 @@ use std::fmt::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::offsets::Offsets;
-use crate::task::Origin;
+use crate::pipeline::task::Origin;
+use crate::source::offsets::Offsets;
 
 /// What decides a record's fate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,7 +164,7 @@ pub(crate) fn parse_starts(metadata: &str) -> BTreeMap<i64, u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::offsets::TopicPartition;
+    use crate::source::offsets::TopicPartition;
 
     fn tp() -> TopicPartition {
         TopicPartition {
@@ -178,16 +178,16 @@ mod tests {
         let started: BTreeMap<i64, u32> = [(5, 1), (6, 1), (7, 1), (9, 2), (10, 2), (12, 1), (40, 3)].into();
         let text = starts_metadata(&started);
         assert_eq!(text, " started:5-7,9-10*2,12,40*3");
-        let metadata = format!("{}{text}", crate::redelivery::lease_metadata(4096));
+        let metadata = format!("{}{text}", crate::source::redelivery::lease_metadata(4096));
         assert_eq!(parse_starts(&metadata), started);
         assert_eq!(
-            crate::redelivery::parse_lease_metadata(&metadata),
+            crate::source::redelivery::parse_lease_metadata(&metadata),
             4096,
             "the lease reads as before"
         );
         assert_eq!(starts_metadata(&BTreeMap::new()), "");
         assert!(
-            parse_starts(&crate::redelivery::lease_metadata(7)).is_empty(),
+            parse_starts(&crate::source::redelivery::lease_metadata(7)).is_empty(),
             "older metadata has none"
         );
     }

@@ -21,7 +21,7 @@ use tokio::sync::{Mutex, RwLock, RwLockReadGuard, watch};
 
 use futures::future::BoxFuture;
 
-use crate::adaptive::{CleanArena, Cleaned};
+use crate::batching::adaptive::{CleanArena, Cleaned};
 use crate::engine::{ArenaStats, Device, Engine, EngineError, Loader, Placement, Runtime, SessionOptions};
 use crate::events::{Emit, ModelLoaded, ReloadEnded};
 use crate::metrics::{self, Metrics};
@@ -283,7 +283,7 @@ impl Serving {
             arena_allocated_bytes: arena.map(|a| a.total_allocated),
             arena_in_use_bytes: arena.map(|a| a.in_use),
             available_bytes: metrics::available_memory_bytes(),
-            device_free_bytes: device.and_then(crate::gpu::device_memory).map(|(free, _)| free),
+            device_free_bytes: device.and_then(crate::engine::gpu::device_memory).map(|(free, _)| free),
         }
     }
 
@@ -493,7 +493,7 @@ impl Serving {
 
     fn device_free(&self, placement: Placement) -> Option<u64> {
         match placement {
-            Placement::Cuda(id) => crate::gpu::device_memory(id).map(|(free, _)| free),
+            Placement::Cuda(id) => crate::engine::gpu::device_memory(id).map(|(free, _)| free),
             Placement::Cpu => None,
         }
     }

@@ -15,9 +15,9 @@ use sluice_schemas::{ProgressEvent, ProgressRecord, SCHEMA_VERSION};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use crate::cancellations::Cancellations;
 use crate::engine::TaskHooks;
-use crate::publish::TraceHeaders;
+use crate::outcome::publish::TraceHeaders;
+use crate::source::cancellations::Cancellations;
 
 /// At most one step record per task this often.
 pub(crate) const THROTTLE: Duration = Duration::from_millis(500);

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio::io::AsyncWriteExt;
 
-use crate::sink::Sink;
+use crate::storage::images::ImageStore;
 
 /// The record of earlier copies, in the target directory.
 pub const RECORD: &str = ".sluice-sync.json";
@@ -64,7 +64,7 @@ fn io(path: &FsPath) -> impl FnOnce(std::io::Error) -> SyncError + '_ {
 }
 
 /// Copies every object under `source`'s prefix into `to`.
-pub async fn sync(source: &Sink, to: &FsPath) -> Result<SyncSummary, SyncError> {
+pub async fn sync(source: &ImageStore, to: &FsPath) -> Result<SyncSummary, SyncError> {
     let started = Instant::now();
     let (store, prefix) = source.objects();
     tokio::fs::create_dir_all(to).await.map_err(io(to))?;
@@ -205,7 +205,7 @@ mod tests {
             std::fs::write(path, bytes).unwrap();
         }
         std::fs::write(store_dir.join("other.txt"), b"not under the prefix").unwrap();
-        let source = Sink::from_url(&format!("file://{}/m", store_dir.display())).unwrap();
+        let source = ImageStore::from_url(&format!("file://{}/m", store_dir.display())).unwrap();
 
         let first = sync(&source, &to).await.unwrap();
         assert_eq!((first.copied, first.unchanged, first.bytes), (2, 0, 300_002));
@@ -233,7 +233,7 @@ mod tests {
     #[tokio::test]
     async fn an_empty_prefix_is_an_error() {
         let (store_dir, to) = (temp_dir("store"), temp_dir("to"));
-        let source = Sink::from_url(&format!("file://{}/nothing", store_dir.display())).unwrap();
+        let source = ImageStore::from_url(&format!("file://{}/nothing", store_dir.display())).unwrap();
         assert!(matches!(sync(&source, &to).await, Err(SyncError::Empty(_))));
     }
 }

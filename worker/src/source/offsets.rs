@@ -6,15 +6,15 @@
 //! pending, or one past the last record read when none is.
 //!
 //! Each commit also carries the partition's read lease as its metadata (how far records may have
-//! been started: see [`crate::redelivery`]); the tracker keeps the lease found at assignment,
+//! been started: see [`crate::source::redelivery`]); the tracker keeps the lease found at assignment,
 //! the one wanted and the one the broker acknowledged — and the records this consumer has
-//! started and not finished, with how often each was started (see [`crate::crash_guard`]).
+//! started and not finished, with how often each was started (see [`crate::source::crash_guard`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::task::Origin;
+use crate::pipeline::task::Origin;
 
 /// A topic partition.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -7,6 +7,9 @@
 //! A task given up at shutdown (or whose partition was taken away) is never acknowledged: the
 //! next owner reads it again.
 
+pub(crate) mod progress;
+pub(crate) mod publish;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,10 +21,10 @@ use uuid::Uuid;
 
 use crate::events::{DeadLettered, Emit, TaskEnded, TaskSucceeded};
 use crate::metrics::Metrics;
-use crate::offsets::Offsets;
-use crate::publish::Publish;
+use crate::outcome::publish::Publish;
+use crate::pipeline::task::{Failure, Job, Record};
 use crate::retry::{GaveUp, RetryPolicy, retry};
-use crate::task::{Failure, Job, Record};
+use crate::source::offsets::Offsets;
 
 /// Who a task is, for its completion event: all of it for a decoded task, what could be read for
 /// a record that failed to decode.
@@ -145,7 +148,7 @@ impl Outcomes {
         }
         let task_id = identity.task_id;
         if task_id.is_none()
-            && let Some(trace) = crate::publish::TraceHeaders::of(&record)
+            && let Some(trace) = crate::outcome::publish::TraceHeaders::of(&record)
         {
             self.trace_span(&record, &trace, None, Some(failure.message.as_str()));
         }
@@ -257,7 +260,7 @@ impl Outcomes {
     /// Publishes until acknowledged; false when abandoned.
     async fn publish(&self, event: &CompletionEvent, record: &Record) -> bool {
         let i = &self.inner;
-        let trace = crate::publish::TraceHeaders::of(record);
+        let trace = crate::outcome::publish::TraceHeaders::of(record);
         let sent = retry(i.retry, "publish_completion", &i.metrics, &i.abandon, || {
             i.publisher.completion(&record.origin, event, trace.as_ref())
         })
@@ -271,7 +274,13 @@ impl Outcomes {
 
     /// The worker's span of a record, from its receipt to its announced outcome, for OTLP export
     /// (OpenTelemetry's messaging conventions for a Kafka consumer).
-    fn trace_span(&self, record: &Record, trace: &crate::publish::TraceHeaders, event: Option<&CompletionEvent>, error: Option<&str>) {
+    fn trace_span(
+        &self,
+        record: &Record,
+        trace: &crate::outcome::publish::TraceHeaders,
+        event: Option<&CompletionEvent>,
+        error: Option<&str>,
+    ) {
         use sluice_service::otlp::{KafkaOperation, Span};
         let o = &record.origin;
         let now = std::time::SystemTime::now();

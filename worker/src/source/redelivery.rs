@@ -9,7 +9,7 @@
 //! [`CommitMetadataLeases`] keeps a *read lease* per partition in the metadata of the group's
 //! offset commits: a consumer never starts a record at or beyond its partition's lease end
 //! without first committing a larger one, and every commit carries the lease (the tracker in
-//! [`crate::offsets`] writes it). So on a new assignment every record below the committed lease
+//! [`crate::source::offsets`] writes it). So on a new assignment every record below the committed lease
 //! end may have been started by an earlier owner and is checked, and every record at or beyond
 //! it is new and runs at once. The lease is read from the broker (an offset fetch) on the
 //! partition's first record, not in the rebalance callback, and nothing is read from storage.
@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::offsets::{LeaseState, Offsets, TopicPartition};
-use crate::task::Origin;
+use crate::pipeline::task::Origin;
+use crate::source::offsets::{LeaseState, Offsets, TopicPartition};
 
 /// Decides, per record, whether an earlier delivery may have started it.
 pub trait RedeliveryCheck: Send + Sync {
@@ -89,7 +89,8 @@ impl CommitMetadataLeases {
         let read = tokio::task::spawn_blocking(move || reader.committed_metadata(&tp, LEASE_TIMEOUT)).await;
         match read {
             Ok(Ok(metadata)) => {
-                self.offsets.found_starts(origin, crate::crash_guard::parse_starts(&metadata));
+                self.offsets
+                    .found_starts(origin, crate::source::crash_guard::parse_starts(&metadata));
                 self.offsets.found_lease(origin, Ok(parse_lease_metadata(&metadata)));
             }
             other => {
@@ -157,7 +158,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::offsets::Commit;
+    use crate::source::offsets::Commit;
 
     fn tp() -> TopicPartition {
         TopicPartition {

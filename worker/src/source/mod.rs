@@ -3,7 +3,13 @@
 //! the assigned partitions when too many tasks are in flight and resumes them when half have
 //! finished. Rebalance callbacks run on this thread: on a revoke, in-flight tasks of the revoked
 //! partitions get up to the drain timeout to finish, then what is done is committed (in the
-//! worker's delivery mode: [`crate::commit`]).
+//! worker's delivery mode: [`crate::source::commit`]).
+
+pub(crate) mod cancellations;
+pub(crate) mod commit;
+pub(crate) mod crash_guard;
+pub(crate) mod offsets;
+pub(crate) mod redelivery;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,11 +23,11 @@ use sluice_service::backpressure::Backpressure;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::commit::Committer;
 use crate::events::{Emit, LagObserved, PartitionsAssigned, PartitionsRevoked, Paused, PollGap, RebalanceFailed, RecordReceived};
 use crate::metrics::Metrics;
-use crate::offsets::{Offsets, TopicPartition};
-use crate::task::Record;
+use crate::pipeline::task::Record;
+use crate::source::commit::Committer;
+use crate::source::offsets::{Offsets, TopicPartition};
 
 /// Consumer callbacks: rebalances, statistics (for lag).
 pub(crate) struct SourceContext {
@@ -65,7 +71,7 @@ fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
 }
 
 /// The consumer reads the read leases back from its group's commits.
-impl crate::redelivery::CommittedMetadata for TaskConsumer {
+impl crate::source::redelivery::CommittedMetadata for TaskConsumer {
     fn committed_metadata(&self, tp: &TopicPartition, timeout: Duration) -> Result<String, String> {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&tp.topic, tp.partition);

@@ -14,25 +14,25 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::adaptive::{Adaptive, BatchSize};
-use crate::batcher::Batcher;
-use crate::ceilings::KafkaCeilings;
-use crate::commit::{Committer, Outbox, Transactional};
+use crate::batching::adaptive::{Adaptive, BatchSize};
+use crate::batching::batcher::Batcher;
 use crate::config::{Config, DeliveryMode, GroupProtocol};
 use crate::engine::{Engine, EngineError, Runtime};
-use crate::faults::Faults;
 use crate::http::{self, AppState};
 use crate::metrics::Metrics;
 use crate::models::Registry;
-use crate::offsets::Offsets;
+use crate::models::serving::{Health, ReloadOverrides, Serving, ServingError};
+use crate::outcome::publish::{Destination, Publisher};
 use crate::outcome::{OutcomeSettings, Outcomes};
 use crate::pipeline::{self, Shared};
-use crate::publish::{Destination, Publisher};
-use crate::redelivery::CommitMetadataLeases;
 use crate::retry::RetryPolicy;
-use crate::serving::{Health, ReloadOverrides, Serving, ServingError};
-use crate::sink::{Sink, SinkError};
+use crate::source::commit::{Committer, Outbox, Transactional};
+use crate::source::offsets::Offsets;
+use crate::source::redelivery::CommitMetadataLeases;
 use crate::source::{self, SourceContext, SourceControl, TaskConsumer};
+use crate::storage::ceilings::KafkaCeilings;
+use crate::storage::images::{ImageStore, StorageError};
+use crate::testing::faults::Faults;
 
 /// Which models the worker runs, and on what.
 pub enum Models {
@@ -54,7 +54,7 @@ pub enum StartError {
     #[error("{0}")]
     Model(String),
     #[error(transparent)]
-    Storage(#[from] SinkError),
+    Storage(#[from] StorageError),
     #[error("{what}: {source}")]
     Kafka {
         what: &'static str,
@@ -152,7 +152,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         )
         .await?,
     );
-    let sink = Sink::from_url(&config.storage.output_url)?.with_concurrency(config.storage.storage_concurrency);
+    let sink = ImageStore::from_url(&config.storage.output_url)?.with_concurrency(config.storage.storage_concurrency);
 
     let k = &config.kafka;
     let kafka = |what: &'static str| move |source| StartError::Kafka { what, source };
@@ -267,7 +267,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         max_rows: b.max_batch_rows,
     };
     let mut adaptive = Adaptive::new(engine.clone(), limits, b.probe_after, !b.no_serialize_singles, metrics.clone()).with_cleaner(
-        Arc::new(crate::serving::Rebuild {
+        Arc::new(crate::models::serving::Rebuild {
             serving: serving.clone(),
             fatal: fatal.clone(),
         }),
@@ -279,7 +279,8 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
             .create()
             .map_err(kafka("creating the ceilings-topic consumer"))?;
         let (producer, topic, worker_id, metrics) = (producer.clone(), k.ceilings_topic.clone(), worker_id.clone(), metrics.clone());
-        let device = crate::ceilings::device_class(&e.device.session_options().device, e.device.runtime_options().cpu_arena_max_bytes);
+        let device =
+            crate::storage::ceilings::device_class(&e.device.session_options().device, e.device.runtime_options().cpu_arena_max_bytes);
         let store = tokio::task::spawn_blocking(move || KafkaCeilings::load(consumer, producer, topic, device, worker_id, &metrics))
             .await
             .expect("reading the ceilings topic does not panic");
@@ -306,7 +307,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         abandon: abandon.clone(),
         tasks: tasks.clone(),
     });
-    let cancellations = crate::cancellations::Cancellations::default();
+    let cancellations = crate::source::cancellations::Cancellations::default();
     let control_consumer: rdkafka::consumer::BaseConsumer = k
         .client
         .whole_topic_config(&format!("{worker_id}-control"))
@@ -315,15 +316,19 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     cancellations
         .follow(control_consumer, k.control_topic.clone())
         .map_err(|e| StartError::Model(format!("starting the control-topic reader: {e}")))?;
-    let (progress, progress_rx) = crate::progress::ProgressSink::new(worker_id.clone(), cancellations.clone());
-    tokio::spawn(crate::progress::publish(progress_rx, producer.clone(), k.progress_topic.clone()));
+    let (progress, progress_rx) = crate::outcome::progress::ProgressSink::new(worker_id.clone(), cancellations.clone());
+    tokio::spawn(crate::outcome::progress::publish(
+        progress_rx,
+        producer.clone(),
+        k.progress_topic.clone(),
+    ));
     let shared = Arc::new(Shared {
         offsets: offsets.clone(),
         outcomes,
         redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), consumer.clone(), d.lease_span)),
-        crash_guard: crate::crash_guard::CrashGuard::new(offsets.clone(), d.max_crashes),
+        crash_guard: crate::source::crash_guard::CrashGuard::new(offsets.clone(), d.max_crashes),
         running: Arc::default(),
-        sink,
+        images: sink,
         serving: serving.clone(),
         adaptive: adaptive.clone(),
         metrics: metrics.clone(),
@@ -365,7 +370,7 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
         tokio::spawn(batcher.run()),
         tokio::spawn(pipeline::engine(requests, shared.clone(), engine.slots() + 1)),
     ];
-    let commit_loop = tokio::spawn(crate::commit::commit_loop(
+    let commit_loop = tokio::spawn(crate::source::commit::commit_loop(
         committer.clone(),
         consumer.clone(),
         offsets.clone(),

@@ -1,5 +1,5 @@
 //! Committing finished offsets, each with its partition's read lease as metadata
-//! ([`crate::redelivery`]), in one of two delivery modes:
+//! ([`crate::source::redelivery`]), in one of two delivery modes:
 //!
 //! - **at least once**: outcome records were published (and acknowledged) before their offsets
 //!   were acknowledged to the tracker; the consumer commits offsets on a timer. A worker killed
@@ -27,10 +27,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::{Emit, OffsetsCommitted};
 use crate::metrics::Metrics;
-use crate::offsets::{Commit, Offsets, TopicPartition};
-use crate::redelivery::lease_metadata;
+use crate::pipeline::task::Origin;
 use crate::source::TaskConsumer;
-use crate::task::Origin;
+use crate::source::offsets::{Commit, Offsets, TopicPartition};
+use crate::source::redelivery::lease_metadata;
 
 /// How long one transactional step may block.
 const TXN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,7 +44,7 @@ pub(crate) fn list_of(commits: &[Commit]) -> TopicPartitionList {
             e.set_metadata(format!(
                 "{}{}",
                 lease_metadata(c.lease_end),
-                crate::crash_guard::starts_metadata(&c.started)
+                crate::source::crash_guard::starts_metadata(&c.started)
             ));
         }
     }

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 use sluice_schemas::{DlqReason, SourceRef, TaskRecord};
 
 /// Where a record was read from, and under which assignment. Whatever stage finishes a task
-/// acknowledges its origin to [`crate::offsets::Offsets`]; nothing else commits.
+/// acknowledges its origin to [`crate::source::offsets::Offsets`]; nothing else commits.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Origin {
     pub topic: Arc<str>,
@@ -62,7 +62,7 @@ pub struct Job {
     pub task: TaskRecord,
     pub span: tracing::Span,
     /// This record's hold on its task id (see `running`): dropped with the job.
-    pub(crate) claim: Option<crate::running::Claim>,
+    pub(crate) claim: Option<crate::pipeline::running::Claim>,
 }
 
 impl Job {

@@ -16,11 +16,11 @@ use sluice_schemas::{OutputRef, RecordKind, ResultManifest, SCHEMA_VERSION};
 use thiserror::Error;
 use uuid::Uuid;
 
-use crate::encode::Image;
+use crate::models::encode::Image;
 use crate::retry::Retriable;
 
 #[derive(Debug, Error)]
-pub enum SinkError {
+pub enum StorageError {
     /// The output URL can't be used.
     #[error("invalid output URL {url}: {reason}")]
     Config { url: String, reason: String },
@@ -33,11 +33,11 @@ pub enum SinkError {
     Unreadable { key: String, reason: String },
 }
 
-impl Retriable for SinkError {
+impl Retriable for StorageError {
     fn is_retriable(&self) -> bool {
         match self {
-            SinkError::Config { .. } | SinkError::Unreadable { .. } => false,
-            SinkError::Store(e) => store_error_is_retriable(e),
+            StorageError::Config { .. } | StorageError::Unreadable { .. } => false,
+            StorageError::Store(e) => store_error_is_retriable(e),
         }
     }
 }
@@ -79,7 +79,7 @@ pub const DEFAULT_CONCURRENCY: usize = 32;
 
 /// The output location.
 #[derive(Clone)]
-pub struct Sink {
+pub struct ImageStore {
     store: Arc<dyn ObjectStore>,
     requests: Arc<tokio::sync::Semaphore>,
     prefix: Path,
@@ -87,26 +87,26 @@ pub struct Sink {
     url_base: String,
 }
 
-impl std::fmt::Debug for Sink {
+impl std::fmt::Debug for ImageStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sink")
+        f.debug_struct("ImageStore")
             .field("url_base", &self.url_base)
             .field("prefix", &self.prefix)
             .finish()
     }
 }
 
-impl Sink {
+impl ImageStore {
     /// Opens `s3://bucket/prefix` (endpoint and credentials from the `AWS_*` variables) or
     /// `file:///path`.
-    pub fn from_url(url: &str) -> Result<Sink, SinkError> {
-        Sink::from_url_with(url, std::iter::empty::<(String, String)>())
+    pub fn from_url(url: &str) -> Result<ImageStore, StorageError> {
+        ImageStore::from_url_with(url, std::iter::empty::<(String, String)>())
     }
 
-    /// Like [`Sink::from_url`], with `AWS_*` settings given here taking precedence over the
+    /// Like [`ImageStore::from_url`], with `AWS_*` settings given here taking precedence over the
     /// environment (tools that talk to several stacks).
-    pub fn from_url_with(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> Result<Sink, SinkError> {
-        let config = |reason: &str| SinkError::Config {
+    pub fn from_url_with(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> Result<ImageStore, StorageError> {
+        let config = |reason: &str| StorageError::Config {
             url: url.to_owned(),
             reason: reason.to_owned(),
         };
@@ -137,11 +137,11 @@ impl Sink {
                 .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout), "5s")
                 .build()
                 .map_err(|e| config(&e.to_string()))?;
-            Ok(Sink::new(Arc::new(store), Path::from(prefix), format!("s3://{bucket}")))
+            Ok(ImageStore::new(Arc::new(store), Path::from(prefix), format!("s3://{bucket}")))
         } else if let Some(path) = url.strip_prefix("file://") {
             std::fs::create_dir_all(path).map_err(|e| config(&e.to_string()))?;
             let store = LocalFileSystem::new_with_prefix(path).map_err(|e| config(&e.to_string()))?;
-            Ok(Sink::new(
+            Ok(ImageStore::new(
                 Arc::new(store),
                 Path::default(),
                 format!("file://{}", path.trim_end_matches('/')),
@@ -151,8 +151,8 @@ impl Sink {
         }
     }
 
-    fn new(store: Arc<dyn ObjectStore>, prefix: Path, url_base: String) -> Sink {
-        Sink {
+    fn new(store: Arc<dyn ObjectStore>, prefix: Path, url_base: String) -> ImageStore {
+        ImageStore {
             store,
             requests: Arc::new(tokio::sync::Semaphore::new(DEFAULT_CONCURRENCY)),
             prefix,
@@ -161,7 +161,7 @@ impl Sink {
     }
 
     /// Sets how many storage requests may be in flight at once.
-    pub fn with_concurrency(mut self, requests: usize) -> Sink {
+    pub fn with_concurrency(mut self, requests: usize) -> ImageStore {
         self.requests = Arc::new(tokio::sync::Semaphore::new(requests.max(1)));
         self
     }
@@ -180,7 +180,7 @@ impl Sink {
     }
 
     /// The task's manifest, if its results are complete.
-    pub(crate) async fn manifest(&self, task_id: Uuid) -> Result<Option<ResultManifest>, SinkError> {
+    pub(crate) async fn manifest(&self, task_id: Uuid) -> Result<Option<ResultManifest>, StorageError> {
         let key = self.key(task_id, "manifest.json");
         let _permit = self.permit().await;
         let bytes = match self.store.get(&key).await {
@@ -188,7 +188,7 @@ impl Sink {
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let bad = |reason: String| SinkError::Unreadable {
+        let bad = |reason: String| StorageError::Unreadable {
             key: key.to_string(),
             reason,
         };
@@ -199,7 +199,7 @@ impl Sink {
 
     /// Stores image `index` of a task. If an earlier attempt already stored it, the stored object
     /// is kept and described instead.
-    pub(crate) async fn put_image(&self, task_id: Uuid, index: u32, image: &Image) -> Result<OutputRef, SinkError> {
+    pub(crate) async fn put_image(&self, task_id: Uuid, index: u32, image: &Image) -> Result<OutputRef, StorageError> {
         let key = self.key(task_id, &format!("{index}.png"));
         let options = PutOptions {
             mode: PutMode::Create,
@@ -234,7 +234,7 @@ impl Sink {
         outputs: &[OutputRef],
         inference_ms: u64,
         worker_id: &str,
-    ) -> Result<ResultManifest, SinkError> {
+    ) -> Result<ResultManifest, StorageError> {
         let manifest = ResultManifest {
             version: SCHEMA_VERSION,
             task_id,
@@ -255,14 +255,14 @@ impl Sink {
     }
 
     /// Writes an object by its key (for tools and tests).
-    pub async fn write(&self, key: &str, bytes: Bytes) -> Result<(), SinkError> {
+    pub async fn write(&self, key: &str, bytes: Bytes) -> Result<(), StorageError> {
         let _permit = self.permit().await;
         self.store.put(&Path::from(key), PutPayload::from(bytes)).await?;
         Ok(())
     }
 
     /// Reads an object by its key (for tools and tests).
-    pub async fn read(&self, key: &str) -> Result<Bytes, SinkError> {
+    pub async fn read(&self, key: &str) -> Result<Bytes, StorageError> {
         let _permit = self.permit().await;
         Ok(self.store.get(&Path::from(key)).await?.bytes().await?)
     }
@@ -284,7 +284,7 @@ mod tests {
     #[tokio::test]
     async fn an_image_is_written_once_and_described_as_stored() {
         let dir = std::env::temp_dir().join(format!("sluice-sink-{}", Uuid::new_v4()));
-        let sink = Sink::from_url(&format!("file://{}", dir.display())).unwrap();
+        let sink = ImageStore::from_url(&format!("file://{}", dir.display())).unwrap();
         let task = Uuid::new_v4();
         let first = sink.put_image(task, 0, &image(b"first")).await.unwrap();
         // A second attempt made different bytes (say, another batch size): the first object stays.
@@ -304,7 +304,7 @@ mod tests {
     #[test]
     fn only_errors_that_can_pass_are_retriable() {
         let generic = |text: &str| {
-            SinkError::Store(object_store::Error::Generic {
+            StorageError::Store(object_store::Error::Generic {
                 store: "S3",
                 source: text.to_owned().into(),
             })
@@ -335,21 +335,21 @@ mod tests {
                 true,
             ),
             (
-                SinkError::Store(object_store::Error::PermissionDenied {
+                StorageError::Store(object_store::Error::PermissionDenied {
                     path: "x".into(),
                     source: "403".into(),
                 }),
                 false,
             ),
             (
-                SinkError::Store(object_store::Error::Unauthenticated {
+                StorageError::Store(object_store::Error::Unauthenticated {
                     path: "x".into(),
                     source: "401".into(),
                 }),
                 false,
             ),
             (
-                SinkError::Unreadable {
+                StorageError::Unreadable {
                     key: "k".into(),
                     reason: "not JSON".into(),
                 },
@@ -363,7 +363,7 @@ mod tests {
 
     #[test]
     fn rejects_other_urls() {
-        assert!(matches!(Sink::from_url("http://x/y"), Err(SinkError::Config { .. })));
-        assert!(matches!(Sink::from_url("s3:///prefix"), Err(SinkError::Config { .. })));
+        assert!(matches!(ImageStore::from_url("http://x/y"), Err(StorageError::Config { .. })));
+        assert!(matches!(ImageStore::from_url("s3:///prefix"), Err(StorageError::Config { .. })));
     }
 }

@@ -11,9 +11,9 @@ use sluice_schemas::{CompletionEvent, DlqRecord, HEADER_SCHEMA_VERSION, Original
 use thiserror::Error;
 use uuid::Uuid;
 
-use crate::commit::{OutRecord, Outbox};
+use crate::pipeline::task::{Failure, Origin, Record};
 use crate::retry::Retriable;
-use crate::task::{Failure, Origin, Record};
+use crate::source::commit::{OutRecord, Outbox};
 
 #[derive(Debug, Error)]
 #[error("publishing to {topic} failed: {message}")]

@@ -7,6 +7,9 @@
 //! Every task carries its origin; whichever stage finishes it hands it to [`Outcomes`], the one
 //! place that announces outcomes and acknowledges offsets.
 
+pub(crate) mod running;
+pub(crate) mod task;
+
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,34 +21,34 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::adaptive::{Adaptive, BatchItem, Done};
-use crate::batcher::{Batch, BatchRequests};
-use crate::crash_guard::{CrashGuard, Verdict};
+use crate::batching::adaptive::{Adaptive, BatchItem, Done};
+use crate::batching::batcher::{Batch, BatchRequests};
 use crate::engine::{EngineError, Tensor};
 use crate::events::{Emit, MemorySampled};
 use crate::metrics::Metrics;
+use crate::models::serving::Serving;
 use crate::models::{Bucket, Prepared};
-use crate::offsets::Offsets;
 use crate::outcome::{Failed, Outcomes, Success, TaskIdentity};
 use crate::panics;
-use crate::redelivery::RedeliveryCheck;
+use crate::pipeline::task::{Failure, Job, Record};
 use crate::retry::{RetryPolicy, retry};
-use crate::serving::Serving;
-use crate::sink::Sink;
-use crate::task::{Failure, Job, Record};
+use crate::source::crash_guard::{CrashGuard, Verdict};
+use crate::source::offsets::Offsets;
+use crate::source::redelivery::RedeliveryCheck;
+use crate::storage::images::ImageStore;
 
 /// What every stage shares.
 pub(crate) struct Shared {
     pub offsets: Arc<Offsets>,
     pub outcomes: Outcomes,
-    pub sink: Sink,
+    pub images: ImageStore,
     pub serving: Arc<Serving>,
     pub adaptive: Arc<Adaptive>,
     pub redelivery: Arc<dyn RedeliveryCheck>,
     /// Records model calls' starts; sends records that keep killing workers to the DLQ.
     pub crash_guard: CrashGuard,
     /// Task ids in flight: a second record of one waits for the first, then for its results.
-    pub running: Arc<crate::running::Running>,
+    pub running: Arc<crate::pipeline::running::Running>,
     pub metrics: Metrics,
     pub worker_id: String,
     pub max_task_bytes: usize,
@@ -60,16 +63,16 @@ pub(crate) struct Shared {
     /// Every spawned per-task future, so shutdown can wait for them.
     pub tasks: TaskTracker,
     /// Progress records of multi-step models (none in unit tests).
-    pub progress: Option<crate::progress::ProgressSink>,
+    pub progress: Option<crate::outcome::progress::ProgressSink>,
     /// Tasks cancelled by their clients (the control topic).
-    pub cancellations: crate::cancellations::Cancellations,
+    pub cancellations: crate::source::cancellations::Cancellations,
 }
 
 /// A prepared task inside a batch.
 struct Item {
     job: Job,
     prepared: Prepared,
-    progress: Option<Arc<crate::progress::TaskProgress>>,
+    progress: Option<Arc<crate::outcome::progress::TaskProgress>>,
 }
 
 impl BatchItem for Item {
@@ -105,7 +108,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.
         let check = shared.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
-        let current = |o: &crate::task::Origin| shared.offsets.is_current(o);
+        let current = |o: &crate::pipeline::task::Origin| shared.offsets.is_current(o);
         let earlier = match shared.running.claim(job.task.task_id, &job.record.origin, current) {
             Ok(claim) => {
                 job.claim = Some(claim);
@@ -125,7 +128,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
         shared.tasks.spawn(async move {
             if earlier {
-                let current = |o: &crate::task::Origin| shared2.offsets.is_current(o);
+                let current = |o: &crate::pipeline::task::Origin| shared2.offsets.is_current(o);
                 job.claim = Some(
                     shared2
                         .running
@@ -198,7 +201,7 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
             return None;
         }
     };
-    let trace_id = crate::publish::TraceHeaders::of(&record)
+    let trace_id = crate::outcome::publish::TraceHeaders::of(&record)
         .map(|t| t.trace_id().to_owned())
         .unwrap_or_default();
     let span =
@@ -245,7 +248,7 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
 async fn announce_if_done(shared: &Arc<Shared>, job: Job) -> Option<Job> {
     let task_id = job.task.task_id;
     let manifest = retry(shared.storage_retry, "manifest_check", &shared.metrics, &shared.abandon, || {
-        shared.sink.manifest(task_id)
+        shared.images.manifest(task_id)
     })
     .await;
     let manifest = match manifest {
@@ -338,7 +341,7 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
                         job.task.task_id,
                         &bucket.model,
                         steps,
-                        crate::publish::TraceHeaders::of(&job.record),
+                        crate::outcome::publish::TraceHeaders::of(&job.record),
                     ))
                 });
                 items.push(Item { job, prepared, progress })
@@ -355,7 +358,7 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
         Some(_) => Some(shared.crash_guard.alone().await),
         None => None,
     };
-    let origins: Vec<&crate::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
+    let origins: Vec<&crate::pipeline::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
     shared.crash_guard.starting(&origins).await;
     shared
         .adaptive
@@ -449,13 +452,13 @@ async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
         let puts = images
             .iter()
             .enumerate()
-            .map(|(i, image)| shared.sink.put_image(task_id, i as u32, image));
+            .map(|(i, image)| shared.images.put_image(task_id, i as u32, image));
         let outputs: Vec<OutputRef> = futures::future::try_join_all(puts).await?;
         shared
-            .sink
+            .images
             .put_manifest(task_id, &outputs, ran.inference.as_millis() as u64, &shared.worker_id)
             .await?;
-        Ok::<_, crate::sink::SinkError>(outputs)
+        Ok::<_, crate::storage::images::StorageError>(outputs)
     })
     .await;
     let outputs = match stored {
@@ -507,16 +510,16 @@ mod tests {
     use uuid::Uuid;
 
     use super::*;
-    use crate::adaptive::BatchSize;
-    use crate::batcher::Batcher;
+    use crate::batching::adaptive::BatchSize;
+    use crate::batching::batcher::Batcher;
     use crate::engine::{Engine, SessionOptions};
-    use crate::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED};
     use crate::models::Registry;
-    use crate::offsets::TopicPartition;
+    use crate::models::serving::Health;
     use crate::outcome::OutcomeSettings;
-    use crate::publish::{Publish, PublishError};
-    use crate::redelivery::RedeliveryCheck;
-    use crate::serving::Health;
+    use crate::outcome::publish::{Publish, PublishError};
+    use crate::source::offsets::TopicPartition;
+    use crate::source::redelivery::RedeliveryCheck;
+    use crate::testing::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED};
 
     /// What the recording publisher saw: per offset, the kind of record, whether the record was
     /// still unacknowledged then, and the partition's commit candidate at that moment.
@@ -548,9 +551,9 @@ mod tests {
     impl Publish for Recorder {
         fn completion<'a>(
             &'a self,
-            _origin: &'a crate::task::Origin,
+            _origin: &'a crate::pipeline::task::Origin,
             event: &'a CompletionEvent,
-            _trace: Option<&'a crate::publish::TraceHeaders>,
+            _trace: Option<&'a crate::outcome::publish::TraceHeaders>,
         ) -> BoxFuture<'a, Result<(), PublishError>> {
             let kind = event.status.as_str();
             let tp = TopicPartition {
@@ -571,7 +574,7 @@ mod tests {
     struct NeverStarted;
 
     impl RedeliveryCheck for NeverStarted {
-        fn admit<'a>(&'a self, _: &'a crate::task::Origin, _: bool) -> BoxFuture<'a, bool> {
+        fn admit<'a>(&'a self, _: &'a crate::pipeline::task::Origin, _: bool) -> BoxFuture<'a, bool> {
             Box::pin(async { false })
         }
     }
@@ -635,7 +638,7 @@ mod tests {
         )
         .await
         .unwrap();
-        let sink = Sink::from_url(&format!("file://{}", dir.join("out").display())).unwrap();
+        let sink = ImageStore::from_url(&format!("file://{}", dir.join("out").display())).unwrap();
         let adaptive = Arc::new(Adaptive::new(
             engine.clone(),
             BatchSize {
@@ -663,7 +666,7 @@ mod tests {
             redelivery: Arc::new(NeverStarted),
             crash_guard: CrashGuard::new(offsets.clone(), 0),
             running: Arc::default(),
-            sink,
+            images: sink,
             serving: Arc::new(serving),
             adaptive: adaptive.clone(),
             metrics: metrics.clone(),

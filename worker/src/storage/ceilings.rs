@@ -19,7 +19,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde::{Deserialize, Serialize};
 use sluice_service::kafka::WholeTopics;
 
-use crate::adaptive::{CeilingStore, Learned};
+use crate::batching::adaptive::{CeilingStore, Learned};
 use crate::engine::Device;
 use crate::events::{CeilingsRestored, Emit};
 use crate::metrics::Metrics;
@@ -49,7 +49,8 @@ pub struct CeilingRecord {
 pub fn device_class(device: &Device, cpu_arena_max_bytes: Option<usize>) -> String {
     match device {
         Device::Cuda { device_id, mem_limit, .. } => {
-            let total = crate::gpu::device_memory(*device_id).map_or("unknown".to_owned(), |(_, total)| format!("{}MiB", total >> 20));
+            let total =
+                crate::engine::gpu::device_memory(*device_id).map_or("unknown".to_owned(), |(_, total)| format!("{}MiB", total >> 20));
             let limit = mem_limit.map_or("none".to_owned(), |l| l.to_string());
             format!("cuda:memory={total}:gpu_mem_limit={limit}")
         }

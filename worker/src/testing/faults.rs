@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 
 use sluice_schemas::TaskRecord;
 
-use crate::encode::Image;
 use crate::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
+use crate::models::encode::Image;
 use crate::models::{Bucket, ModelAdapter, Prepared, Render};
 
 /// The faults to inject, by seed.
