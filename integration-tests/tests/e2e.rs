@@ -1308,3 +1308,142 @@ async fn a_restarted_producer_keeps_its_status_view() {
         "the kept store read on from where it stopped, not from the beginning: {after} records applied"
     );
 }
+
+/// The in-process seam the README promises: a model that is not ONNX at all, handed to
+/// `sluice_worker::run` through `Models::Custom`, serves tasks from the real broker as the built-in
+/// models do — the same pipeline, storage and completion events. Its "model file" holds an RGB
+/// colour, read by its `load` from the directory the catalog names, and every image it renders
+/// is that colour at the task's size.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
+    use clap::Parser;
+    use sluice_worker::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
+    use sluice_worker::models::encode::{Image, png_rgb8};
+    use sluice_worker::models::{Bucket, ModelAdapter, Prepared, Registry, Render};
+    use sluice_worker::{Exit, Models};
+
+    struct Fill;
+    struct FillBackend([u8; 3]);
+    struct FillRender(u32, u32);
+    impl ModelAdapter for Fill {
+        fn bucket(&self, task: &sluice_schemas::TaskRecord) -> Result<Bucket, String> {
+            let r = &task.request;
+            Ok(Bucket {
+                model: task.model.clone(),
+                key: format!("{}x{}", r.width, r.height),
+                rows_per_task: 1,
+                alone: None,
+            })
+        }
+        fn prepare(&self, task: &sluice_schemas::TaskRecord) -> Result<Prepared, String> {
+            let r = &task.request;
+            Ok(Prepared {
+                inputs: vec![Tensor::f32("seed", vec![1], vec![r.seed as f32])],
+                rows: 1,
+                render: Box::new(FillRender(r.width, r.height)),
+            })
+        }
+        fn load(&self, path: &std::path::Path, _: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
+            let text = std::fs::read_to_string(path).map_err(|e| EngineError::Load(e.to_string()))?;
+            let c: Vec<u8> = text.split_whitespace().map(|v| v.parse().expect("a colour")).collect();
+            Ok(Box::new(FillBackend([c[0], c[1], c[2]])))
+        }
+    }
+    impl Backend for FillBackend {
+        fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
+            let rows = call.inputs[0].rows();
+            let colour = self.0.map(f32::from).repeat(rows);
+            Ok(vec![Tensor::f32("colour", vec![rows, 3], colour)])
+        }
+        fn release_memory(&mut self) {}
+        fn placement(&self) -> Placement {
+            Placement::Cpu
+        }
+    }
+    impl Render for FillRender {
+        fn render(&self, outputs: &[Tensor], rows: std::ops::Range<usize>) -> Result<Vec<Image>, String> {
+            let c = outputs[0].f32_rows(rows.start, rows.end).ok_or("no colour")?;
+            let pixel = [c[0] as u8, c[1] as u8, c[2] as u8];
+            Ok(vec![png_rgb8(self.0, self.1, &pixel.repeat((self.0 * self.1) as usize))?])
+        }
+    }
+
+    let c = cluster().await;
+    let topics = c.stack.topics("custom-model", 1).unwrap();
+    let dir = std::env::temp_dir().join(format!("sluice-custom-model-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(dir.join("models/terrain")).unwrap();
+    std::fs::write(dir.join("models/terrain/model.onnx"), "7 99 200").unwrap();
+    let (brokers, out, models) = (
+        c.stack.brokers().to_owned(),
+        format!("file://{}", dir.join("out").display()),
+        dir.join("models").display().to_string(),
+    );
+    let config = sluice_worker::config::Config::try_parse_from([
+        "sluice-worker",
+        "--kafka-brokers",
+        &brokers,
+        "--output-url",
+        &out,
+        "--model-dir",
+        &models,
+        "--models",
+        "terrain",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker-id",
+        "custom-0",
+        "--group-id",
+        "custom-model",
+        "--tasks-topic",
+        &topics.tasks,
+        "--completions-topic",
+        &topics.completions,
+        "--dlq-topic",
+        &topics.dlq,
+        "--ceilings-topic",
+        &topics.ceilings,
+    ])
+    .expect("worker flags");
+    let registry = Registry::default().with("terrain", std::sync::Arc::new(Fill));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let worker = tokio::spawn(sluice_worker::run(config, Models::Custom(registry), async move {
+        let _ = stopped.await;
+    }));
+
+    let tasks = [
+        terrain_task(1, 64, 48, 10),
+        terrain_task(2, 32, 32, 10),
+        terrain_task(3, 64, 48, 10),
+    ];
+    sluice_integration_tests::publish_tasks(&producer(&brokers).unwrap(), &topics.tasks, &tasks)
+        .await
+        .unwrap();
+    let ids = sluice_integration_tests::ids_of(&tasks);
+    let outcomes = Outcomes::wait(&brokers, &topics, &ids, Duration::from_secs(60)).unwrap();
+    let store = sluice_worker::storage::images::ImageStore::from_url(&out).unwrap();
+    for (id, record) in &tasks {
+        let event = &outcomes.completions[id][0];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{event:?}");
+        assert_eq!(event.worker_id, "custom-0");
+        let bytes = store.read(&event.outputs[0].key).await.unwrap();
+        assert_eq!(sha256_hex(&bytes), event.outputs[0].sha256);
+        let mut reader = png::Decoder::new(std::io::Cursor::new(bytes.to_vec())).read_info().unwrap();
+        let mut pixels = vec![0; reader.output_buffer_size().unwrap()];
+        let info = reader.next_frame(&mut pixels).unwrap();
+        let (w, h) = (
+            record["request"]["width"].as_u64().unwrap(),
+            record["request"]["height"].as_u64().unwrap(),
+        );
+        assert_eq!((info.width as u64, info.height as u64), (w, h));
+        assert!(
+            pixels[..info.buffer_size()].chunks(3).all(|p| p == [7, 99, 200]),
+            "every pixel is the model file's colour"
+        );
+    }
+    stop.send(()).unwrap();
+    let exit = tokio::time::timeout(Duration::from_secs(60), worker)
+        .await
+        .expect("the worker stops");
+    assert_eq!(exit.unwrap().expect("the worker started"), Exit::Clean);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,7 +1,7 @@
 //! Model adapters: "task parameters → input tensors → images" for each kind of model. The engine
 //! and the batcher don't know which model runs; an adapter knows nothing of Kafka.
 
-pub(crate) mod encode;
+pub mod encode;
 pub(crate) mod serving;
 
 pub mod diffusion;

@@ -1,0 +1,193 @@
+//! Starting role four: the pipeline. Builds what the stages share and starts them — the poll
+//! thread (source), decode, the batcher, the engine stage, the committer and the gauges — joined
+//! by bounded channels, as the diagram in [`crate::pipeline`] shows.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::StartError;
+use super::kafka::{self, Clients};
+use super::load::Loaded;
+use crate::batching::adaptive::{Adaptive, BatchSize};
+use crate::batching::batcher::Batcher;
+use crate::config::{Config, DeliveryMode};
+use crate::metrics::Metrics;
+use crate::models::serving::Rebuild;
+use crate::outcome::progress::{self, ProgressSink};
+use crate::outcome::publish::{Destination, Publisher};
+use crate::outcome::{OutcomeSettings, Outcomes};
+use crate::pipeline::{self, Shared};
+use crate::retry::RetryPolicy;
+use crate::source::commit::commit_loop;
+use crate::source::crash_guard::CrashGuard;
+use crate::source::redelivery::CommitMetadataLeases;
+use crate::source::{self, SourceControl};
+
+/// The running stages, as the drain needs them.
+pub(super) struct Stages {
+    pub shared: Arc<Shared>,
+    pub control: SourceControl,
+    pub poll_thread: JoinHandle<()>,
+    /// Decode, batcher and engine: each ends once its input channel is closed and empty.
+    pub stages: Vec<tokio::task::JoinHandle<()>>,
+    pub commit_loop: tokio::task::JoinHandle<()>,
+    pub gauges_stop: CancellationToken,
+    /// Fired when the grace period is over: what is still in flight is given up.
+    pub abandon: CancellationToken,
+}
+
+pub(super) async fn start(
+    config: &Config,
+    worker_id: &str,
+    loaded: &Loaded,
+    clients: &Clients,
+    metrics: &Metrics,
+    fatal: &CancellationToken,
+) -> Result<Stages, StartError> {
+    let (b, d) = (&config.batching, &config.delivery);
+    let adaptive = Arc::new(adaptive(config, worker_id, loaded, clients, metrics, fatal).await?);
+    let abandon = CancellationToken::new();
+    let shared = Arc::new(shared(config, worker_id, loaded, clients, adaptive.clone(), metrics, &abandon)?);
+
+    let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * 2 + 16);
+    let (job_tx, job_rx) = mpsc::channel(d.max_in_flight + 16);
+    let (batcher, requests) = Batcher::new(job_rx, adaptive, Duration::from_millis(b.max_wait_ms));
+    let control = SourceControl {
+        stop_reading: CancellationToken::new(),
+        close: CancellationToken::new(),
+        fatal: fatal.clone(),
+    };
+    let poll_thread = {
+        let (consumer, offsets, control, metrics) = (clients.consumer.clone(), clients.offsets.clone(), control.clone(), metrics.clone());
+        let max = d.max_in_flight;
+        std::thread::Builder::new()
+            .name("sluice-source".into())
+            .spawn(move || source::poll_loop(consumer, offsets, record_tx, control, max, metrics))
+            .map_err(StartError::Thread)?
+    };
+    let stages = vec![
+        tokio::spawn(pipeline::decode(record_rx, job_tx, shared.clone())),
+        tokio::spawn(batcher.run()),
+        tokio::spawn(pipeline::engine(requests, shared.clone(), loaded.engine.slots() + 1)),
+    ];
+    let commit_loop = tokio::spawn(commit_loop(
+        clients.committer.clone(),
+        clients.consumer.clone(),
+        clients.offsets.clone(),
+        d.commit_interval(),
+        metrics.clone(),
+        control.close.clone(),
+    ));
+    let gauges_stop = CancellationToken::new();
+    tokio::spawn(pipeline::gauges(shared.clone(), gauges_stop.clone()));
+    Ok(Stages {
+        shared,
+        control,
+        poll_thread,
+        stages,
+        commit_loop,
+        gauges_stop,
+        abandon,
+    })
+}
+
+/// The adaptive batcher: limits from the configuration, a failed batch-1 verdict retried on a
+/// clean arena (a rebuild of the model's sessions), ceilings kept in Kafka when configured.
+async fn adaptive(
+    config: &Config,
+    worker_id: &str,
+    loaded: &Loaded,
+    clients: &Clients,
+    metrics: &Metrics,
+    fatal: &CancellationToken,
+) -> Result<Adaptive, StartError> {
+    let b = &config.batching;
+    let limits = BatchSize {
+        max_tasks: b.max_batch,
+        max_rows: b.max_batch_rows,
+    };
+    let cleaner = Rebuild {
+        serving: loaded.serving.clone(),
+        fatal: fatal.clone(),
+    };
+    let adaptive = Adaptive::new(
+        loaded.engine.clone(),
+        limits,
+        b.probe_after,
+        !b.no_serialize_singles,
+        metrics.clone(),
+    )
+    .with_cleaner(Arc::new(cleaner));
+    Ok(match clients.ceilings(config, worker_id, metrics).await? {
+        Some(store) => adaptive.with_store(Arc::new(store)),
+        None => adaptive,
+    })
+}
+
+/// What every stage shares: outcomes and where they go, storage, the redelivery and crash
+/// guards, progress and cancellations.
+fn shared(
+    config: &Config,
+    worker_id: &str,
+    loaded: &Loaded,
+    clients: &Clients,
+    adaptive: Arc<Adaptive>,
+    metrics: &Metrics,
+    abandon: &CancellationToken,
+) -> Result<Shared, StartError> {
+    let (k, d) = (&config.kafka, &config.delivery);
+    let tasks = TaskTracker::new();
+    let publisher = Publisher::new(
+        match d.delivery {
+            DeliveryMode::AtLeastOnce => Destination::Broker(clients.producer.clone()),
+            DeliveryMode::ExactlyOnce => Destination::Outbox(clients.outbox.clone()),
+        },
+        k.completions_topic.clone(),
+        k.dlq_topic.clone(),
+        worker_id.to_owned(),
+    );
+    let outcomes = Outcomes::new(OutcomeSettings {
+        offsets: clients.offsets.clone(),
+        publisher: Arc::new(publisher),
+        metrics: metrics.clone(),
+        worker_id: worker_id.to_owned(),
+        group: k.group_id.clone(),
+        retry: RetryPolicy::forever(Duration::from_millis(d.retry_base_delay_ms)),
+        abandon: abandon.clone(),
+        tasks: tasks.clone(),
+    });
+    let cancellations = kafka::cancellations(config, worker_id)?;
+    let (progress, progress_rx) = ProgressSink::new(worker_id.to_owned(), cancellations.clone());
+    tokio::spawn(progress::publish(progress_rx, clients.producer.clone(), k.progress_topic.clone()));
+    let offsets = &clients.offsets;
+    Ok(Shared {
+        offsets: offsets.clone(),
+        outcomes,
+        redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), clients.consumer.clone(), d.lease_span)),
+        crash_guard: CrashGuard::new(offsets.clone(), d.max_crashes),
+        running: Arc::default(),
+        images: loaded.images.clone(),
+        serving: loaded.serving.clone(),
+        adaptive,
+        metrics: metrics.clone(),
+        worker_id: worker_id.to_owned(),
+        max_task_bytes: k.max_task_bytes,
+        catalog: loaded.catalog.clone(),
+        storage_retry: RetryPolicy {
+            max_attempts: d.retry_max_attempts,
+            max_elapsed: Duration::from_millis(d.retry_max_elapsed_ms),
+            base_delay: Duration::from_millis(d.retry_base_delay_ms),
+            max_delay: Duration::from_secs(10),
+        },
+        abandon: abandon.clone(),
+        finishing: Semaphore::new(config.storage.storage_concurrency.max(1) * 2),
+        tasks,
+        progress: Some(progress),
+        cancellations,
+    })
+}
