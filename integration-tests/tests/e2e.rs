@@ -1319,14 +1319,14 @@ async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
     use clap::Parser;
     use sluice_worker::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
     use sluice_worker::models::encode::{Image, png_rgb8};
-    use sluice_worker::models::{Bucket, ModelAdapter, Prepared, Registry, Render};
+    use sluice_worker::models::{Bucket, ModelAdapter, ModelError, Prepared, Registry, Render};
     use sluice_worker::{Exit, Models};
 
     struct Fill;
     struct FillBackend([u8; 3]);
     struct FillRender(u32, u32);
     impl ModelAdapter for Fill {
-        fn bucket(&self, task: &sluice_schemas::TaskRecord) -> Result<Bucket, String> {
+        fn bucket(&self, task: &sluice_schemas::TaskRecord) -> Result<Bucket, ModelError> {
             let r = &task.request;
             Ok(Bucket {
                 model: task.model.clone(),
@@ -1335,7 +1335,7 @@ async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
                 alone: None,
             })
         }
-        fn prepare(&self, task: &sluice_schemas::TaskRecord) -> Result<Prepared, String> {
+        fn prepare(&self, task: &sluice_schemas::TaskRecord) -> Result<Prepared, ModelError> {
             let r = &task.request;
             Ok(Prepared {
                 inputs: vec![Tensor::f32("seed", vec![1], vec![r.seed as f32])],
@@ -1361,10 +1361,13 @@ async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
         }
     }
     impl Render for FillRender {
-        fn render(&self, outputs: &[Tensor], rows: std::ops::Range<usize>) -> Result<Vec<Image>, String> {
-            let c = outputs[0].f32_rows(rows.start, rows.end).ok_or("no colour")?;
+        fn render(&self, outputs: &[Tensor], rows: std::ops::Range<usize>) -> Result<Vec<Image>, ModelError> {
+            let c = outputs[0]
+                .f32_rows(rows.start, rows.end)
+                .ok_or_else(|| ModelError::Failed("no colour".into()))?;
             let pixel = [c[0] as u8, c[1] as u8, c[2] as u8];
-            Ok(vec![png_rgb8(self.0, self.1, &pixel.repeat((self.0 * self.1) as usize))?])
+            let image = png_rgb8(self.0, self.1, &pixel.repeat((self.0 * self.1) as usize)).map_err(ModelError::Failed)?;
+            Ok(vec![image])
         }
     }
 

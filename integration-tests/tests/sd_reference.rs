@@ -349,7 +349,10 @@ fn the_unet_loop_reports_each_step_and_stops_a_cancelled_task_between_steps() {
     let outputs = backend.run(&call).unwrap();
     assert_eq!(*cancelled.seen.lock().unwrap(), vec![1, 2, 3], "no step after the cancellation");
     assert_eq!(*kept.seen.lock().unwrap(), (1..=8).collect::<Vec<_>>(), "the other task runs on");
-    assert_eq!(a.render.render(&outputs, 0..1).unwrap_err(), "cancelled");
+    assert_eq!(
+        a.render.render(&outputs, 0..1).unwrap_err(),
+        sluice_worker::models::ModelError::Cancelled
+    );
     assert_eq!(b.render.render(&outputs, 1..2).unwrap().len(), 1);
     // The batch mate's image is what it would have been alone.
     let alone = Call {

@@ -139,7 +139,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let outputs = backend.run(&call)?;
     let elapsed = started.elapsed();
-    let images = prepared.render.render(&outputs, 0..n).map_err(anyhow::Error::msg)?;
+    let images = prepared.render.render(&outputs, 0..n)?;
     for (i, image) in images.iter().enumerate() {
         let path = image_path(&args.out, i, n);
         std::fs::write(&path, &image.bytes).with_context(|| format!("writing {}", path.display()))?;

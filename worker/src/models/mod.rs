@@ -18,6 +18,37 @@ use sluice_schemas::TaskRecord;
 use crate::engine::{Backend, EngineError, SessionOptions, Tensor};
 use crate::models::encode::Image;
 
+/// Why an adapter could not do what the pipeline asked of it. Each kind has one outcome: the
+/// pipeline decides by the kind, never by a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    /// The task asks for what the model cannot do (a size, sampler or parameter out of its
+    /// range): the client's mistake, a DLQ `schema_violation`.
+    #[error("{0}")]
+    InvalidInput(String),
+    /// The task was cancelled by its client between sampler steps: nothing is rendered or stored.
+    #[error("cancelled")]
+    Cancelled,
+    /// The model's outputs could not become images (missing, wrong size): a DLQ `model_error`.
+    #[error("{0}")]
+    Failed(String),
+    /// Model code panicked, caught: a DLQ `model_error` with the panic's message.
+    #[error("{0}")]
+    Panicked(String),
+}
+
+impl ModelError {
+    /// The kind as a metric label and log field.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ModelError::InvalidInput(_) => "invalid_input",
+            ModelError::Cancelled => "cancelled",
+            ModelError::Failed(_) => "failed",
+            ModelError::Panicked(_) => "panicked",
+        }
+    }
+}
+
 /// Tasks of one bucket can run in one model call and use the same memory per task.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Bucket {
@@ -75,15 +106,15 @@ pub struct Prepared {
 /// own layout, so it needs nothing else.
 pub trait Render: Send + Sync {
     /// CPU work, run off the async runtime.
-    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String>;
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, ModelError>;
 }
 
 /// Turns tasks of one kind of model into inputs, and loads that kind of model.
 pub trait ModelAdapter: Send + Sync {
     /// The bucket of a task. Tasks with different buckets are never batched together.
-    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String>;
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError>;
     /// The task's input rows. CPU work, run off the async runtime.
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String>;
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError>;
     /// The file inside the model's directory that [`ModelAdapter::load`] gets; `None` when it
     /// gets the directory itself (a model of several files).
     fn entry(&self) -> Option<&'static str> {

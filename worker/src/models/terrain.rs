@@ -14,7 +14,7 @@ use sluice_schemas::TaskRecord;
 use sluice_schemas::models::terrain::{Colormap, NATIVE_SIZE, Params, tile_starts};
 
 use super::noise::Gaussian;
-use super::{Bucket, ModelAdapter, Prepared, Render};
+use super::{Bucket, ModelAdapter, ModelError, Prepared, Render};
 use crate::engine::{Backend, EngineError, OrtBackend, Runtime, SessionOptions, Tensor};
 use crate::models::encode::{self, Image};
 
@@ -98,8 +98,8 @@ fn layout_of(task: &TaskRecord) -> Result<(Layout, Params), String> {
 }
 
 impl ModelAdapter for Terrain {
-    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
-        let (layout, _) = layout_of(task)?;
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
+        let (layout, _) = layout_of(task).map_err(ModelError::InvalidInput)?;
         Ok(Bucket {
             key: String::new(),
             model: NAME.to_owned(),
@@ -108,8 +108,8 @@ impl ModelAdapter for Terrain {
         })
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String> {
-        let (layout, params) = layout_of(task)?;
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
+        let (layout, params) = layout_of(task).map_err(ModelError::InvalidInput)?;
         let rows = layout.rows();
         let mut noisy = vec![0f32; rows * N * N];
         let mut gaussian = Gaussian::new(task.request.seed);
@@ -153,7 +153,14 @@ struct TerrainRender {
 }
 
 impl Render for TerrainRender {
-    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, ModelError> {
+        self.maps(outputs, rows).map_err(ModelError::Failed)
+    }
+}
+
+impl TerrainRender {
+    /// The task's images from its rows of the batch's `denoised` output.
+    fn maps(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
         let TerrainRender { layout, params } = self;
         let denoised = outputs
             .iter()

@@ -27,7 +27,7 @@ use crate::engine::{EngineError, Tensor};
 use crate::events::{Emit, MemorySampled};
 use crate::metrics::Metrics;
 use crate::models::serving::Serving;
-use crate::models::{Bucket, Prepared};
+use crate::models::{Bucket, ModelError, Prepared};
 use crate::outcome::{Failed, Outcomes, Success, TaskIdentity};
 use crate::panics;
 use crate::pipeline::task::{Failure, Job, Record};
@@ -234,10 +234,14 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
             return None;
         }
     }
-    match panics::catch(|| adapter.bucket(&job.task)).and_then(|b| b) {
+    // Whatever goes wrong at admission (a panic included) refuses the task as it was asked.
+    match panics::catch(|| adapter.bucket(&job.task))
+        .map_err(ModelError::Panicked)
+        .and_then(|b| b)
+    {
         Ok(bucket) => Some((bucket, job)),
         Err(e) => {
-            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, e));
+            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, e.to_string()));
             None
         }
     }
@@ -325,7 +329,14 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
     let steps: Vec<Option<u32>> = jobs.iter().map(|j| adapter.steps(&j.task)).collect();
     let prepared = tokio::task::spawn_blocking(move || {
         jobs.into_iter()
-            .map(|job| (panics::catch(|| adapter.prepare(&job.task)).and_then(|r| r), job))
+            .map(|job| {
+                (
+                    panics::catch(|| adapter.prepare(&job.task))
+                        .map_err(ModelError::Panicked)
+                        .and_then(|r| r),
+                    job,
+                )
+            })
             .collect::<Vec<_>>()
     })
     .await;
@@ -346,7 +357,7 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
                 });
                 items.push(Item { job, prepared, progress })
             }
-            Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e)),
+            Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e.to_string())),
         }
     }
     let Some(_held) = shared.serving.hold(&bucket.model).await else {
@@ -429,11 +440,16 @@ async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
     let rendered = {
         let outputs = ran.outputs.clone();
         let rows = ran.rows.clone();
-        tokio::task::spawn_blocking(move || panics::catch(|| prepared.render.render(&outputs, rows)).and_then(|r| r)).await
+        tokio::task::spawn_blocking(move || {
+            panics::catch(|| prepared.render.render(&outputs, rows))
+                .map_err(ModelError::Panicked)
+                .and_then(|r| r)
+        })
+        .await
     };
     let images = match rendered {
         Ok(Ok(images)) => images,
-        Ok(Err(e)) if e == crate::models::diffusion::request::CANCELLED => {
+        Ok(Err(ModelError::Cancelled)) => {
             // Stopped between steps: nothing is stored.
             shared.outcomes.ended(&job, CompletionStatus::Cancelled).await;
             return;

@@ -13,7 +13,7 @@ use sluice_schemas::TaskRecord;
 
 use crate::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
 use crate::models::encode::{self, Image};
-use crate::models::{Bucket, ModelAdapter, Prepared, Render};
+use crate::models::{Bucket, ModelAdapter, ModelError, Prepared, Render};
 
 /// A task with this seed makes the backend panic.
 pub(crate) const PANIC_SEED: u64 = 666;
@@ -74,7 +74,7 @@ pub(crate) struct FakeModel {
 }
 
 impl ModelAdapter for FakeModel {
-    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
         Ok(Bucket {
             key: String::new(),
             model: task.model.clone(),
@@ -83,7 +83,7 @@ impl ModelAdapter for FakeModel {
         })
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String> {
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
         let rows = task.request.num_images as usize;
         Ok(Prepared {
             inputs: vec![Tensor::f32("x", vec![rows, 1], vec![task.request.seed as f32; rows])],
@@ -180,8 +180,13 @@ impl Drop for Shrink<'_> {
 struct FakeRender;
 
 impl Render for FakeRender {
-    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
-        let values = outputs[0].f32_rows(rows.start, rows.end).ok_or("no rows")?;
-        values.iter().map(|v| encode::png_grey16(1, 1, &[*v as u16])).collect()
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, ModelError> {
+        let values = outputs[0]
+            .f32_rows(rows.start, rows.end)
+            .ok_or_else(|| ModelError::Failed("no rows".into()))?;
+        values
+            .iter()
+            .map(|v| encode::png_grey16(1, 1, &[*v as u16]).map_err(ModelError::Failed))
+            .collect()
     }
 }

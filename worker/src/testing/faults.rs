@@ -17,7 +17,7 @@ use sluice_schemas::TaskRecord;
 
 use crate::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
 use crate::models::encode::Image;
-use crate::models::{Bucket, ModelAdapter, Prepared, Render};
+use crate::models::{Bucket, ModelAdapter, ModelError, Prepared, Render};
 
 /// The faults to inject, by seed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -81,11 +81,11 @@ enum Doom {
 }
 
 impl ModelAdapter for Faulty {
-    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
         self.inner.bucket(task)
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String> {
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
         let seed = task.request.seed;
         if self.faults.prepare.contains(&seed) {
             panic!("injected fault: prepare of task {} (seed {seed})", task.task_id);
@@ -156,7 +156,7 @@ struct PanickingRender {
 }
 
 impl Render for PanickingRender {
-    fn render(&self, _: &[Tensor], _: Range<usize>) -> Result<Vec<Image>, String> {
+    fn render(&self, _: &[Tensor], _: Range<usize>) -> Result<Vec<Image>, ModelError> {
         panic!("injected fault: render of task {}", self.task);
     }
 }

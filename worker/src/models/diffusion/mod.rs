@@ -21,7 +21,7 @@ use self::backend::SdBackend;
 use self::layout::{LayoutError, SdLayout};
 use self::request::{SdRender, SdRequest};
 use self::schedulers::Sampler;
-use super::{Bucket, ModelAdapter, Prepared};
+use super::{Bucket, ModelAdapter, ModelError, Prepared};
 use crate::engine::{Backend, EngineError, Runtime, SessionOptions};
 
 /// The `kind` of Stable Diffusion models in the catalog.
@@ -95,9 +95,10 @@ pub fn sampler_names() -> String {
 }
 
 impl ModelAdapter for StableDiffusion {
-    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, String> {
-        let request = Self::request(task)?;
-        request.check(&self.layout)?; // at admission: a request the model cannot run is a violation
+    fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
+        let request = Self::request(task).map_err(ModelError::InvalidInput)?;
+        // At admission: a request the model cannot run is a violation.
+        request.check(&self.layout).map_err(ModelError::InvalidInput)?;
         Ok(Bucket {
             model: self.name.clone(),
             key: request.bucket(&self.layout).key(),
@@ -106,8 +107,9 @@ impl ModelAdapter for StableDiffusion {
         })
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, String> {
-        Ok(self.prepare_request(&Self::request(task)?, None)?.1)
+    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
+        let request = Self::request(task).map_err(ModelError::InvalidInput)?;
+        Ok(self.prepare_request(&request, None).map_err(ModelError::InvalidInput)?.1)
     }
 
     fn entry(&self) -> Option<&'static str> {

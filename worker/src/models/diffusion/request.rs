@@ -11,9 +11,9 @@ use std::ops::Range;
 use super::layout::SdLayout;
 use super::schedulers::{Sampler, Schedule};
 use crate::engine::Tensor;
-use crate::models::Render;
 use crate::models::encode::{self, Image};
 use crate::models::noise::Gaussian;
+use crate::models::{ModelError, Render};
 
 /// What tasks must share to run in one call; the bucket key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -162,33 +162,30 @@ pub struct SdRender {
     pub height: usize,
 }
 
-/// Why a task's rows did not become images.
-pub const CANCELLED: &str = "cancelled";
-
 impl Render for SdRender {
-    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, String> {
+    fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, ModelError> {
         let get = |name: &str| {
             outputs
                 .iter()
                 .find(|t| t.name == name)
                 .and_then(|t| t.f32_rows(rows.start, rows.end))
-                .ok_or_else(|| format!("model output `{name}` missing"))
+                .ok_or_else(|| ModelError::Failed(format!("model output `{name}` missing")))
         };
         if get("cancelled")?.iter().any(|&c| c > 0.0) {
-            return Err(CANCELLED.into());
+            return Err(ModelError::Cancelled);
         }
         let images = get("images")?;
         let (w, h) = (self.width, self.height);
         if images.len() != rows.len() * 3 * w * h {
-            return Err(format!(
+            return Err(ModelError::Failed(format!(
                 "model output has {} values, expected {}x3x{h}x{w}",
                 images.len(),
                 rows.len()
-            ));
+            )));
         }
         images
             .chunks(3 * w * h)
-            .map(|chw| encode::png_rgb8(w as u32, h as u32, &to_rgb8(chw, w, h)))
+            .map(|chw| encode::png_rgb8(w as u32, h as u32, &to_rgb8(chw, w, h)).map_err(ModelError::Failed))
             .collect()
     }
 }
