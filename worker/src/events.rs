@@ -9,10 +9,17 @@ use std::time::Duration;
 
 use sluice_schemas::DlqReason;
 
-use crate::engine::{ArenaStats, EngineError};
+use crate::engine::ArenaStats;
 use crate::metrics::Metrics;
-use crate::models::Bucket;
-use crate::source::offsets::TopicPartition;
+
+/// A bucket as events name it: its name for logs, its metric label, and what the metrics and
+/// messages need of it. Made by its owner ([`crate::models::Bucket::name`]).
+pub(crate) struct BucketName {
+    pub name: String,
+    pub label: String,
+    pub model: String,
+    pub rows_per_task: usize,
+}
 
 pub(crate) trait Emit {
     fn emit(self, metrics: &Metrics);
@@ -20,38 +27,38 @@ pub(crate) trait Emit {
 
 /// A model call finished.
 pub(crate) struct BatchRan<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub size: usize,
     pub elapsed: Duration,
 }
 
 impl Emit for BatchRan<'_> {
     fn emit(self, m: &Metrics) {
-        let label = self.bucket.label();
-        m.batches.with_label_values(&[&label]).inc();
-        m.batch_size.with_label_values(&[&label]).observe(self.size as f64);
+        let label = self.bucket.label.as_str();
+        m.batches.with_label_values(&[label]).inc();
+        m.batch_size.with_label_values(&[label]).observe(self.size as f64);
         m.inference_seconds
             .with_label_values(&[&self.bucket.model])
             .observe(self.elapsed.as_secs_f64());
-        tracing::debug!(bucket = %self.bucket, size = self.size, ms = self.elapsed.as_millis() as u64, "batch ran");
+        tracing::debug!(bucket = %self.bucket.name, size = self.size, ms = self.elapsed.as_millis() as u64, "batch ran");
     }
 }
 
 /// A batch ran out of memory and will run again smaller. A WARN, never an ERROR: it is handled.
 pub(crate) struct OomHandled<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub from: usize,
     pub to: usize,
     pub task_ids: Vec<String>,
     pub dimensions: Vec<String>,
-    pub error: &'a EngineError,
+    pub error: &'a dyn std::fmt::Display,
 }
 
 impl Emit for OomHandled<'_> {
     fn emit(self, m: &Metrics) {
-        m.ooms.with_label_values(&[&self.bucket.label()]).inc();
+        m.ooms.with_label_values(&[&self.bucket.label]).inc();
         tracing::warn!(
-            bucket = %self.bucket,
+            bucket = %self.bucket.name,
             batch_before = self.from,
             batch_after = self.to,
             rows = self.from * self.bucket.rows_per_task,
@@ -66,21 +73,21 @@ impl Emit for OomHandled<'_> {
 /// A task ran out of memory alone, with the device to itself, on a clean arena (or one of its
 /// bucket, the same shape, did so a moment ago): it goes to the DLQ.
 pub(crate) struct DoesNotFit<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub task_id: &'a str,
     pub dimensions: &'a str,
     /// Rows of the call that failed (the task's rows, or the part it was cut into).
     pub rows: usize,
     /// Why this is a verdict: "on a clean arena", or the earlier verdict it repeats.
     pub verdict: &'a str,
-    pub error: &'a EngineError,
+    pub error: &'a dyn std::fmt::Display,
 }
 
 impl Emit for DoesNotFit<'_> {
     fn emit(self, m: &Metrics) {
-        m.ooms.with_label_values(&[&self.bucket.label()]).inc();
+        m.ooms.with_label_values(&[&self.bucket.label]).inc();
         tracing::warn!(
-            bucket = %self.bucket,
+            bucket = %self.bucket.name,
             task_id = self.task_id,
             dimensions = self.dimensions,
             rows = self.rows,
@@ -93,19 +100,19 @@ impl Emit for DoesNotFit<'_> {
 
 /// A task's rows ran out of memory together: it runs again with its rows in smaller parts.
 pub(crate) struct RowsHalved<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub task_id: &'a str,
     pub dimensions: &'a str,
     pub from: usize,
     pub to: usize,
-    pub error: &'a EngineError,
+    pub error: &'a dyn std::fmt::Display,
 }
 
 impl Emit for RowsHalved<'_> {
     fn emit(self, m: &Metrics) {
-        m.ooms.with_label_values(&[&self.bucket.label()]).inc();
+        m.ooms.with_label_values(&[&self.bucket.label]).inc();
         tracing::warn!(
-            bucket = %self.bucket,
+            bucket = %self.bucket.name,
             task_id = self.task_id,
             dimensions = self.dimensions,
             rows_before = self.from,
@@ -120,7 +127,7 @@ impl Emit for RowsHalved<'_> {
 /// memory alone runs once more, or the size above its bucket's ceiling is probed. Arena figures
 /// in bytes.
 pub(crate) struct ArenaCleaned<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub task_ids: &'a [String],
     pub dimensions: &'a [String],
     pub arena_before: Option<u64>,
@@ -134,7 +141,7 @@ impl Emit for ArenaCleaned<'_> {
     fn emit(self, _: &Metrics) {
         if self.clean {
             tracing::warn!(
-                bucket = %self.bucket,
+                bucket = %self.bucket.name,
                 task_ids = %self.task_ids.join(","),
                 dimensions = %self.dimensions.join(","),
                 batch = self.task_ids.len(),
@@ -146,7 +153,7 @@ impl Emit for ArenaCleaned<'_> {
             );
         } else {
             tracing::error!(
-                bucket = %self.bucket,
+                bucket = %self.bucket.name,
                 arena_after = ?self.arena_after,
                 arena_baseline = ?self.arena_baseline,
                 "sessions rebuilt, but the arena holds more than after the first load: memory is held outside the sessions"
@@ -157,7 +164,7 @@ impl Emit for ArenaCleaned<'_> {
 
 /// A task that ran out of memory alone ran once more on a clean arena.
 pub(crate) struct CleanRetryEnded<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub fit: bool,
 }
 
@@ -165,7 +172,7 @@ impl Emit for CleanRetryEnded<'_> {
     fn emit(self, m: &Metrics) {
         let result = if self.fit { "fit" } else { "does_not_fit" };
         m.clean_arena_retries.with_label_values(&[result]).inc();
-        tracing::info!(bucket = %self.bucket, result, "clean-arena retry ended");
+        tracing::info!(bucket = %self.bucket.name, result, "clean-arena retry ended");
     }
 }
 
@@ -192,38 +199,38 @@ impl Emit for CeilingsRestored<'_> {
 
 /// A batch failed on its inputs (a model error or a panic): it is split to find the task.
 pub(crate) struct Bisected<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub size: usize,
-    pub error: &'a EngineError,
+    pub error: &'a dyn std::fmt::Display,
 }
 
 impl Emit for Bisected<'_> {
     fn emit(self, _: &Metrics) {
-        tracing::info!(bucket = %self.bucket, size = self.size, error = %short(self.error), "a batch failed on its inputs; splitting it to isolate the task");
+        tracing::info!(bucket = %self.bucket.name, size = self.size, error = %short(self.error), "a batch failed on its inputs; splitting it to isolate the task");
     }
 }
 
 /// The learned ceiling of a bucket went up by one, to test whether more fits again.
 pub(crate) struct CeilingProbed<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub to: usize,
 }
 
 impl Emit for CeilingProbed<'_> {
     fn emit(self, _: &Metrics) {
-        tracing::info!(bucket = %self.bucket, batch = self.to, "probing a larger batch");
+        tracing::info!(bucket = %self.bucket.name, batch = self.to, "probing a larger batch");
     }
 }
 
 /// The learned ceiling of a bucket, when it is made or changes.
 pub(crate) struct CeilingIs<'a> {
-    pub bucket: &'a Bucket,
+    pub bucket: &'a BucketName,
     pub limit: usize,
 }
 
 impl Emit for CeilingIs<'_> {
     fn emit(self, m: &Metrics) {
-        m.batch_ceiling.with_label_values(&[&self.bucket.label()]).set(self.limit as i64);
+        m.batch_ceiling.with_label_values(&[&self.bucket.label]).set(self.limit as i64);
     }
 }
 
@@ -353,7 +360,7 @@ impl Emit for Paused {
 
 /// Partitions were assigned to this worker.
 pub(crate) struct PartitionsAssigned<'a> {
-    pub partitions: &'a [TopicPartition],
+    pub partitions: &'a [i32],
     pub assigned_now: usize,
 }
 
@@ -361,18 +368,20 @@ impl Emit for PartitionsAssigned<'_> {
     fn emit(self, m: &Metrics) {
         m.assigned_partitions.set(self.assigned_now as i64);
         m.rebalances.with_label_values(&["assign"]).inc();
-        tracing::info!(partitions = ?self.partitions.iter().map(|p| p.partition).collect::<Vec<_>>(), "partitions assigned");
+        tracing::info!(partitions = ?self.partitions, "partitions assigned");
     }
 }
 
 /// Partitions were taken from this worker, after their in-flight work drained (or timed out)
 /// and what finished was committed.
 pub(crate) struct PartitionsRevoked<'a> {
-    pub partitions: &'a [TopicPartition],
+    pub topic: &'a str,
+    pub partitions: &'a [i32],
     pub assigned_now: usize,
     pub drained: Duration,
     pub abandoned: usize,
-    pub commits: &'a [crate::source::offsets::Commit],
+    /// (partition, offset) of each commit made before letting go.
+    pub commits: &'a [(i32, i64)],
     pub commit_error: Option<String>,
 }
 
@@ -384,14 +393,14 @@ impl Emit for PartitionsRevoked<'_> {
             None => m.commits.inc_by(self.commits.len() as u64),
             Some(_) => m.commit_failures.inc(),
         }
-        for tp in self.partitions {
-            let _ = m.consumer_lag.remove_label_values(&[&*tp.topic, &tp.partition.to_string()]);
+        for partition in self.partitions {
+            let _ = m.consumer_lag.remove_label_values(&[self.topic, &partition.to_string()]);
         }
         tracing::info!(
-            partitions = ?self.partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
+            partitions = ?self.partitions,
             drained_ms = self.drained.as_millis() as u64,
             abandoned = self.abandoned,
-            commits = ?self.commits.iter().map(|c| (c.tp.partition, c.offset)).collect::<Vec<_>>(),
+            commits = ?self.commits,
             commit_error = self.commit_error,
             "partitions revoked"
         );
@@ -429,14 +438,15 @@ impl Emit for OffsetsCommitted<'_> {
 
 /// Consumer lag of one partition, from the client's statistics and this worker's commits.
 pub(crate) struct LagObserved<'a> {
-    pub tp: &'a TopicPartition,
+    pub topic: &'a str,
+    pub partition: i32,
     pub lag: i64,
 }
 
 impl Emit for LagObserved<'_> {
     fn emit(self, m: &Metrics) {
         m.consumer_lag
-            .with_label_values(&[&*self.tp.topic, &self.tp.partition.to_string()])
+            .with_label_values(&[self.topic, &self.partition.to_string()])
             .set(self.lag);
     }
 }
@@ -496,7 +506,7 @@ impl Emit for ReloadEnded<'_> {
     }
 }
 
-fn short(error: &EngineError) -> String {
+fn short(error: &dyn std::fmt::Display) -> String {
     truncate(&error.to_string(), 300)
 }
 

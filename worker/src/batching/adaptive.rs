@@ -390,7 +390,7 @@ impl Adaptive {
                 ceiling = ceiling.starting_at(learned.limit).backed_off(learned.probe_backoff);
             }
             events::CeilingIs {
-                bucket,
+                bucket: &bucket.name(),
                 limit: ceiling.limit(),
             }
             .emit(&self.metrics);
@@ -415,7 +415,7 @@ impl Adaptive {
         self.with_entry(bucket, |e| {
             let r = f(e);
             events::CeilingIs {
-                bucket,
+                bucket: &bucket.name(),
                 limit: e.ceiling.limit(),
             }
             .emit(&self.metrics);
@@ -502,7 +502,7 @@ impl Adaptive {
                 *self.last_rebuild.lock().expect("last rebuild") = started.elapsed();
                 let (task_ids, dimensions) = names(items);
                 events::ArenaCleaned {
-                    bucket,
+                    bucket: &bucket.name(),
                     task_ids: &task_ids,
                     dimensions: &dimensions,
                     arena_before: cleaned.before,
@@ -577,9 +577,18 @@ impl Adaptive {
             let elapsed = started.elapsed();
             match result {
                 Ok(outputs) => {
-                    events::BatchRan { bucket, size, elapsed }.emit(&self.metrics);
+                    events::BatchRan {
+                        bucket: &bucket.name(),
+                        size,
+                        elapsed,
+                    }
+                    .emit(&self.metrics);
                     let probe = if chunk.clean && size == 1 {
-                        events::CleanRetryEnded { bucket, fit: true }.emit(&self.metrics);
+                        events::CleanRetryEnded {
+                            bucket: &bucket.name(),
+                            fit: true,
+                        }
+                        .emit(&self.metrics);
                         // The ceiling was learned on the arena that is gone: probe above it now,
                         // on a clean arena too, unless such a probe failed a moment ago.
                         let every = self.clean_every();
@@ -600,7 +609,11 @@ impl Adaptive {
                         })
                     };
                     if let Some(to) = probe {
-                        events::CeilingProbed { bucket, to }.emit(&self.metrics);
+                        events::CeilingProbed {
+                            bucket: &bucket.name(),
+                            to,
+                        }
+                        .emit(&self.metrics);
                     }
                     on_done(Done::Ran {
                         items: chunk.items,
@@ -618,7 +631,7 @@ impl Adaptive {
                     // A model error or panic inside a batch: isolate it by bisection so the
                     // others run.
                     events::Bisected {
-                        bucket,
+                        bucket: &bucket.name(),
                         size,
                         error: &error,
                     }
@@ -671,7 +684,7 @@ impl Adaptive {
                 e.ceiling.on_oom(size)
             });
             events::OomHandled {
-                bucket,
+                bucket: &bucket.name(),
                 from: size,
                 to,
                 task_ids,
@@ -693,7 +706,7 @@ impl Adaptive {
                 e.part_rows = Some(to);
             });
             events::RowsHalved {
-                bucket,
+                bucket: &bucket.name(),
                 task_id: &task_ids[0],
                 dimensions: &dimensions[0],
                 from: rows,
@@ -707,7 +720,7 @@ impl Adaptive {
         if !chunk.exclusive && self.serialize_singles {
             // Alone but beside other runs: try once more with the device to itself.
             events::OomHandled {
-                bucket,
+                bucket: &bucket.name(),
                 from: 1,
                 to: 1,
                 task_ids,
@@ -720,7 +733,11 @@ impl Adaptive {
         let verdict = match (&self.cleaner, chunk.clean) {
             (_, true) => {
                 self.update(bucket, |e| e.last_clean = Some((Instant::now(), false)));
-                events::CleanRetryEnded { bucket, fit: false }.emit(&self.metrics);
+                events::CleanRetryEnded {
+                    bucket: &bucket.name(),
+                    fit: false,
+                }
+                .emit(&self.metrics);
                 "out of memory on a clean arena"
             }
             (None, false) => "out of memory alone with the device to itself",
@@ -749,7 +766,7 @@ impl Adaptive {
             },
         };
         events::DoesNotFit {
-            bucket,
+            bucket: &bucket.name(),
             task_id: &task_ids[0],
             dimensions: &dimensions[0],
             rows,

@@ -82,6 +82,18 @@ impl Bucket {
     }
 }
 
+impl Bucket {
+    /// The bucket as events report it: plain data.
+    pub(crate) fn name(&self) -> crate::events::BucketName {
+        crate::events::BucketName {
+            name: self.to_string(),
+            label: self.label(),
+            model: self.model.clone(),
+            rows_per_task: self.rows_per_task,
+        }
+    }
+}
+
 impl std::fmt::Display for Bucket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.key.is_empty() {

@@ -96,7 +96,8 @@ impl ClientContext for SourceContext {
                 p.lo_offset.max(0)
             });
             LagObserved {
-                tp: &tp,
+                topic: &tp.topic,
+                partition: tp.partition,
                 lag: (p.hi_offset - base).max(0),
             }
             .emit(&self.metrics);
@@ -111,8 +112,10 @@ impl ConsumerContext for SourceContext {
             let started = Instant::now();
             let abandoned = self.offsets.wait_drained(&partitions, self.drain_timeout);
             let (commits, committed) = self.committer.commit_revoked(consumer, &self.offsets, &partitions);
+            let commits: Vec<(i32, i64)> = commits.iter().map(|c| (c.tp.partition, c.offset)).collect();
             PartitionsRevoked {
-                partitions: &partitions,
+                topic: &self.topic,
+                partitions: &partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
                 assigned_now: self.offsets.assigned().len(),
                 drained: started.elapsed(),
                 abandoned,
@@ -132,7 +135,7 @@ impl ConsumerContext for SourceContext {
                     let _ = consumer.pause(tpl);
                 }
                 PartitionsAssigned {
-                    partitions: &partitions,
+                    partitions: &partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
                     assigned_now: self.offsets.assigned().len(),
                 }
                 .emit(&self.metrics);
