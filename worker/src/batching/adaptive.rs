@@ -539,33 +539,10 @@ impl Adaptive {
         // Chunks to run before taking new ones from `pending`: halves of a chunk whose model error
         // is being isolated, or a single retried alone after an OOM.
         let mut retries: VecDeque<Chunk<T>> = VecDeque::new();
-        loop {
-            let chunk = match retries.pop_front() {
-                Some(chunk) => chunk,
-                None if pending.is_empty() => break,
-                None => {
-                    let n = self.limit(bucket).min(pending.len());
-                    let items: Vec<T> = pending.drain(..n).collect();
-                    // A bucket down to one serializes its device work.
-                    let exclusive = n == 1 && self.serialize_singles && self.limit(bucket) == 1;
-                    Chunk::of(items, exclusive)
-                }
+        while let Some(chunk) = retries.pop_front().or_else(|| self.next_chunk(bucket, &mut pending)) {
+            let Some(chunk) = self.clean_if_due(bucket, chunk, &mut on_done).await else {
+                continue;
             };
-            let mut chunk = chunk;
-            if !chunk.clean && self.with_entry(bucket, |e| std::mem::take(&mut e.clean_next)) {
-                match self.rebuild(bucket, &chunk.items).await {
-                    Ok(()) => chunk.clean = true,
-                    Err(()) => {
-                        for item in chunk.items {
-                            on_done(Done::Failed {
-                                item,
-                                error: EngineError::Stopped,
-                            });
-                        }
-                        continue;
-                    }
-                }
-            }
             let size = chunk.items.len();
             if self.with_entry(bucket, |e| size > e.fits) {
                 // This size may not fit: whatever it allocates goes back to the system when it
@@ -577,44 +554,7 @@ impl Adaptive {
             let elapsed = started.elapsed();
             match result {
                 Ok(outputs) => {
-                    events::BatchRan {
-                        bucket: &bucket.name(),
-                        size,
-                        elapsed,
-                    }
-                    .emit(&self.metrics);
-                    let probe = if chunk.clean && size == 1 {
-                        events::CleanRetryEnded {
-                            bucket: &bucket.name(),
-                            fit: true,
-                        }
-                        .emit(&self.metrics);
-                        // The ceiling was learned on the arena that is gone: probe above it now,
-                        // on a clean arena too, unless such a probe failed a moment ago.
-                        let every = self.clean_every();
-                        self.update(bucket, |e| {
-                            e.fits = e.fits.max(size);
-                            e.last_clean = Some((Instant::now(), true));
-                            if e.clean_probe_failed.is_some_and(|at| at.elapsed() < every) {
-                                return None;
-                            }
-                            let to = e.ceiling.probe_now();
-                            e.clean_next = to.is_some();
-                            to
-                        })
-                    } else {
-                        self.update(bucket, |e| {
-                            e.fits = e.fits.max(size);
-                            e.ceiling.on_success(size)
-                        })
-                    };
-                    if let Some(to) = probe {
-                        events::CeilingProbed {
-                            bucket: &bucket.name(),
-                            to,
-                        }
-                        .emit(&self.metrics);
-                    }
+                    self.learn_from_success(bucket, size, chunk.clean, elapsed);
                     on_done(Done::Ran {
                         items: chunk.items,
                         outputs: Arc::new(outputs),
@@ -650,6 +590,88 @@ impl Adaptive {
                     }
                 }
             }
+        }
+    }
+
+    /// The next call's tasks from `pending`: as many as the bucket's limit.
+    fn next_chunk<T: BatchItem>(&self, bucket: &Bucket, pending: &mut VecDeque<T>) -> Option<Chunk<T>> {
+        if pending.is_empty() {
+            return None;
+        }
+        let n = self.limit(bucket).min(pending.len());
+        let items: Vec<T> = pending.drain(..n).collect();
+        // A bucket down to one serializes its device work.
+        let exclusive = n == 1 && self.serialize_singles && self.limit(bucket) == 1;
+        Some(Chunk::of(items, exclusive))
+    }
+
+    /// Rebuilds the model's sessions first when the bucket asked for a clean arena before its
+    /// next call. `None` when the rebuild failed: the chunk's tasks have failed with it.
+    async fn clean_if_due<T: BatchItem>(
+        &self,
+        bucket: &Bucket,
+        mut chunk: Chunk<T>,
+        on_done: &mut impl FnMut(Done<T>),
+    ) -> Option<Chunk<T>> {
+        if chunk.clean || !self.with_entry(bucket, |e| std::mem::take(&mut e.clean_next)) {
+            return Some(chunk);
+        }
+        match self.rebuild(bucket, &chunk.items).await {
+            Ok(()) => {
+                chunk.clean = true;
+                Some(chunk)
+            }
+            Err(()) => {
+                for item in chunk.items {
+                    on_done(Done::Failed {
+                        item,
+                        error: EngineError::Stopped,
+                    });
+                }
+                None
+            }
+        }
+    }
+
+    /// What a call of `size` that fitted teaches: the size fits, and the ceiling may be probed.
+    /// A single that fitted on a clean arena probes above the ceiling at once (the ceiling was
+    /// learned on the arena that is gone), unless such a probe failed a moment ago.
+    fn learn_from_success(&self, bucket: &Bucket, size: usize, clean: bool, elapsed: Duration) {
+        events::BatchRan {
+            bucket: &bucket.name(),
+            size,
+            elapsed,
+        }
+        .emit(&self.metrics);
+        let probe = if clean && size == 1 {
+            events::CleanRetryEnded {
+                bucket: &bucket.name(),
+                fit: true,
+            }
+            .emit(&self.metrics);
+            let every = self.clean_every();
+            self.update(bucket, |e| {
+                e.fits = e.fits.max(size);
+                e.last_clean = Some((Instant::now(), true));
+                if e.clean_probe_failed.is_some_and(|at| at.elapsed() < every) {
+                    return None;
+                }
+                let to = e.ceiling.probe_now();
+                e.clean_next = to.is_some();
+                to
+            })
+        } else {
+            self.update(bucket, |e| {
+                e.fits = e.fits.max(size);
+                e.ceiling.on_success(size)
+            })
+        };
+        if let Some(to) = probe {
+            events::CeilingProbed {
+                bucket: &bucket.name(),
+                to,
+            }
+            .emit(&self.metrics);
         }
     }
 

@@ -339,17 +339,9 @@ impl Serving {
         result
     }
 
-    async fn swap(
-        &self,
-        name: &str,
-        served: &Served,
-        state: &mut Loaded,
-        options: &SessionOptions,
-        started: Instant,
-    ) -> Result<ReloadReport, ServingError> {
-        let drain_ms = started.elapsed().as_millis() as u64;
-        let before = self.snapshot();
-
+    /// Drops every session of `name` and checks that the memory came back (the process's
+    /// available memory on CPU, the device's free memory on CUDA): what is free after the unload.
+    async fn unload_checked(&self, name: &str, state: &Loaded) -> Result<MemorySnapshot, ServingError> {
         self.engine.unload(name).await;
         ModelLoaded {
             model: name,
@@ -379,6 +371,18 @@ impl Serving {
             )));
         }
 
+        Ok(after_unload)
+    }
+
+    /// Loads the model's file as it is now; if that fails, the previous version again, from the
+    /// very file it was loaded from (held open). Fatal if both fail.
+    async fn load_new_or_previous(
+        &self,
+        name: &str,
+        served: &Served,
+        state: &mut Loaded,
+        options: &SessionOptions,
+    ) -> Result<(ReloadResult, Option<String>), ServingError> {
         let new_file = File::open(&served.path);
         let attempt = match &new_file {
             Ok(file) => {
@@ -396,7 +400,7 @@ impl Serving {
             )),
             e => e,
         });
-        let (result, error) = match attempt {
+        Ok(match attempt {
             Ok(placement) => {
                 *state = Loaded {
                     file: new_file.expect("opened"),
@@ -424,7 +428,24 @@ impl Serving {
                     }
                 }
             }
-        };
+        })
+    }
+
+    /// One reload, once the model's calls have drained: unload, check the memory came back, load
+    /// the new version (or the previous one), and report the memory at each point.
+    async fn swap(
+        &self,
+        name: &str,
+        served: &Served,
+        state: &mut Loaded,
+        options: &SessionOptions,
+        started: Instant,
+    ) -> Result<ReloadReport, ServingError> {
+        let drain_ms = started.elapsed().as_millis() as u64;
+        let before = self.snapshot();
+
+        let after_unload = self.unload_checked(name, state).await?;
+        let (result, error) = self.load_new_or_previous(name, served, state, options).await?;
         ModelLoaded { model: name, loaded: true }.emit(&self.metrics);
         *self.arena_baseline.lock().expect("baseline") = self.arena_stats().map(|a| a.total_allocated);
         ReloadEnded {

@@ -295,8 +295,31 @@ pub(crate) async fn engine(requests: BatchRequests<Job>, shared: Arc<Shared>, co
 
 async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
     let Batch { bucket, items } = batch;
-    let jobs: Vec<Job> = items
-        .into_iter()
+    let jobs = still_wanted(shared, items);
+    if jobs.is_empty() {
+        return;
+    }
+    let Some(items) = prepare(shared, &bucket, jobs).await else {
+        return;
+    };
+    let Some(_held) = shared.serving.hold(&bucket.model).await else {
+        tracing::error!(model = %bucket.model, "model is not loaded; leaving its tasks for a restarted worker");
+        return;
+    };
+    // Durably, before the call: should it kill the process, the next owner knows what ran.
+    let _alone = match bucket.alone {
+        Some(_) => Some(shared.crash_guard.alone().await),
+        None => None,
+    };
+    let origins: Vec<&crate::pipeline::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
+    shared.crash_guard.starting(&origins).await;
+    shared.adaptive.run(&bucket, items, |done| on_done(shared, &bucket, done)).await;
+}
+
+/// The jobs of a batch that are still to run: not from a partition this worker lost, not
+/// cancelled while queued, not past their deadline (those two are announced as such, unrun).
+fn still_wanted(shared: &Arc<Shared>, jobs: Vec<Job>) -> Vec<Job> {
+    jobs.into_iter()
         .filter(|j| shared.offsets.should_start(&j.record.origin))
         .filter_map(|j| {
             let ended = if shared.cancellations.contains(&j.task.task_id) {
@@ -317,15 +340,14 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
                 None => Some(j),
             }
         })
-        .collect();
-    if jobs.is_empty() {
-        return;
-    }
-    let Some(adapter) = shared.serving.adapter(&bucket.model) else {
-        return;
-    };
-    // Prepare on the blocking pool (noise and tiling are CPU work), each task on its own: a
-    // panic fails that task only.
+        .collect()
+}
+
+/// The jobs' model inputs, made on the blocking pool (noise and tiling are CPU work), each task
+/// on its own: one that fails (or panics) goes to the DLQ and the others run. `None` when the
+/// model is gone or the runtime is shutting down: the tasks stay unacknowledged.
+async fn prepare(shared: &Arc<Shared>, bucket: &Bucket, jobs: Vec<Job>) -> Option<Vec<Item>> {
+    let adapter = shared.serving.adapter(&bucket.model)?;
     let steps: Vec<Option<u32>> = jobs.iter().map(|j| adapter.steps(&j.task)).collect();
     let prepared = tokio::task::spawn_blocking(move || {
         jobs.into_iter()
@@ -339,10 +361,8 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
             })
             .collect::<Vec<_>>()
     })
-    .await;
-    let Ok(prepared) = prepared else {
-        return; // the runtime is shutting down: leave the tasks unacknowledged
-    };
+    .await
+    .ok()?;
     let mut items = Vec::with_capacity(prepared.len());
     for ((result, job), steps) in prepared.into_iter().zip(steps) {
         match result {
@@ -360,49 +380,41 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
             Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e.to_string())),
         }
     }
-    let Some(_held) = shared.serving.hold(&bucket.model).await else {
-        tracing::error!(model = %bucket.model, "model is not loaded; leaving its tasks for a restarted worker");
-        return;
-    };
-    // Durably, before the call: should it kill the process, the next owner knows what ran.
-    let _alone = match bucket.alone {
-        Some(_) => Some(shared.crash_guard.alone().await),
-        None => None,
-    };
-    let origins: Vec<&crate::pipeline::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
-    shared.crash_guard.starting(&origins).await;
-    shared
-        .adaptive
-        .run(&bucket, items, |done| match done {
-            Done::Ran {
-                items,
-                outputs,
-                elapsed,
-                batch_size,
-            } => {
-                let started_at = Utc::now() - chrono::Duration::from_std(elapsed).unwrap_or_default();
-                let mut row = 0;
-                for item in items {
-                    let rows = row..row + item.prepared.rows;
-                    row = rows.end;
-                    let span = item.job.span.clone();
-                    let ran = Ran {
-                        outputs: outputs.clone(),
-                        rows,
-                        inference: elapsed,
-                        started_at,
-                        batch_size,
-                    };
-                    shared.tasks.spawn(finish(shared.clone(), item, ran).instrument(span));
-                }
+    Some(items)
+}
+
+/// What the adaptive batcher reports of a call: each task that ran is rendered, stored and
+/// announced on a task of its own; one that failed goes to its outcome.
+fn on_done(shared: &Arc<Shared>, bucket: &Bucket, done: Done<Item>) {
+    match done {
+        Done::Ran {
+            items,
+            outputs,
+            elapsed,
+            batch_size,
+        } => {
+            let started_at = Utc::now() - chrono::Duration::from_std(elapsed).unwrap_or_default();
+            let mut row = 0;
+            for item in items {
+                let rows = row..row + item.prepared.rows;
+                row = rows.end;
+                let span = item.job.span.clone();
+                let ran = Ran {
+                    outputs: outputs.clone(),
+                    rows,
+                    inference: elapsed,
+                    started_at,
+                    batch_size,
+                };
+                shared.tasks.spawn(finish(shared.clone(), item, ran).instrument(span));
             }
-            Done::Failed { item, error } => {
-                if let Some(failure) = failure_of(shared, &item, &bucket, &error) {
-                    shared.outcomes.fail(item.job, failure);
-                }
+        }
+        Done::Failed { item, error } => {
+            if let Some(failure) = failure_of(shared, &item, bucket, &error) {
+                shared.outcomes.fail(item.job, failure);
             }
-        })
-        .await;
+        }
+    }
 }
 
 /// The DLQ failure of a task that failed on its own; `None` for an engine failure that is not

@@ -215,16 +215,7 @@ impl Backend for SdBackend {
         let latent_shape = latents_in.shape.clone();
         let per_image: usize = latent_shape[1..].iter().product();
         let guidance = floats(input(call, "guidance")?)?.to_vec();
-
-        // Text: [uncond..., cond...] hidden states per image row.
-        let cond = self.encode(input(call, "cond_ids")?)?;
-        let hidden_per_row = cond.len() / n;
-        let seq = input(call, "cond_ids")?.shape[1];
-        let uncond = if bucket.cfg {
-            Some(self.encode(input(call, "uncond_ids")?)?)
-        } else {
-            None
-        };
+        let text = self.conditioning(call, n, bucket.cfg, &guidance)?;
         let noise = if schedule.noise_draws() > 0 {
             Some(floats(input(call, "noise")?)?)
         } else {
@@ -245,18 +236,10 @@ impl Backend for SdBackend {
             return Err(EngineError::Run(format!("tasks own {} rows, the call has {n}", owner.len())));
         }
         let mut cancelled = vec![false; call.tasks.len()];
-        let time_cond: Option<Vec<f32>> = self
-            .layout
-            .time_cond_dim
-            .map(|dim| guidance.iter().flat_map(|&g| guidance_embedding(g - 1.0, dim)).collect());
         let steps = schedule.timesteps().len();
         let mut draw = 0;
         for (i, &t) in schedule.timesteps().iter().enumerate() {
-            for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
-                if !cancelled[task] && hooks.cancelled() {
-                    cancelled[task] = true;
-                }
-            }
+            note_cancellations(call, &mut cancelled);
             let active: Vec<usize> = (0..n).filter(|&r| !cancelled[owner[r]]).collect();
             if active.is_empty() {
                 break;
@@ -268,34 +251,7 @@ impl Backend for SdBackend {
                 schedule.scale_model_input(i, &mut x).map_err(|e| EngineError::Run(e.to_string()))?;
                 sample.extend(x);
             }
-            let mut hidden = Vec::new();
-            let mut rows = b;
-            if let Some(uncond) = &uncond {
-                for &r in &active {
-                    hidden.extend_from_slice(&uncond[r * hidden_per_row..(r + 1) * hidden_per_row]);
-                }
-                sample = [sample.clone(), sample].concat();
-                rows = 2 * b;
-            }
-            for &r in &active {
-                hidden.extend_from_slice(&cond[r * hidden_per_row..(r + 1) * hidden_per_row]);
-            }
-            let mut shape = latent_shape.clone();
-            shape[0] = rows;
-            let mut inputs = vec![
-                Tensor::f32("sample", shape, sample),
-                self.timestep.tensor(t, rows),
-                Tensor::f32("encoder_hidden_states", vec![rows, seq, hidden_per_row / seq], hidden),
-            ];
-            if let (Some(tc), Some(dim)) = (&time_cond, self.layout.time_cond_dim) {
-                let rows_tc: Vec<f32> = active.iter().flat_map(|&r| tc[r * dim..(r + 1) * dim].iter().copied()).collect();
-                let rows_tc = if uncond.is_some() {
-                    [rows_tc.clone(), rows_tc].concat()
-                } else {
-                    rows_tc
-                };
-                inputs.push(Tensor::f32("timestep_cond", vec![rows, dim], rows_tc));
-            }
+            let (inputs, rows) = self.unet_inputs(&text, &active, sample, &latent_shape, t);
             let out = self.unet.run_tensors(&inputs)?;
             let pred = out
                 .iter()
@@ -305,13 +261,10 @@ impl Backend for SdBackend {
                 .ok_or_else(|| EngineError::Run("unet output is not float32".into()))?;
             let draws_now = schedule.draws_noise(i);
             for (k, &r) in active.iter().enumerate() {
-                let model_output: Vec<f32> = if uncond.is_some() {
-                    let (u, c) = (
-                        &pred[k * per_image..(k + 1) * per_image],
-                        &pred[(b + k) * per_image..(b + k + 1) * per_image],
-                    );
-                    let g = guidance[r];
-                    u.iter().zip(c).map(|(u, c)| u + g * (c - u)).collect()
+                let model_output = if text.uncond.is_some() {
+                    let uncond = &pred[k * per_image..(k + 1) * per_image];
+                    let cond = &pred[(b + k) * per_image..(b + k + 1) * per_image];
+                    guided(uncond, cond, guidance[r])
                 } else {
                     pred[k * per_image..(k + 1) * per_image].to_vec()
                 };
@@ -332,26 +285,10 @@ impl Backend for SdBackend {
             if draws_now {
                 draw += 1;
             }
-            for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
-                if !cancelled[task] {
-                    hooks.progress(i + 1, steps);
-                }
-            }
+            report_progress(call, &cancelled, i + 1, steps);
         }
 
-        let images = self.decode(&latents, &latent_shape)?;
-        let image_shape = [
-            n,
-            3,
-            latent_shape[2] * self.layout.vae_scale,
-            latent_shape[3] * self.layout.vae_scale,
-        ];
-        if images.len() != image_shape.iter().product::<usize>() {
-            return Err(EngineError::Run(format!(
-                "vae_decoder gave {} values for images of shape {image_shape:?}",
-                images.len()
-            )));
-        }
+        let (images, image_shape) = self.decode_checked(&latents, &latent_shape)?;
         let cancelled_rows: Vec<f32> = owner.iter().map(|&t| if cancelled[t] { 1.0 } else { 0.0 }).collect();
         Ok(vec![
             Tensor::f32("images", image_shape.to_vec(), images),
@@ -368,5 +305,124 @@ impl Backend for SdBackend {
 
     fn placement(&self) -> Placement {
         self.unet.placement()
+    }
+}
+
+/// A call's text conditioning, per image row: the prompts' hidden states, the negative prompts'
+/// when guidance runs the UNet on `[uncond, cond]`, and the guidance-scale embedding of models
+/// distilled with it (LCM).
+struct Conditioning {
+    cond: Vec<f32>,
+    uncond: Option<Vec<f32>>,
+    /// Hidden-state values of one row, and its sequence length.
+    per_row: usize,
+    seq: usize,
+    /// `timestep_cond` rows, `dim` values each.
+    time_cond: Option<(Vec<f32>, usize)>,
+}
+
+impl SdBackend {
+    /// Encodes a call's prompts (and negative prompts with guidance) on the text encoder; `rows`
+    /// image rows.
+    fn conditioning(&mut self, call: &Call, rows: usize, cfg: bool, guidance: &[f32]) -> Result<Conditioning, EngineError> {
+        let ids = input(call, "cond_ids")?;
+        let seq = ids.shape[1];
+        let cond = self.encode(ids)?;
+        let uncond = if cfg {
+            Some(self.encode(input(call, "uncond_ids")?)?)
+        } else {
+            None
+        };
+        let time_cond = self
+            .layout
+            .time_cond_dim
+            .map(|dim| (guidance.iter().flat_map(|&g| guidance_embedding(g - 1.0, dim)).collect(), dim));
+        Ok(Conditioning {
+            per_row: cond.len() / rows,
+            cond,
+            uncond,
+            seq,
+            time_cond,
+        })
+    }
+
+    /// One UNet call's inputs for the `active` rows at timestep `t`: `sample` (their scaled
+    /// latents) twice over with guidance, the timestep, the hidden states `[uncond..., cond...]`,
+    /// and `timestep_cond` where the model has it. Returns them with the call's row count.
+    fn unet_inputs(&self, text: &Conditioning, active: &[usize], sample: Vec<f32>, latent_shape: &[usize], t: f32) -> (Vec<Tensor>, usize) {
+        let per_row = text.per_row;
+        let mut hidden = Vec::new();
+        let (sample, rows) = match &text.uncond {
+            Some(uncond) => {
+                for &r in active {
+                    hidden.extend_from_slice(&uncond[r * per_row..(r + 1) * per_row]);
+                }
+                ([sample.clone(), sample].concat(), 2 * active.len())
+            }
+            None => (sample, active.len()),
+        };
+        for &r in active {
+            hidden.extend_from_slice(&text.cond[r * per_row..(r + 1) * per_row]);
+        }
+        let mut shape = latent_shape.to_vec();
+        shape[0] = rows;
+        let mut inputs = vec![
+            Tensor::f32("sample", shape, sample),
+            self.timestep.tensor(t, rows),
+            Tensor::f32("encoder_hidden_states", vec![rows, text.seq, per_row / text.seq], hidden),
+        ];
+        if let Some((tc, dim)) = &text.time_cond {
+            let dim = *dim;
+            let rows_tc: Vec<f32> = active.iter().flat_map(|&r| tc[r * dim..(r + 1) * dim].iter().copied()).collect();
+            let rows_tc = if text.uncond.is_some() {
+                [rows_tc.clone(), rows_tc].concat()
+            } else {
+                rows_tc
+            };
+            inputs.push(Tensor::f32("timestep_cond", vec![rows, dim], rows_tc));
+        }
+        (inputs, rows)
+    }
+
+    /// The final latents through the VAE decoder, checked against the images' shape.
+    fn decode_checked(&mut self, latents: &[f32], latent_shape: &[usize]) -> Result<(Vec<f32>, [usize; 4]), EngineError> {
+        let images = self.decode(latents, latent_shape)?;
+        let image_shape = [
+            latent_shape[0],
+            3,
+            latent_shape[2] * self.layout.vae_scale,
+            latent_shape[3] * self.layout.vae_scale,
+        ];
+        if images.len() != image_shape.iter().product::<usize>() {
+            return Err(EngineError::Run(format!(
+                "vae_decoder gave {} values for images of shape {image_shape:?}",
+                images.len()
+            )));
+        }
+        Ok((images, image_shape))
+    }
+}
+
+/// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two
+/// predictions.
+fn guided(uncond: &[f32], cond: &[f32], g: f32) -> Vec<f32> {
+    uncond.iter().zip(cond).map(|(u, c)| u + g * (c - u)).collect()
+}
+
+/// Marks the tasks whose clients cancelled them since the last step.
+fn note_cancellations(call: &Call, cancelled: &mut [bool]) {
+    for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
+        if !cancelled[task] && hooks.cancelled() {
+            cancelled[task] = true;
+        }
+    }
+}
+
+/// Tells each task still running that it finished step `step` of `steps`.
+fn report_progress(call: &Call, cancelled: &[bool], step: usize, steps: usize) {
+    for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
+        if !cancelled[task] {
+            hooks.progress(step, steps);
+        }
     }
 }
