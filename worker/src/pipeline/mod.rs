@@ -95,7 +95,7 @@ impl BatchItem for Item {
 /// started before are checked for results, the rest go to the batcher.
 pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, shared: Arc<Shared>) {
     while let Some(record) = input.recv().await {
-        if !shared.offsets.should_start(&record.origin) {
+        if !shared.offsets.keep_or_release(&record.origin) {
             continue; // revoked or being revoked while queued; the new owner reads it again
         }
         // Before anything of the partition can be committed, a record that fails at once
@@ -319,28 +319,29 @@ async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
 /// The jobs of a batch that are still to run: not from a partition this worker lost, not
 /// cancelled while queued, not past their deadline (those two are announced as such, unrun).
 fn still_wanted(shared: &Arc<Shared>, jobs: Vec<Job>) -> Vec<Job> {
-    jobs.into_iter()
-        .filter(|j| shared.offsets.should_start(&j.record.origin))
-        .filter_map(|j| {
-            let ended = if shared.cancellations.contains(&j.task.task_id) {
-                // Cancelled while queued: never run.
-                Some(CompletionStatus::Cancelled)
-            } else if j.task.deadline.is_some_and(|d| d < Utc::now()) {
-                // Dequeued past its deadline: not run.
-                Some(CompletionStatus::Expired)
-            } else {
-                None
-            };
-            match ended {
-                Some(status) => {
-                    let outcomes = shared.outcomes.clone();
-                    shared.tasks.spawn(async move { outcomes.ended(&j, status).await });
-                    None
-                }
-                None => Some(j),
+    let mut wanted = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        if !shared.offsets.keep_or_release(&job.record.origin) {
+            continue; // revoked, or released by a draining partition
+        }
+        let ended = if shared.cancellations.contains(&job.task.task_id) {
+            // Cancelled while queued: never run.
+            Some(CompletionStatus::Cancelled)
+        } else if job.task.deadline.is_some_and(|d| d < Utc::now()) {
+            // Dequeued past its deadline: not run.
+            Some(CompletionStatus::Expired)
+        } else {
+            None
+        };
+        match ended {
+            Some(status) => {
+                let outcomes = shared.outcomes.clone();
+                shared.tasks.spawn(async move { outcomes.ended(&job, status).await });
             }
-        })
-        .collect()
+            None => wanted.push(job),
+        }
+    }
+    wanted
 }
 
 /// The jobs' model inputs, made on the blocking pool (noise and tiling are CPU work), each task

@@ -78,6 +78,16 @@ pub struct Commit {
     pub starts_version: u64,
 }
 
+/// Where an assigned partition is in its life (vector's `Consuming`/`Draining`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Its records start as they come.
+    Consuming,
+    /// Being revoked: work not yet started on it is released rather than run, and commits stop
+    /// below the lowest offset released unfinished.
+    Draining { released: Option<i64> },
+}
+
 #[derive(Debug)]
 struct Partition {
     generation: u64,
@@ -89,10 +99,7 @@ struct Partition {
     first: Option<i64>,
     /// The last offset committed (the next record to read after a restart).
     committed: Option<i64>,
-    /// Being revoked: work not yet started on it is released rather than run.
-    draining: bool,
-    /// The lowest offset released unfinished while draining: commits stop below it.
-    released: Option<i64>,
+    phase: Phase,
     /// `None` until the previous owner's lease is read: until then nothing is committed, since
     /// a commit would overwrite that lease.
     lease: Option<Lease>,
@@ -111,7 +118,10 @@ struct Partition {
 impl Partition {
     fn committable(&self) -> Option<i64> {
         let c = self.pending.keys().next().copied().or(self.next)?;
-        Some(self.released.map_or(c, |r| r.min(c)))
+        match self.phase {
+            Phase::Draining { released: Some(r) } => Some(r.min(c)),
+            _ => Some(c),
+        }
     }
 
     /// The commit this partition needs now, if any: a new offset or a longer lease.
@@ -190,8 +200,7 @@ impl Offsets {
                     next: None,
                     first: None,
                     committed: None,
-                    draining: false,
-                    released: None,
+                    phase: Phase::Consuming,
                     lease: None,
                     lease_failed_at: None,
                     started: BTreeMap::new(),
@@ -404,11 +413,12 @@ impl Offsets {
         }
     }
 
-    /// Whether work on `origin` should start: it belongs to a current assignment that is not
-    /// being drained. A record of a draining partition is released instead (its offset is not
-    /// committed; the next owner reads it again), so a revoke waits only for work in progress,
-    /// not for everything buffered.
-    pub fn should_start(&self, origin: &Origin) -> bool {
+    /// Whether work on `origin` goes on (to its next stage, or into a model call): yes while its
+    /// partition is this worker's and consuming. A record of a draining partition is released
+    /// instead, which is why this is not a plain question: it leaves the pending set unfinished
+    /// (its offset is not committed; the next owner reads it again), so a revoke waits only for
+    /// work in progress, not for everything buffered.
+    pub fn keep_or_release(&self, origin: &Origin) -> bool {
         let mut state = self.lock();
         let tp = TopicPartition::of(origin);
         let Some(p) = state.partitions.get_mut(&tp) else {
@@ -417,12 +427,12 @@ impl Offsets {
         if p.generation != origin.generation {
             return false;
         }
-        if !p.draining {
+        let Phase::Draining { released } = &mut p.phase else {
             return true;
-        }
+        };
         if p.pending.remove(&origin.offset).is_some() {
             p.started.remove(&origin.offset);
-            p.released = Some(p.released.map_or(origin.offset, |r| r.min(origin.offset)));
+            *released = Some(released.map_or(origin.offset, |r| r.min(origin.offset)));
             state.in_flight -= 1;
             drop(state);
             self.finished.notify_all();
@@ -519,7 +529,9 @@ impl Offsets {
         let mut state = self.lock();
         for tp in partitions {
             if let Some(p) = state.partitions.get_mut(tp) {
-                p.draining = true;
+                if p.phase == Phase::Consuming {
+                    p.phase = Phase::Draining { released: None };
+                }
             }
         }
         loop {
@@ -657,17 +669,17 @@ mod tests {
         let offsets = Arc::new(Offsets::new());
         assign(&offsets, &[tp(0)]);
         let o: Vec<_> = (0..4).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
-        assert!(offsets.should_start(&o[0]), "not draining: work starts");
+        assert!(offsets.keep_or_release(&o[0]), "not draining: work starts");
         assert!(offsets.ack(&o[0]));
         // Record 1 is running when the revoke starts; 2 and 3 are still queued.
         let drainer = {
             let offsets = offsets.clone();
             std::thread::spawn(move || offsets.wait_drained(&[tp(0)], Duration::from_secs(10)))
         };
-        while offsets.should_start(&o[3]) {
+        while offsets.keep_or_release(&o[3]) {
             std::thread::yield_now(); // until the drain has begun
         }
-        assert!(!offsets.should_start(&o[2]), "queued work of a draining partition is released");
+        assert!(!offsets.keep_or_release(&o[2]), "queued work of a draining partition is released");
         assert!(offsets.ack(&o[1]), "work in progress finishes");
         assert_eq!(drainer.join().unwrap(), 0, "the drain waited only for record 1");
         // Records 2 and 3 were released unfinished: the commit stops at 2.
