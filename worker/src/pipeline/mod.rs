@@ -5,34 +5,37 @@
 //! ```
 //!
 //! Every task carries its origin; whichever stage finishes it hands it to [`Outcomes`], the one
-//! place that announces outcomes and acknowledges offsets.
+//! place that announces outcomes and acknowledges offsets. One file per stage: [`decode`] (parse,
+//! admit, look for earlier results, the crash guard's verdict), [`run`] (the engine stage: a
+//! batch's tasks prepared and run through the adaptive batcher), [`finish`] (render, store,
+//! announce); the source is [`crate::source`], the batcher [`crate::batching`]. What a stage
+//! needs travels in [`Shared`].
 
+mod decode;
+mod finish;
+mod gauges;
+mod run;
 pub(crate) mod running;
 pub(crate) mod task;
 
-use std::ops::Range;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+pub(crate) use decode::decode;
+pub(crate) use gauges::gauges;
+pub(crate) use run::engine;
 
-use chrono::Utc;
-use sluice_schemas::{CompletionStatus, DlqReason, OutputRef, Timings, decode_task};
-use tokio::sync::{Semaphore, mpsc};
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
-use crate::batching::adaptive::{Adaptive, BatchItem, Done};
-use crate::batching::batcher::{Batch, BatchRequests};
-use crate::engine::{EngineError, Tensor};
-use crate::events::{Emit, MemorySampled};
+use crate::batching::adaptive::{Adaptive, BatchItem};
 use crate::metrics::Metrics;
+use crate::models::Prepared;
 use crate::models::serving::Serving;
-use crate::models::{Bucket, ModelError, Prepared};
-use crate::outcome::{Failed, Outcomes, Success, TaskIdentity};
-use crate::panics;
-use crate::pipeline::task::{Failure, Job, Record};
-use crate::retry::{RetryPolicy, retry};
-use crate::source::crash_guard::{CrashGuard, Verdict};
+use crate::outcome::Outcomes;
+use crate::pipeline::task::Job;
+use crate::retry::RetryPolicy;
+use crate::source::crash_guard::CrashGuard;
 use crate::source::offsets::Offsets;
 use crate::source::redelivery::RedeliveryCheck;
 use crate::storage::images::ImageStore;
@@ -91,444 +94,6 @@ impl BatchItem for Item {
     }
 }
 
-/// Decode: parse and validate each record; bad ones fail at once, good ones that may have been
-/// started before are checked for results, the rest go to the batcher.
-pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, shared: Arc<Shared>) {
-    while let Some(record) = input.recv().await {
-        if !shared.offsets.keep_or_release(&record.origin) {
-            continue; // revoked or being revoked while queued; the new owner reads it again
-        }
-        // Before anything of the partition can be committed, a record that fails at once
-        // included (a partition holding only those would otherwise never be).
-        shared.redelivery.know_partition(&record.origin).await;
-        let Some((bucket, mut job)) = admit(&shared, record) else {
-            continue;
-        };
-        let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
-        // A task submitted with an Idempotency-Key may have been published twice (two producer
-        // replicas, a retry while one caught up): its results may exist already.
-        let check = shared.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
-        let current = |o: &crate::pipeline::task::Origin| shared.offsets.is_current(o);
-        let earlier = match shared.running.claim(job.task.task_id, &job.record.origin, current) {
-            Ok(claim) => {
-                job.claim = Some(claim);
-                false
-            }
-            Err(_) => true, // another record of this task is in flight here
-        };
-        if !check && !earlier {
-            // No earlier delivery can have started it: no results to look for.
-            if let Some((bucket, job)) = guard(&shared, bucket, job) {
-                let _ = to_batcher.send((bucket, job)).await;
-            }
-            continue;
-        }
-        // The check is a storage round trip (after the earlier record of the same task, if one
-        // is in flight): run it concurrently, not in line.
-        let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
-        shared.tasks.spawn(async move {
-            if earlier {
-                let current = |o: &crate::pipeline::task::Origin| shared2.offsets.is_current(o);
-                job.claim = Some(
-                    shared2
-                        .running
-                        .claim_after_others(job.task.task_id, &job.record.origin, current)
-                        .await,
-                );
-            }
-            if let Some((bucket, job)) = announce_if_done(&shared2, job).await.and_then(|job| guard(&shared2, bucket, job)) {
-                let _ = to_batcher.send((bucket, job)).await;
-            }
-        });
-    }
-}
-
-/// The crash guard's verdict on a task with no earlier results: it runs (alone, when an earlier
-/// worker started it and died), or goes to the DLQ after `SLUICE_MAX_CRASHES` such starts.
-fn guard(shared: &Shared, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
-    let origin = &job.record.origin;
-    match shared.crash_guard.verdict(origin) {
-        Verdict::Run => Some((bucket, job)),
-        Verdict::Alone { starts } => {
-            tracing::warn!(parent: &job.span, starts, "started before by a worker that stopped before it finished; running it alone");
-            let alone = Some((origin.partition, origin.offset));
-            Some((Bucket { alone, ..bucket }, job))
-        }
-        Verdict::Crashed { starts } => {
-            let message = format!(
-                "started {starts} times without an outcome: each start ended the worker that ran it \
-                 (an abort, a crash in native code or an OOM kill; SLUICE_MAX_CRASHES)"
-            );
-            tracing::error!(parent: &job.span, starts, "a record that keeps killing workers goes to the DLQ");
-            shared.outcomes.fail(job, Failure::new(DlqReason::Crashed, message));
-            None
-        }
-    }
-}
-
-/// The job and bucket of a record, or `None` after failing it (too large, undecodable, a model
-/// not served here, parameters its model refuses).
-fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
-    let outcomes = &shared.outcomes;
-    if record.value.len() > shared.max_task_bytes {
-        let failure = Failure::new(
-            DlqReason::TooLarge,
-            format!("record is {} bytes; the limit is {}", record.value.len(), shared.max_task_bytes),
-        );
-        outcomes.fail(
-            Failed::Record {
-                record,
-                identity: TaskIdentity::default(),
-            },
-            failure,
-        );
-        return None;
-    }
-    let task = match decode_task(&record.value, record.header(sluice_schemas::HEADER_SCHEMA_VERSION)) {
-        Ok(task) => task,
-        Err(bad) => {
-            let mut failure = Failure::new(bad.error.reason(), bad.error.to_string());
-            if let sluice_schemas::DecodeError::Schema(violations) = &bad.error {
-                failure = failure.with_violations(violations);
-            }
-            let identity = TaskIdentity {
-                task_id: bad.task_id,
-                tenant: bad.tenant,
-                model: bad.model,
-                user: None,
-            };
-            outcomes.fail(Failed::Record { record, identity }, failure);
-            return None;
-        }
-    };
-    let trace_id = crate::outcome::publish::TraceHeaders::of(&record)
-        .map(|t| t.trace_id().to_owned())
-        .unwrap_or_default();
-    let span =
-        tracing::info_span!("task", task_id = %task.task_id, trace_id, partition = record.origin.partition, offset = record.origin.offset);
-    let job = Job {
-        record,
-        task,
-        span,
-        claim: None,
-    };
-    let Some(adapter) = shared.serving.adapter(&job.task.model) else {
-        let failure = Failure::new(
-            DlqReason::UnsupportedModel,
-            format!(
-                "model {:?} is not served here (serving {:?})",
-                job.task.model,
-                shared.serving.names()
-            ),
-        );
-        outcomes.fail(job, failure);
-        return None;
-    };
-    // The bounds of one task's work, as the producer checks them: a record can reach the topic
-    // without the producer, and one oversized task must not take the worker's memory.
-    if let Some(entry) = shared.catalog.get(&job.task.model) {
-        let violations = entry.check_work(&job.task.request);
-        if !violations.is_empty() {
-            let message = violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
-            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, message).with_violations(&violations));
-            return None;
-        }
-    }
-    // Whatever goes wrong at admission (a panic included) refuses the task as it was asked.
-    match panics::catch(|| adapter.bucket(&job.task))
-        .map_err(ModelError::Panicked)
-        .and_then(|b| b)
-    {
-        Ok(bucket) => Some((bucket, job)),
-        Err(e) => {
-            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, e.to_string()));
-            None
-        }
-    }
-}
-
-/// If an earlier attempt finished the task (its manifest exists), announces it again from the
-/// manifest; otherwise hands the job back.
-async fn announce_if_done(shared: &Arc<Shared>, job: Job) -> Option<Job> {
-    let task_id = job.task.task_id;
-    let manifest = retry(shared.storage_retry, "manifest_check", &shared.metrics, &shared.abandon, || {
-        shared.images.manifest(task_id)
-    })
-    .await;
-    let manifest = match manifest {
-        Ok(Some(m)) => m,
-        Ok(None) => return Some(job),
-        Err(gave_up) => {
-            shared.outcomes.gave_up(job, "checking for earlier results", gave_up);
-            return None;
-        }
-    };
-    let timings = Timings {
-        total_ms: job.age_ms(Utc::now()),
-        inference_ms: manifest.inference_ms.unwrap_or(0),
-        ..Timings::default()
-    };
-    let success = Success {
-        outputs: manifest.outputs,
-        timings,
-        duplicate: true,
-        upload: Duration::ZERO,
-    };
-    shared.outcomes.succeed(&job, success).await;
-    None
-}
-
-/// The engine stage: pulls batches and runs up to `concurrency` of them at once (one more than
-/// the engine slots, so the next batch is prepared while one runs).
-pub(crate) async fn engine(requests: BatchRequests<Job>, shared: Arc<Shared>, concurrency: usize) {
-    let permits = Arc::new(Semaphore::new(concurrency.max(1)));
-    loop {
-        let permit = permits.clone().acquire_owned().await.expect("never closed");
-        let Some(batch) = requests.next().await else { break };
-        let shared2 = shared.clone();
-        shared.tasks.spawn(async move {
-            run_batch(&shared2, batch).await;
-            drop(permit);
-        });
-    }
-}
-
-async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
-    let Batch { bucket, items } = batch;
-    let jobs = still_wanted(shared, items);
-    if jobs.is_empty() {
-        return;
-    }
-    let Some(items) = prepare(shared, &bucket, jobs).await else {
-        return;
-    };
-    let Some(_held) = shared.serving.hold(&bucket.model).await else {
-        tracing::error!(model = %bucket.model, "model is not loaded; leaving its tasks for a restarted worker");
-        return;
-    };
-    // Durably, before the call: should it kill the process, the next owner knows what ran.
-    let _alone = match bucket.alone {
-        Some(_) => Some(shared.crash_guard.alone().await),
-        None => None,
-    };
-    let origins: Vec<&crate::pipeline::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
-    shared.crash_guard.starting(&origins).await;
-    shared.adaptive.run(&bucket, items, |done| on_done(shared, &bucket, done)).await;
-}
-
-/// The jobs of a batch that are still to run: not from a partition this worker lost, not
-/// cancelled while queued, not past their deadline (those two are announced as such, unrun).
-fn still_wanted(shared: &Arc<Shared>, jobs: Vec<Job>) -> Vec<Job> {
-    let mut wanted = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        if !shared.offsets.keep_or_release(&job.record.origin) {
-            continue; // revoked, or released by a draining partition
-        }
-        let ended = if shared.cancellations.contains(&job.task.task_id) {
-            // Cancelled while queued: never run.
-            Some(CompletionStatus::Cancelled)
-        } else if job.task.deadline.is_some_and(|d| d < Utc::now()) {
-            // Dequeued past its deadline: not run.
-            Some(CompletionStatus::Expired)
-        } else {
-            None
-        };
-        match ended {
-            Some(status) => {
-                let outcomes = shared.outcomes.clone();
-                shared.tasks.spawn(async move { outcomes.ended(&job, status).await });
-            }
-            None => wanted.push(job),
-        }
-    }
-    wanted
-}
-
-/// The jobs' model inputs, made on the blocking pool (noise and tiling are CPU work), each task
-/// on its own: one that fails (or panics) goes to the DLQ and the others run. `None` when the
-/// model is gone or the runtime is shutting down: the tasks stay unacknowledged.
-async fn prepare(shared: &Arc<Shared>, bucket: &Bucket, jobs: Vec<Job>) -> Option<Vec<Item>> {
-    let adapter = shared.serving.adapter(&bucket.model)?;
-    let steps: Vec<Option<u32>> = jobs.iter().map(|j| adapter.steps(&j.task)).collect();
-    let prepared = tokio::task::spawn_blocking(move || {
-        jobs.into_iter()
-            .map(|job| {
-                (
-                    panics::catch(|| adapter.prepare(&job.task))
-                        .map_err(ModelError::Panicked)
-                        .and_then(|r| r),
-                    job,
-                )
-            })
-            .collect::<Vec<_>>()
-    })
-    .await
-    .ok()?;
-    let mut items = Vec::with_capacity(prepared.len());
-    for ((result, job), steps) in prepared.into_iter().zip(steps) {
-        match result {
-            Ok(prepared) => {
-                let progress = steps.zip(shared.progress.as_ref()).map(|(steps, sink)| {
-                    Arc::new(sink.start(
-                        job.task.task_id,
-                        &bucket.model,
-                        steps,
-                        crate::outcome::publish::TraceHeaders::of(&job.record),
-                    ))
-                });
-                items.push(Item { job, prepared, progress })
-            }
-            Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e.to_string())),
-        }
-    }
-    Some(items)
-}
-
-/// What the adaptive batcher reports of a call: each task that ran is rendered, stored and
-/// announced on a task of its own; one that failed goes to its outcome.
-fn on_done(shared: &Arc<Shared>, bucket: &Bucket, done: Done<Item>) {
-    match done {
-        Done::Ran {
-            items,
-            outputs,
-            elapsed,
-            batch_size,
-        } => {
-            let started_at = Utc::now() - chrono::Duration::from_std(elapsed).unwrap_or_default();
-            let mut row = 0;
-            for item in items {
-                let rows = row..row + item.prepared.rows;
-                row = rows.end;
-                let span = item.job.span.clone();
-                let ran = Ran {
-                    outputs: outputs.clone(),
-                    rows,
-                    inference: elapsed,
-                    started_at,
-                    batch_size,
-                };
-                shared.tasks.spawn(finish(shared.clone(), item, ran).instrument(span));
-            }
-        }
-        Done::Failed { item, error } => {
-            if let Some(failure) = failure_of(shared, &item, bucket, &error) {
-                shared.outcomes.fail(item.job, failure);
-            }
-        }
-    }
-}
-
-/// The DLQ failure of a task that failed on its own; `None` for an engine failure that is not
-/// the task's fault (it is left for redelivery).
-fn failure_of(shared: &Shared, item: &Item, bucket: &Bucket, error: &EngineError) -> Option<Failure> {
-    let mut details = shared
-        .serving
-        .adapter(&bucket.model)
-        .map(|a| a.describe(&item.job.task))
-        .unwrap_or_default();
-    details.insert("rows".into(), bucket.rows_per_task.into());
-    let failure = match error {
-        EngineError::OutOfMemory(m) => Failure::new(
-            DlqReason::ResourceExhausted,
-            format!("out of memory even at batch 1 ({}): {m}", item.dimensions()),
-        ),
-        EngineError::Run(_) | EngineError::Load(_) | EngineError::Panicked(_) => Failure::new(DlqReason::ModelError, error.to_string()),
-        EngineError::Runtime(_) | EngineError::Stopped => return None,
-    };
-    Some(failure.with_details(details))
-}
-
-struct Ran {
-    outputs: Arc<Vec<Tensor>>,
-    rows: Range<usize>,
-    inference: Duration,
-    started_at: chrono::DateTime<Utc>,
-    batch_size: usize,
-}
-
-/// Render, store, announce.
-async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
-    let _permit = shared.finishing.acquire().await.expect("never closed");
-    let Item { job, prepared, .. } = item;
-    let rendered = {
-        let outputs = ran.outputs.clone();
-        let rows = ran.rows.clone();
-        tokio::task::spawn_blocking(move || {
-            panics::catch(|| prepared.render.render(&outputs, rows))
-                .map_err(ModelError::Panicked)
-                .and_then(|r| r)
-        })
-        .await
-    };
-    let images = match rendered {
-        Ok(Ok(images)) => images,
-        Ok(Err(ModelError::Cancelled)) => {
-            // Stopped between steps: nothing is stored.
-            shared.outcomes.ended(&job, CompletionStatus::Cancelled).await;
-            return;
-        }
-        Ok(Err(e)) => {
-            shared
-                .outcomes
-                .fail(job, Failure::new(DlqReason::ModelError, format!("rendering: {e}")));
-            return;
-        }
-        Err(_) => return, // the runtime is shutting down
-    };
-    let upload_started = Instant::now();
-    let task_id = job.task.task_id;
-    let stored = retry(shared.storage_retry, "upload", &shared.metrics, &shared.abandon, || async {
-        let puts = images
-            .iter()
-            .enumerate()
-            .map(|(i, image)| shared.images.put_image(task_id, i as u32, image));
-        let outputs: Vec<OutputRef> = futures::future::try_join_all(puts).await?;
-        shared
-            .images
-            .put_manifest(task_id, &outputs, ran.inference.as_millis() as u64, &shared.worker_id)
-            .await?;
-        Ok::<_, crate::storage::images::StorageError>(outputs)
-    })
-    .await;
-    let outputs = match stored {
-        Ok(outputs) => outputs,
-        Err(gave_up) => return shared.outcomes.gave_up(job, "storing images", gave_up),
-    };
-    let upload = upload_started.elapsed();
-    let timings = Timings {
-        queued_ms: (ran.started_at - job.task.submitted_at).num_milliseconds().max(0) as u64,
-        inference_ms: ran.inference.as_millis() as u64,
-        upload_ms: upload.as_millis() as u64,
-        total_ms: job.age_ms(Utc::now()),
-    };
-    let success = Success {
-        outputs,
-        timings,
-        duplicate: false,
-        upload,
-    };
-    if shared.outcomes.succeed(&job, success).await {
-        tracing::debug!(batch_size = ran.batch_size, "completed");
-    }
-}
-
-/// Refreshes the gauges that are read rather than counted.
-pub(crate) async fn gauges(shared: Arc<Shared>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    while !stop.is_cancelled() {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => return,
-        }
-        shared.offsets.observed().emit(&shared.metrics);
-        MemorySampled {
-            rss_bytes: crate::metrics::rss_bytes(),
-            arena: shared.serving.arena_stats(),
-        }
-        .emit(&shared.metrics);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -538,6 +103,11 @@ mod tests {
     use sluice_schemas::CompletionEvent;
     use uuid::Uuid;
 
+    use std::time::Duration;
+
+    use chrono::Utc;
+    use tokio::sync::mpsc;
+
     use super::*;
     use crate::batching::adaptive::BatchSize;
     use crate::batching::batcher::Batcher;
@@ -546,6 +116,7 @@ mod tests {
     use crate::models::serving::Health;
     use crate::outcome::OutcomeSettings;
     use crate::outcome::publish::{Publish, PublishError};
+    use crate::pipeline::task::{Failure, Record};
     use crate::source::offsets::TopicPartition;
     use crate::source::redelivery::RedeliveryCheck;
     use crate::testing::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED};

@@ -1,0 +1,206 @@
+//! The decode stage: each record parsed and admitted (or failed at once with its reason),
+//! looked up for earlier results when it may have run before, and given the crash guard's
+//! verdict; what may run goes to the batcher.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use sluice_schemas::{DlqReason, Timings, decode_task};
+use tokio::sync::mpsc;
+
+use crate::models::{Bucket, ModelError};
+use crate::outcome::{Failed, Success, TaskIdentity};
+use crate::panics;
+use crate::pipeline::task::{Failure, Job, Record};
+use crate::retry::retry;
+use crate::source::crash_guard::Verdict;
+
+use super::Shared;
+
+/// Decode: parse and validate each record; bad ones fail at once, good ones that may have been
+/// started before are checked for results, the rest go to the batcher.
+pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, shared: Arc<Shared>) {
+    while let Some(record) = input.recv().await {
+        if !shared.offsets.keep_or_release(&record.origin) {
+            continue; // revoked or being revoked while queued; the new owner reads it again
+        }
+        // Before anything of the partition can be committed, a record that fails at once
+        // included (a partition holding only those would otherwise never be).
+        shared.redelivery.know_partition(&record.origin).await;
+        let Some((bucket, mut job)) = admit(&shared, record) else {
+            continue;
+        };
+        let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
+        // A task submitted with an Idempotency-Key may have been published twice (two producer
+        // replicas, a retry while one caught up): its results may exist already.
+        let check = shared.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
+        let current = |o: &crate::pipeline::task::Origin| shared.offsets.is_current(o);
+        let earlier = match shared.running.claim(job.task.task_id, &job.record.origin, current) {
+            Ok(claim) => {
+                job.claim = Some(claim);
+                false
+            }
+            Err(_) => true, // another record of this task is in flight here
+        };
+        if !check && !earlier {
+            // No earlier delivery can have started it: no results to look for.
+            if let Some((bucket, job)) = guard(&shared, bucket, job) {
+                let _ = to_batcher.send((bucket, job)).await;
+            }
+            continue;
+        }
+        // The check is a storage round trip (after the earlier record of the same task, if one
+        // is in flight): run it concurrently, not in line.
+        let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
+        shared.tasks.spawn(async move {
+            if earlier {
+                let current = |o: &crate::pipeline::task::Origin| shared2.offsets.is_current(o);
+                job.claim = Some(
+                    shared2
+                        .running
+                        .claim_after_others(job.task.task_id, &job.record.origin, current)
+                        .await,
+                );
+            }
+            if let Some((bucket, job)) = announce_if_done(&shared2, job).await.and_then(|job| guard(&shared2, bucket, job)) {
+                let _ = to_batcher.send((bucket, job)).await;
+            }
+        });
+    }
+}
+
+/// The crash guard's verdict on a task with no earlier results: it runs (alone, when an earlier
+/// worker started it and died), or goes to the DLQ after `SLUICE_MAX_CRASHES` such starts.
+fn guard(shared: &Shared, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
+    let origin = &job.record.origin;
+    match shared.crash_guard.verdict(origin) {
+        Verdict::Run => Some((bucket, job)),
+        Verdict::Alone { starts } => {
+            tracing::warn!(parent: &job.span, starts, "started before by a worker that stopped before it finished; running it alone");
+            let alone = Some((origin.partition, origin.offset));
+            Some((Bucket { alone, ..bucket }, job))
+        }
+        Verdict::Crashed { starts } => {
+            let message = format!(
+                "started {starts} times without an outcome: each start ended the worker that ran it \
+                 (an abort, a crash in native code or an OOM kill; SLUICE_MAX_CRASHES)"
+            );
+            tracing::error!(parent: &job.span, starts, "a record that keeps killing workers goes to the DLQ");
+            shared.outcomes.fail(job, Failure::new(DlqReason::Crashed, message));
+            None
+        }
+    }
+}
+
+/// The job and bucket of a record, or `None` after failing it (too large, undecodable, a model
+/// not served here, parameters its model refuses).
+fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
+    let outcomes = &shared.outcomes;
+    if record.value.len() > shared.max_task_bytes {
+        let failure = Failure::new(
+            DlqReason::TooLarge,
+            format!("record is {} bytes; the limit is {}", record.value.len(), shared.max_task_bytes),
+        );
+        outcomes.fail(
+            Failed::Record {
+                record,
+                identity: TaskIdentity::default(),
+            },
+            failure,
+        );
+        return None;
+    }
+    let task = match decode_task(&record.value, record.header(sluice_schemas::HEADER_SCHEMA_VERSION)) {
+        Ok(task) => task,
+        Err(bad) => {
+            let mut failure = Failure::new(bad.error.reason(), bad.error.to_string());
+            if let sluice_schemas::DecodeError::Schema(violations) = &bad.error {
+                failure = failure.with_violations(violations);
+            }
+            let identity = TaskIdentity {
+                task_id: bad.task_id,
+                tenant: bad.tenant,
+                model: bad.model,
+                user: None,
+            };
+            outcomes.fail(Failed::Record { record, identity }, failure);
+            return None;
+        }
+    };
+    let trace_id = crate::outcome::publish::TraceHeaders::of(&record)
+        .map(|t| t.trace_id().to_owned())
+        .unwrap_or_default();
+    let span =
+        tracing::info_span!("task", task_id = %task.task_id, trace_id, partition = record.origin.partition, offset = record.origin.offset);
+    let job = Job {
+        record,
+        task,
+        span,
+        claim: None,
+    };
+    let Some(adapter) = shared.serving.adapter(&job.task.model) else {
+        let failure = Failure::new(
+            DlqReason::UnsupportedModel,
+            format!(
+                "model {:?} is not served here (serving {:?})",
+                job.task.model,
+                shared.serving.names()
+            ),
+        );
+        outcomes.fail(job, failure);
+        return None;
+    };
+    // The bounds of one task's work, as the producer checks them: a record can reach the topic
+    // without the producer, and one oversized task must not take the worker's memory.
+    if let Some(entry) = shared.catalog.get(&job.task.model) {
+        let violations = entry.check_work(&job.task.request);
+        if !violations.is_empty() {
+            let message = violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, message).with_violations(&violations));
+            return None;
+        }
+    }
+    // Whatever goes wrong at admission (a panic included) refuses the task as it was asked.
+    match panics::catch(|| adapter.bucket(&job.task))
+        .map_err(ModelError::Panicked)
+        .and_then(|b| b)
+    {
+        Ok(bucket) => Some((bucket, job)),
+        Err(e) => {
+            outcomes.fail(job, Failure::new(DlqReason::SchemaViolation, e.to_string()));
+            None
+        }
+    }
+}
+
+/// If an earlier attempt finished the task (its manifest exists), announces it again from the
+/// manifest; otherwise hands the job back.
+async fn announce_if_done(shared: &Arc<Shared>, job: Job) -> Option<Job> {
+    let task_id = job.task.task_id;
+    let manifest = retry(shared.storage_retry, "manifest_check", &shared.metrics, &shared.abandon, || {
+        shared.images.manifest(task_id)
+    })
+    .await;
+    let manifest = match manifest {
+        Ok(Some(m)) => m,
+        Ok(None) => return Some(job),
+        Err(gave_up) => {
+            shared.outcomes.gave_up(job, "checking for earlier results", gave_up);
+            return None;
+        }
+    };
+    let timings = Timings {
+        total_ms: job.age_ms(Utc::now()),
+        inference_ms: manifest.inference_ms.unwrap_or(0),
+        ..Timings::default()
+    };
+    let success = Success {
+        outputs: manifest.outputs,
+        timings,
+        duplicate: true,
+        upload: Duration::ZERO,
+    };
+    shared.outcomes.succeed(&job, success).await;
+    None
+}

@@ -1,0 +1,180 @@
+//! The engine stage: batches from the batcher, their tasks still wanted and prepared, run
+//! through the adaptive batcher; what ran goes on to [`super::finish`], what failed to its
+//! outcome.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use sluice_schemas::{CompletionStatus, DlqReason};
+use tokio::sync::Semaphore;
+use tracing::Instrument;
+
+use crate::batching::adaptive::{BatchItem, Done};
+use crate::batching::batcher::{Batch, BatchRequests};
+use crate::engine::EngineError;
+use crate::models::{Bucket, ModelError};
+use crate::panics;
+use crate::pipeline::task::{Failure, Job};
+
+use super::finish::{Ran, finish};
+use super::{Item, Shared};
+
+/// The engine stage: pulls batches and runs up to `concurrency` of them at once (one more than
+/// the engine slots, so the next batch is prepared while one runs).
+pub(crate) async fn engine(requests: BatchRequests<Job>, shared: Arc<Shared>, concurrency: usize) {
+    let permits = Arc::new(Semaphore::new(concurrency.max(1)));
+    loop {
+        let permit = permits.clone().acquire_owned().await.expect("never closed");
+        let Some(batch) = requests.next().await else { break };
+        let shared2 = shared.clone();
+        shared.tasks.spawn(async move {
+            run_batch(&shared2, batch).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
+    let Batch { bucket, items } = batch;
+    let jobs = still_wanted(shared, items);
+    if jobs.is_empty() {
+        return;
+    }
+    let Some(items) = prepare(shared, &bucket, jobs).await else {
+        return;
+    };
+    let Some(_held) = shared.serving.hold(&bucket.model).await else {
+        tracing::error!(model = %bucket.model, "model is not loaded; leaving its tasks for a restarted worker");
+        return;
+    };
+    // Durably, before the call: should it kill the process, the next owner knows what ran.
+    let _alone = match bucket.alone {
+        Some(_) => Some(shared.crash_guard.alone().await),
+        None => None,
+    };
+    let origins: Vec<&crate::pipeline::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
+    shared.crash_guard.starting(&origins).await;
+    shared.adaptive.run(&bucket, items, |done| on_done(shared, &bucket, done)).await;
+}
+
+/// The jobs of a batch that are still to run: not from a partition this worker lost, not
+/// cancelled while queued, not past their deadline (those two are announced as such, unrun).
+fn still_wanted(shared: &Arc<Shared>, jobs: Vec<Job>) -> Vec<Job> {
+    let mut wanted = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        if !shared.offsets.keep_or_release(&job.record.origin) {
+            continue; // revoked, or released by a draining partition
+        }
+        let ended = if shared.cancellations.contains(&job.task.task_id) {
+            // Cancelled while queued: never run.
+            Some(CompletionStatus::Cancelled)
+        } else if job.task.deadline.is_some_and(|d| d < Utc::now()) {
+            // Dequeued past its deadline: not run.
+            Some(CompletionStatus::Expired)
+        } else {
+            None
+        };
+        match ended {
+            Some(status) => {
+                let outcomes = shared.outcomes.clone();
+                shared.tasks.spawn(async move { outcomes.ended(&job, status).await });
+            }
+            None => wanted.push(job),
+        }
+    }
+    wanted
+}
+
+/// The jobs' model inputs, made on the blocking pool (noise and tiling are CPU work), each task
+/// on its own: one that fails (or panics) goes to the DLQ and the others run. `None` when the
+/// model is gone or the runtime is shutting down: the tasks stay unacknowledged.
+async fn prepare(shared: &Arc<Shared>, bucket: &Bucket, jobs: Vec<Job>) -> Option<Vec<Item>> {
+    let adapter = shared.serving.adapter(&bucket.model)?;
+    let steps: Vec<Option<u32>> = jobs.iter().map(|j| adapter.steps(&j.task)).collect();
+    let prepared = tokio::task::spawn_blocking(move || {
+        jobs.into_iter()
+            .map(|job| {
+                (
+                    panics::catch(|| adapter.prepare(&job.task))
+                        .map_err(ModelError::Panicked)
+                        .and_then(|r| r),
+                    job,
+                )
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .ok()?;
+    let mut items = Vec::with_capacity(prepared.len());
+    for ((result, job), steps) in prepared.into_iter().zip(steps) {
+        match result {
+            Ok(prepared) => {
+                let progress = steps.zip(shared.progress.as_ref()).map(|(steps, sink)| {
+                    Arc::new(sink.start(
+                        job.task.task_id,
+                        &bucket.model,
+                        steps,
+                        crate::outcome::publish::TraceHeaders::of(&job.record),
+                    ))
+                });
+                items.push(Item { job, prepared, progress })
+            }
+            Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e.to_string())),
+        }
+    }
+    Some(items)
+}
+
+/// What the adaptive batcher reports of a call: each task that ran is rendered, stored and
+/// announced on a task of its own; one that failed goes to its outcome.
+fn on_done(shared: &Arc<Shared>, bucket: &Bucket, done: Done<Item>) {
+    match done {
+        Done::Ran {
+            items,
+            outputs,
+            elapsed,
+            batch_size,
+        } => {
+            let started_at = Utc::now() - chrono::Duration::from_std(elapsed).unwrap_or_default();
+            let mut row = 0;
+            for item in items {
+                let rows = row..row + item.prepared.rows;
+                row = rows.end;
+                let span = item.job.span.clone();
+                let ran = Ran {
+                    outputs: outputs.clone(),
+                    rows,
+                    inference: elapsed,
+                    started_at,
+                    batch_size,
+                };
+                shared.tasks.spawn(finish(shared.clone(), item, ran).instrument(span));
+            }
+        }
+        Done::Failed { item, error } => {
+            if let Some(failure) = failure_of(shared, &item, bucket, &error) {
+                shared.outcomes.fail(item.job, failure);
+            }
+        }
+    }
+}
+
+/// The DLQ failure of a task that failed on its own; `None` for an engine failure that is not
+/// the task's fault (it is left for redelivery).
+fn failure_of(shared: &Shared, item: &Item, bucket: &Bucket, error: &EngineError) -> Option<Failure> {
+    let mut details = shared
+        .serving
+        .adapter(&bucket.model)
+        .map(|a| a.describe(&item.job.task))
+        .unwrap_or_default();
+    details.insert("rows".into(), bucket.rows_per_task.into());
+    let failure = match error {
+        EngineError::OutOfMemory(m) => Failure::new(
+            DlqReason::ResourceExhausted,
+            format!("out of memory even at batch 1 ({}): {m}", item.dimensions()),
+        ),
+        EngineError::Run(_) | EngineError::Load(_) | EngineError::Panicked(_) => Failure::new(DlqReason::ModelError, error.to_string()),
+        EngineError::Runtime(_) | EngineError::Stopped => return None,
+    };
+    Some(failure.with_details(details))
+}
