@@ -6,11 +6,9 @@ use std::sync::Arc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::StartError;
 use super::load::Loaded;
-use crate::config::Config;
+use super::{Setup, StartError};
 use crate::http::{self, AppState};
-use crate::metrics::Metrics;
 use crate::source::offsets::Offsets;
 
 /// The HTTP server, serving until [`Admin::stop`].
@@ -20,13 +18,10 @@ pub(super) struct Admin {
 }
 
 /// Binds `SLUICE_LISTEN` (failing the start if it cannot) and serves on a task of its own.
-pub(super) async fn serve(
-    config: &Config,
-    loaded: &Loaded,
-    offsets: Arc<Offsets>,
-    metrics: &Metrics,
-    fatal: &CancellationToken,
-) -> Result<Admin, StartError> {
+pub(super) async fn serve(setup: &Setup<'_>, loaded: &Loaded, offsets: Arc<Offsets>) -> Result<Admin, StartError> {
+    let Setup {
+        config, metrics, fatal, ..
+    } = *setup;
     let app = Arc::new(AppState {
         metrics: metrics.clone(),
         health: loaded.health.subscribe(),

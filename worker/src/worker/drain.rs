@@ -31,20 +31,12 @@ pub(super) async fn drain(
     exit: Exit,
     metrics: &Metrics,
 ) {
-    let Stages {
-        shared,
-        control,
-        poll_thread,
-        stages,
-        commit_loop,
-        gauges_stop,
-        abandon,
-    } = stages;
     let offsets = clients.offsets.clone();
     health.send_modify(|h| h.shutting_down = true);
+    let (shared, control) = (stages.shared, stages.control);
     control.stop_reading.cancel();
     let drained = tokio::time::timeout(grace, async {
-        for stage in stages {
+        for stage in stages.stages {
             let _ = stage.await;
         }
         shared.tasks.close();
@@ -57,7 +49,7 @@ pub(super) async fn drain(
             in_flight = offsets.in_flight(),
             "grace period over; abandoning unfinished tasks (they will be read again)"
         );
-        abandon.cancel();
+        stages.abandon.cancel();
         shared.tasks.close();
         let _ = tokio::time::timeout(Duration::from_secs(2), shared.tasks.wait()).await;
     }
@@ -74,14 +66,14 @@ pub(super) async fn drain(
         tokio::task::spawn_blocking(move || committer.commit_now(&c, &o, &m))
     };
     bounded("final commit", Duration::from_secs(10), final_commit).await;
-    bounded("committer", Duration::from_secs(2), commit_loop).await;
+    bounded("committer", Duration::from_secs(2), stages.commit_loop).await;
     bounded(
         "leaving the group",
         Duration::from_secs(10),
-        tokio::task::spawn_blocking(move || poll_thread.join()),
+        tokio::task::spawn_blocking(move || stages.poll_thread.join()),
     )
     .await;
-    gauges_stop.cancel();
+    stages.gauges_stop.cancel();
     admin.stop().await;
     tracing::info!(
         drained,

@@ -8,11 +8,9 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::producer::FutureProducer;
-use tokio_util::sync::CancellationToken;
 
-use super::StartError;
+use super::{Setup, StartError};
 use crate::config::{Config, DeliveryMode, GroupProtocol};
-use crate::metrics::Metrics;
 use crate::source::cancellations::Cancellations;
 use crate::source::commit::{Committer, Outbox, Transactional};
 use crate::source::offsets::Offsets;
@@ -38,12 +36,13 @@ fn failed(what: &'static str) -> impl Fn(KafkaError) -> StartError {
 impl Clients {
     /// Creates the clients and subscribes to the tasks topic (the group is joined by the first
     /// poll). `fatal` fires if exactly-once delivery is fenced.
-    pub(super) async fn connect(
-        config: &Config,
-        worker_id: &str,
-        metrics: &Metrics,
-        fatal: &CancellationToken,
-    ) -> Result<Clients, StartError> {
+    pub(super) async fn connect(setup: &Setup<'_>) -> Result<Clients, StartError> {
+        let Setup {
+            config,
+            worker_id,
+            metrics,
+            fatal,
+        } = *setup;
         let k = &config.kafka;
         let d = &config.delivery;
         let producer: FutureProducer = k
@@ -90,7 +89,13 @@ impl Clients {
 
     /// The learned batch ceilings of this worker's device class, read from the whole ceilings
     /// topic; `None` when `SLUICE_CEILINGS_TOPIC` is empty (nothing is kept).
-    pub(super) async fn ceilings(&self, config: &Config, worker_id: &str, metrics: &Metrics) -> Result<Option<KafkaCeilings>, StartError> {
+    pub(super) async fn ceilings(&self, setup: &Setup<'_>) -> Result<Option<KafkaCeilings>, StartError> {
+        let Setup {
+            config,
+            worker_id,
+            metrics,
+            ..
+        } = *setup;
         let k = &config.kafka;
         if k.ceilings_topic.is_empty() {
             return Ok(None);

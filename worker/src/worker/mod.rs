@@ -86,11 +86,17 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     let worker_id = config.worker_id();
     let metrics = Metrics::new();
     let fatal = CancellationToken::new();
+    let setup = Setup {
+        config: &config,
+        worker_id: &worker_id,
+        metrics: &metrics,
+        fatal: &fatal,
+    };
     let loaded = load::load(&config, models, &metrics).await?;
-    let clients = kafka::Clients::connect(&config, &worker_id, &metrics, &fatal).await?;
-    let admin = admin::serve(&config, &loaded, clients.offsets.clone(), &metrics, &fatal).await?;
+    let clients = kafka::Clients::connect(&setup).await?;
+    let admin = admin::serve(&setup, &loaded, clients.offsets.clone()).await?;
     tracing::info!(listen = %config.listen, worker_id, models = ?loaded.serving.names(), "worker started");
-    let stages = stages::start(&config, &worker_id, &loaded, &clients, &metrics, &fatal).await?;
+    let stages = stages::start(&setup, &loaded, &clients).await?;
     loaded.health.send_modify(|h| h.consuming = true);
 
     let hangups = reload_on_hangup(loaded.serving.clone(), fatal.clone());
@@ -106,6 +112,15 @@ pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = 
     };
     drain::drain(stages, clients, admin, &loaded.health, grace, exit, &metrics).await;
     Ok(exit)
+}
+
+/// What every starting role is given.
+struct Setup<'a> {
+    config: &'a Config,
+    worker_id: &'a str,
+    metrics: &'a Metrics,
+    /// Fired when the worker cannot go on serving: it drains and exits non-zero.
+    fatal: &'a CancellationToken,
 }
 
 /// SIGHUP reloads every model; a reload that fails for good stops the worker.

@@ -10,13 +10,12 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::StartError;
 use super::kafka::{self, Clients};
 use super::load::Loaded;
+use super::{Setup, StartError};
 use crate::batching::adaptive::{Adaptive, BatchSize};
 use crate::batching::batcher::Batcher;
-use crate::config::{Config, DeliveryMode};
-use crate::metrics::Metrics;
+use crate::config::DeliveryMode;
 use crate::models::serving::Rebuild;
 use crate::outcome::progress::{self, ProgressSink};
 use crate::outcome::publish::{Destination, Publisher};
@@ -41,18 +40,14 @@ pub(super) struct Stages {
     pub abandon: CancellationToken,
 }
 
-pub(super) async fn start(
-    config: &Config,
-    worker_id: &str,
-    loaded: &Loaded,
-    clients: &Clients,
-    metrics: &Metrics,
-    fatal: &CancellationToken,
-) -> Result<Stages, StartError> {
+pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients) -> Result<Stages, StartError> {
+    let Setup {
+        config, metrics, fatal, ..
+    } = *setup;
     let (b, d) = (&config.batching, &config.delivery);
-    let adaptive = Arc::new(adaptive(config, worker_id, loaded, clients, metrics, fatal).await?);
+    let adaptive = Arc::new(adaptive(setup, loaded, clients).await?);
     let abandon = CancellationToken::new();
-    let shared = Arc::new(shared(config, worker_id, loaded, clients, adaptive.clone(), metrics, &abandon)?);
+    let shared = Arc::new(shared(setup, loaded, clients, adaptive.clone(), &abandon)?);
 
     let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * 2 + 16);
     let (job_tx, job_rx) = mpsc::channel(d.max_in_flight + 16);
@@ -98,14 +93,10 @@ pub(super) async fn start(
 
 /// The adaptive batcher: limits from the configuration, a failed batch-1 verdict retried on a
 /// clean arena (a rebuild of the model's sessions), ceilings kept in Kafka when configured.
-async fn adaptive(
-    config: &Config,
-    worker_id: &str,
-    loaded: &Loaded,
-    clients: &Clients,
-    metrics: &Metrics,
-    fatal: &CancellationToken,
-) -> Result<Adaptive, StartError> {
+async fn adaptive(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients) -> Result<Adaptive, StartError> {
+    let Setup {
+        config, metrics, fatal, ..
+    } = *setup;
     let b = &config.batching;
     let limits = BatchSize {
         max_tasks: b.max_batch,
@@ -123,7 +114,7 @@ async fn adaptive(
         metrics.clone(),
     )
     .with_cleaner(Arc::new(cleaner));
-    Ok(match clients.ceilings(config, worker_id, metrics).await? {
+    Ok(match clients.ceilings(setup).await? {
         Some(store) => adaptive.with_store(Arc::new(store)),
         None => adaptive,
     })
@@ -132,14 +123,18 @@ async fn adaptive(
 /// What every stage shares: outcomes and where they go, storage, the redelivery and crash
 /// guards, progress and cancellations.
 fn shared(
-    config: &Config,
-    worker_id: &str,
+    setup: &Setup<'_>,
     loaded: &Loaded,
     clients: &Clients,
     adaptive: Arc<Adaptive>,
-    metrics: &Metrics,
     abandon: &CancellationToken,
 ) -> Result<Shared, StartError> {
+    let Setup {
+        config,
+        worker_id,
+        metrics,
+        ..
+    } = *setup;
     let (k, d) = (&config.kafka, &config.delivery);
     let tasks = TaskTracker::new();
     let publisher = Publisher::new(
