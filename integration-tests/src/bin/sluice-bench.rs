@@ -39,6 +39,10 @@ struct Row {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
     let which = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    if std::env::var_os("RUST_LOG").is_some() {
+        // The worker's own log lines (each handled OOM, each rebuild), for a closer look.
+        sluice_service::telemetry::init(sluice_service::telemetry::LogFormat::Text);
+    }
     if which == "all" {
         // One process per benchmark: ONNX Runtime has one environment per process, and the
         // adaptive benchmark caps its CPU arena.
