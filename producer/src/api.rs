@@ -11,11 +11,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{Value, json};
-use sluice_service::http_error::{ApiError, FieldError, json_errors};
+use sluice_schemas::TaskRecord;
+use sluice_service::http_error::{ApiError, json_errors};
 
+use crate::admission::{self, Repeat, field};
 use crate::auth::ApiKeys;
+use crate::events::{Emit, RequestAnswered};
 use crate::metrics::Metrics;
-use crate::publish::{SubmitError, Submitter, TaskPublisher};
+use crate::publish::{SubmitError, TaskPublisher};
 
 /// The OpenAPI document, built once.
 static OPENAPI: std::sync::LazyLock<Value> = std::sync::LazyLock::new(crate::openapi::document);
@@ -29,7 +32,7 @@ pub struct AppState {
     /// The topic cancels are published to.
     pub control_topic: String,
     /// Whether the status view has read what its topics held at start.
-    pub view_caught_up: Option<crate::view::CaughtUp>,
+    pub view_caught_up: Option<crate::status::CaughtUp>,
     pub publisher: TaskPublisher,
     pub keys: ApiKeys,
     pub metrics: Metrics,
@@ -121,98 +124,39 @@ pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
     json!({ "models": models })
 }
 
-fn field(field: &str, message: impl Into<String>) -> FieldError {
-    FieldError {
-        field: field.to_owned(),
-        message: message.into(),
-    }
-}
-
-/// The user the task is submitted for, from `X-Sluice-User`.
-fn user_of(headers: &HeaderMap) -> Result<Option<String>, &'static str> {
-    match headers.get("x-sluice-user").map(|v| v.to_str()) {
-        None => Ok(None),
-        Some(Ok(u)) if !u.is_empty() && u.len() <= 256 => Ok(Some(u.to_owned())),
-        Some(_) => Err("X-Sluice-User must be 1 to 256 visible characters"),
-    }
-}
-
 async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let response = submit_inner(&s, &headers, &body).await.unwrap_or_else(IntoResponse::into_response);
-    s.metrics.requests.with_label_values(&[response.status().as_str()]).inc();
+    RequestAnswered {
+        status: response.status().as_u16(),
+    }
+    .emit(&s.metrics);
     response
 }
 
+/// Admits the request ([`crate::admission`]), answers a retry of a task the view knows as the
+/// first time, and publishes anything else.
 async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let tenant = tenant_of(s, headers)?;
-    let user = user_of(headers).map_err(|message| {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("X-Sluice-User", message)])
-    })?;
-    let request: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not JSON: {e}")).with_fields([field("", e.to_string())])
-    })?;
-    let key = idempotency_key(headers)?;
-    let record = TaskPublisher::record_with_key(
-        &s.catalog,
-        &request,
-        &Submitter {
-            tenant: tenant.clone(),
-            user,
-        },
-        key.as_deref(),
-    )
-    .map_err(|e| match e {
-        SubmitError::Invalid(violations) => {
-            let mut names: Vec<&str> = violations
-                .iter()
-                .map(|v| if v.field.is_empty() { "(body)" } else { v.field.as_str() })
-                .collect();
-            let mut seen = std::collections::HashSet::new();
-            names.retain(|n| seen.insert(*n));
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("invalid field(s): {}", names.join(", ")),
-            )
-            .with_fields(violations.into_iter().map(|v| field(&v.field, v.message)))
-        }
-        e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()),
-    })?;
-    if let Some(webhook) = &record.webhook {
-        let refusal = match &s.webhooks {
-            None => Some((
-                "webhook",
-                "webhooks are not configured on this deployment (SLUICE_WEBHOOK_SECRETS)".to_owned(),
-            )),
-            Some(policy) => policy.check(&tenant, &webhook.url).err(),
-        };
-        if let Some((name, message)) = refusal {
-            return Err(
-                ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("invalid field(s): {name}"))
-                    .with_fields([field(name, message)]),
-            );
-        }
-    }
-    if let (Some(key), Some(_), Some(idem)) = (&key, &s.status, &record.idempotency) {
-        // A retry of a task the view already knows: the same answer, nothing published.
+    let record = admission::record(&s.catalog, s.webhooks.as_ref(), &tenant, headers, body)?;
+    if let (Some(_), Some(idem)) = (&s.status, &record.idempotency) {
         let (who, task_id) = (tenant.clone(), record.task_id);
-        match on_store(s, move |store| store.request_hash(&who, task_id)).await? {
-            Some(Some(hash)) if hash == idem.request_sha256 => return Ok(accepted(record.task_id)),
-            Some(_) => {
-                let message = format!("Idempotency-Key {key:?} was used for another request");
-                return Err(
-                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_conflict", message.clone())
-                        .with_fields([field("Idempotency-Key", message)]),
-                );
-            }
+        let known = on_store(s, move |store| store.request_hash(&who, task_id)).await?;
+        match admission::repeat(idem, known)? {
+            Repeat::Retry => return Ok(accepted(record.task_id)),
             // Unknown to a view that has not read everything yet: it may be a retry.
-            None => {
+            Repeat::Unknown => {
                 if let Some(e) = catching_up(s) {
                     return Err(e);
                 }
             }
         }
     }
+    publish(s, headers, record).await
+}
+
+/// Publishes an admitted record, the request's trace continued in it, and writes it through to
+/// the status view: a 202, or a 503 when the broker did not acknowledge it in time.
+async fn publish(s: &AppState, headers: &HeaderMap, record: TaskRecord) -> Result<Response, ApiError> {
     // The request's trace continues in the task (a new trace when it came without one).
     let incoming = headers
         .get(sluice_service::trace::TRACEPARENT)
@@ -256,18 +200,6 @@ fn accepted(task_id: uuid::Uuid) -> Response {
         Json(json!({"task_id": task_id, "status": "queued"})),
     )
         .into_response()
-}
-
-/// The `Idempotency-Key` header: at most 255 visible ASCII characters.
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let Some(value) = headers.get("idempotency-key") else {
-        return Ok(None);
-    };
-    let message = "Idempotency-Key must be 1 to 255 visible ASCII characters";
-    match value.to_str() {
-        Ok(k) if !k.is_empty() && k.len() <= 255 && k.bytes().all(|b| (0x21..=0x7e).contains(&b)) => Ok(Some(k.to_owned())),
-        _ => Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("Idempotency-Key", message)])),
-    }
 }
 
 /// The caller's tenant, or a 401.

@@ -15,6 +15,7 @@ use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 use sluice_service::kafka::KafkaClientArgs;
 
+use crate::events::{BacklogMeasured, Emit};
 use crate::metrics::Metrics;
 
 /// What to measure and how often.
@@ -56,9 +57,13 @@ pub fn start(kafka: &KafkaClientArgs, settings: Settings, metrics: Metrics) -> R
                 match measure(&offsets, &reader, &settings.topic) {
                     Ok(partitions) => {
                         for (partition, (waiting, age)) in &partitions {
-                            let labels = [settings.topic.as_str(), &partition.to_string()];
-                            metrics.backlog_tasks.with_label_values(&labels).set(waiting.tasks);
-                            metrics.backlog_oldest_seconds.with_label_values(&labels).set(age.unwrap_or(0.0));
+                            BacklogMeasured {
+                                topic: &settings.topic,
+                                partition: *partition,
+                                tasks: waiting.tasks,
+                                oldest_seconds: *age,
+                            }
+                            .emit(&metrics);
                         }
                     }
                     Err(e) => tracing::warn!(error = %e, topic = %settings.topic, group = %settings.group, "measuring the backlog failed"),

@@ -11,8 +11,6 @@ use anyhow::Context;
 use clap::Parser;
 use futures::StreamExt;
 use rdkafka::producer::FutureProducer;
-use sluice_producer::api::{self, AppState};
-use sluice_producer::auth::ApiKeys;
 use sluice_producer::config::{Cli, Command, PublishArgs, RangeArgs, ServeArgs, SubmitArgs};
 use sluice_producer::metrics::Metrics;
 use sluice_producer::publish::{Submitter, TaskPublisher};
@@ -54,142 +52,11 @@ async fn main() -> ExitCode {
     }
 }
 
-fn publisher(args: &PublishArgs, metrics: &Metrics) -> anyhow::Result<TaskPublisher> {
-    let producer: FutureProducer = args
-        .kafka
-        .producer_config("sluice-producer", args.publish_timeout_ms, 5)
-        .create()
-        .context("creating the Kafka producer")?;
-    Ok(TaskPublisher::new(producer, args.tasks_topic.clone(), metrics.clone()))
-}
-
+/// `serve`: OTLP export when configured, the service until SIGTERM or SIGINT, then whatever
+/// spans are left exported.
 async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     sluice_service::otlp::init("sluice-producer")?;
-    let metrics = Metrics::new();
-    let keys = if args.allow_anonymous && args.api_keys.iter().all(|k| k.trim().is_empty()) {
-        tracing::warn!("SLUICE_ALLOW_ANONYMOUS: the API is open and every task belongs to tenant `default`");
-        ApiKeys::anonymous()
-    } else {
-        ApiKeys::parse(&args.api_keys)?
-    };
-    let catalog = Catalog::load(args.publish.model_catalog.as_deref())?;
-    tracing::info!(models = ?catalog.names(), "model catalog");
-    let (store, kept) = sluice_producer::status::StatusStore::open(&args.status_path)
-        .with_context(|| format!("opening the status view at {}", args.status_path.display()))?;
-    tracing::info!(path = %args.status_path.display(), kept, "status view store");
-    let store = Arc::new(store);
-    // A task that has not finished stays in the view until its longest possible deadline has
-    // passed, whatever the retention of finished ones.
-    let longest_ttl = catalog
-        .names()
-        .iter()
-        .filter_map(|n| catalog.get(n))
-        .map(|m| m.max_ttl_seconds)
-        .max()
-        .unwrap_or(0);
-    let retention = sluice_producer::view::Retention::new(
-        Duration::from_secs(args.status_retention_hours.saturating_mul(3600)),
-        Duration::from_secs(longest_ttl),
-    );
-    tracing::info!(
-        finished_hours = retention.finished.as_secs() / 3600,
-        unfinished_hours = retention.unfinished.as_secs() / 3600,
-        "status view retention"
-    );
-    let caught_up = sluice_producer::view::start(
-        &args.publish.kafka,
-        sluice_producer::view::ViewTopics {
-            tasks: args.publish.tasks_topic.clone(),
-            progress: args.progress_topic.clone(),
-            completions: args.completions_topic.clone(),
-        },
-        store.clone(),
-        metrics.clone(),
-        retention,
-    )?;
-    if args.backlog_interval_ms > 0 {
-        sluice_producer::backlog::start(
-            &args.publish.kafka,
-            sluice_producer::backlog::Settings {
-                group: args.worker_group.clone(),
-                topic: args.publish.tasks_topic.clone(),
-                interval: Duration::from_millis(args.backlog_interval_ms),
-            },
-            metrics.clone(),
-        )
-        .context("starting the backlog measurement")?;
-    }
-    let presigner = Arc::new(sluice_producer::presign::Presigner::new(Duration::from_secs(
-        args.presign_ttl_seconds,
-    )));
-    let w = &args.webhooks;
-    let policy = sluice_producer::webhook::Policy {
-        guard: sluice_producer::webhook::guard::Guard::new(&w.allow_cidrs, w.allow_http)?,
-        secrets: sluice_producer::webhook::signing::Secrets::load(&w.secrets, w.secrets_file.as_deref())?,
-    };
-    if w.enabled {
-        let settings = sluice_producer::webhook::Settings {
-            group: w.group.clone(),
-            instance_id: w.group_instance_id.clone(),
-            progress_topic: args.progress_topic.clone(),
-            completions_topic: args.completions_topic.clone(),
-            retry_topic: w.retry_topic.clone(),
-            dlq_topic: w.dlq_topic.clone(),
-            schedule: sluice_producer::webhook::schedule::RetrySchedule::parse(&w.retry_schedule)?,
-            concurrency: w.concurrency,
-            max_pending: w.max_pending.max(1),
-        };
-        let deliverer = sluice_producer::webhook::delivery::Deliverer::new(
-            policy.guard.clone(),
-            policy.secrets.clone(),
-            Duration::from_millis(w.timeout_ms),
-            w.host_concurrency,
-        )?;
-        let notifier = Arc::new(sluice_producer::webhook::Notifier::new(
-            settings,
-            &args.publish.kafka,
-            deliverer,
-            store.clone(),
-            presigner.clone(),
-            metrics.clone(),
-        )?);
-        let caught_up = caught_up.clone();
-        tokio::spawn(async move {
-            if let Err(e) = notifier.run(caught_up, shutdown::terminated()).await {
-                tracing::error!(error = %format!("{e:#}"), "webhook notifier stopped");
-            }
-        });
-    }
-    let state = Arc::new(AppState {
-        webhooks: Some(policy),
-        catalog,
-        status: Some(store),
-        control_topic: args.control_topic.clone(),
-        presigner,
-        view_caught_up: Some(caught_up),
-        publisher: publisher(&args.publish, &metrics)?,
-        keys,
-        metrics,
-        publish_timeout: Duration::from_millis(args.publish.publish_timeout_ms),
-        events_max: Duration::from_secs_f64(args.events_max_seconds.clamp(0.05, 86_400.0)),
-        streams: sluice_producer::streams::Streams::new(args.events_max_streams, args.events_max_streams_per_tenant),
-    });
-    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
-        .await
-        .with_context(|| format!("binding the metrics listener {}", args.metrics_listen))?;
-    let metrics_router = api::metrics_router(state.metrics.clone());
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(metrics_listener, metrics_router).await {
-            tracing::error!(error = %e, "metrics listener stopped");
-        }
-    });
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(listen = %args.listen, metrics = %args.metrics_listen, topic = %args.publish.tasks_topic, "producer listening");
-    axum::serve(listener, api::router(state, args.max_body_bytes))
-        .with_graceful_shutdown(shutdown::terminated())
-        .await?;
+    sluice_producer::serve(args, shutdown::terminated()).await?;
     sluice_service::otlp::flush(Duration::from_secs(5)).await;
     Ok(ExitCode::SUCCESS)
 }
@@ -198,7 +65,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// number with the reason per rejected one. Exits non-zero if any line was rejected.
 async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     let metrics = Metrics::new();
-    let publisher = publisher(&args.publish, &metrics)?;
+    let publisher = TaskPublisher::connect(&args.publish, &metrics).context("creating the Kafka producer")?;
     let catalog = Arc::new(Catalog::load(args.publish.model_catalog.as_deref())?);
     let timeout = Duration::from_millis(args.publish.publish_timeout_ms);
     let reader: Box<dyn tokio::io::AsyncRead + Unpin> = if args.input == Path::new("-") {

@@ -1,4 +1,4 @@
-//! Every Prometheus metric of the producer, registered in one place.
+//! Every Prometheus metric of the producer, registered in one place; written only by `events`.
 
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, exponential_buckets,

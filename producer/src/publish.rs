@@ -3,16 +3,19 @@
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
-use sluice_schemas::models::MAX_SEED;
+use sluice_schemas::normalize::MAX_SEED;
 use sluice_schemas::{
     Catalog, HEADER_SCHEMA_VERSION, Idempotency, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate,
 };
 use thiserror::Error;
 use uuid::Uuid;
 
+use crate::config::PublishArgs;
+use crate::events::{Emit, TaskPublished};
 use crate::metrics::Metrics;
 
 #[derive(Debug, Error)]
@@ -80,6 +83,13 @@ pub struct TaskPublisher {
 impl TaskPublisher {
     pub fn new(producer: FutureProducer, topic: String, metrics: Metrics) -> TaskPublisher {
         TaskPublisher { producer, topic, metrics }
+    }
+
+    /// A publisher to the tasks topic of `args`, on a Kafka producer of its own: client id
+    /// `sluice-producer`, a delivery given up after the publish timeout, 5 ms linger.
+    pub fn connect(args: &PublishArgs, metrics: &Metrics) -> Result<TaskPublisher, KafkaError> {
+        let producer: FutureProducer = args.kafka.producer_config("sluice-producer", args.publish_timeout_ms, 5).create()?;
+        Ok(TaskPublisher::new(producer, args.tasks_topic.clone(), metrics.clone()))
     }
 
     /// Builds the record of a request: validated against `task-request.schema.json` and the
@@ -227,8 +237,11 @@ impl TaskPublisher {
             sluice_service::otlp::record(span);
         }
         sent?;
-        self.metrics.publish_seconds.observe(started.elapsed().as_secs_f64());
-        self.metrics.published.with_label_values(&[&record.model]).inc();
+        TaskPublished {
+            model: &record.model,
+            elapsed: started.elapsed(),
+        }
+        .emit(&self.metrics);
         Ok(())
     }
 }

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::{Map, Value};
@@ -37,13 +38,17 @@ use sluice_schemas::{
     WebhookFailure,
 };
 use sluice_service::backpressure::Backpressure;
+use thiserror::Error;
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
+use crate::events::{
+    Emit, WebhookAttempted, WebhookDeferred, WebhookDelivered, WebhookDropped, WebhookFirstAttempt, WebhookGivenUp, WebhookNotSent,
+    WebhookPending, WebhookRetryDue, WebhookRetrying,
+};
 use crate::metrics::Metrics;
 use crate::presign::Presigner;
-use crate::status::{Change, StatusStore, TaskStatus};
-use crate::view::CaughtUp;
+use crate::status::{CaughtUp, Change, StatusStore, TaskStatus};
 use delivery::{Attempt, Deliverer, Request, host_of};
 use schedule::RetrySchedule;
 
@@ -54,6 +59,15 @@ const VIEW_WAIT: Duration = Duration::from_secs(10);
 /// Events older than this whose task the view does not know are skipped at once (the task is
 /// past the view's retention, or had no record).
 const RECENT: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
+
+/// What can keep the notifier from starting.
+#[derive(Debug, Error)]
+pub enum NotifierError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error("the webhook retry topic {0} has no partitions (create it first)")]
+    NoRetryPartitions(String),
+}
 
 /// The notifier's settings.
 pub struct Settings {
@@ -164,7 +178,7 @@ impl Notifier {
         store: Arc<StatusStore>,
         presigner: Arc<Presigner>,
         metrics: Metrics,
-    ) -> anyhow::Result<Notifier> {
+    ) -> Result<Notifier, NotifierError> {
         let mut consumer_settings = vec![
             ("group.id", settings.group.as_str()),
             // Offsets are committed explicitly, each as soon as the records before it finished.
@@ -190,10 +204,7 @@ impl Notifier {
             .and_then(|m| m.topics().first().map(|t| t.partitions().len()))
             .unwrap_or(0);
         if retry_partitions == 0 {
-            anyhow::bail!(
-                "the webhook retry topic {} has no partitions (create it first)",
-                settings.retry_topic
-            );
+            return Err(NotifierError::NoRetryPartitions(settings.retry_topic.clone()));
         }
         if retry_partitions < settings.schedule.tiers() {
             tracing::warn!(
@@ -222,7 +233,7 @@ impl Notifier {
 
     /// Consumes and delivers until `shutdown` resolves. Starts once the status view has caught
     /// up with its topics (before that, a task's webhook may not be known yet).
-    pub async fn run(self: Arc<Self>, caught_up: CaughtUp, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+    pub async fn run(self: Arc<Self>, caught_up: CaughtUp, shutdown: impl std::future::Future<Output = ()>) -> Result<(), KafkaError> {
         tokio::pin!(shutdown);
         while !caught_up.get() {
             tokio::select! {
@@ -244,7 +255,7 @@ impl Notifier {
         let mut last_assignment_check = Instant::now() - Duration::from_secs(60);
         loop {
             let pending = self.tracker.lock().expect("not poisoned").pending();
-            self.metrics.webhook_pending.set(pending as i64);
+            WebhookPending { records: pending }.emit(&self.metrics);
             // Bounded memory: past max_pending, stop fetching (still polling, to stay in the
             // group) until half of it has finished.
             let changed = backpressure.update(pending).is_some();
@@ -456,7 +467,7 @@ impl Notifier {
                     order::Verdict::Superseded => Some("superseded"),
                 };
                 if let Some(outcome) = refused {
-                    self.metrics.webhook_deliveries.with_label_values(&[event.as_str(), outcome]).inc();
+                    WebhookNotSent { event, outcome }.emit(&self.metrics);
                     return;
                 }
                 // The attempt the event belongs to: a completion names its own; the others are
@@ -482,15 +493,13 @@ impl Notifier {
                     last_error: String::new(),
                     payload,
                 };
-                self.metrics
-                    .webhook_event_age_seconds
-                    .observe((Utc::now() - at).to_std().unwrap_or_default().as_secs_f64());
+                WebhookFirstAttempt { at }.emit(&self.metrics);
                 self.deliver(delivery, traceparent).await;
             }
             Job::Retry(delivery) => {
                 let wait = (delivery.due_at - Utc::now()).to_std().unwrap_or_default();
                 tokio::time::sleep(wait).await;
-                self.metrics.webhook_retries.inc();
+                WebhookRetryDue.emit(&self.metrics);
                 self.deliver(*delivery, traceparent).await;
             }
         }
@@ -547,15 +556,21 @@ impl Notifier {
                 })
                 .await
         };
-        self.metrics
-            .webhook_attempt_seconds
-            .with_label_values(&[event.as_str()])
-            .observe(started.elapsed().as_secs_f64());
-        let count = |outcome: &str| self.metrics.webhook_deliveries.with_label_values(&[event.as_str(), outcome]).inc();
+        WebhookAttempted {
+            event,
+            elapsed: started.elapsed(),
+        }
+        .emit(&self.metrics);
         match outcome {
             Attempt::Delivered { status } => {
-                count("delivered");
-                tracing::debug!(event_id = %delivery.event_id, task_id = %delivery.task_id, status, attempt = delivery.attempt, "webhook delivered");
+                WebhookDelivered {
+                    event,
+                    event_id: &delivery.event_id,
+                    task_id: delivery.task_id,
+                    status,
+                    attempt: delivery.attempt,
+                }
+                .emit(&self.metrics);
             }
             Attempt::Retry {
                 error,
@@ -569,8 +584,15 @@ impl Notifier {
                 };
                 match next {
                     Some((delay, tier)) => {
-                        count("retrying");
-                        tracing::info!(event_id = %delivery.event_id, task_id = %delivery.task_id, attempt = delivery.attempt, %error, ?delay, "webhook attempt failed; retrying later");
+                        WebhookRetrying {
+                            event,
+                            event_id: &delivery.event_id,
+                            task_id: delivery.task_id,
+                            attempt: delivery.attempt,
+                            error: &error,
+                            delay,
+                        }
+                        .emit(&self.metrics);
                         let jitter = delay.mul_f64(fastrand::f64() * 0.1);
                         let retry = WebhookDelivery {
                             attempt: delivery.attempt + 1,
@@ -586,8 +608,12 @@ impl Notifier {
                         self.dead_letter(delivery, WebhookFailure::Exhausted, error, status).await;
                     }
                     None => {
-                        count("dropped");
-                        tracing::debug!(event_id = %delivery.event_id, %error, "webhook {} event not delivered (not retried)", event.as_str());
+                        WebhookDropped {
+                            event,
+                            event_id: &delivery.event_id,
+                            error: &error,
+                        }
+                        .emit(&self.metrics);
                     }
                 }
             }
@@ -595,7 +621,11 @@ impl Notifier {
                 if event == WebhookEvent::Completed {
                     self.dead_letter(delivery, reason, error, status).await;
                 } else {
-                    count(reason.as_str());
+                    WebhookNotSent {
+                        event,
+                        outcome: reason.as_str(),
+                    }
+                    .emit(&self.metrics);
                 }
             }
         }
@@ -604,11 +634,13 @@ impl Notifier {
     /// An attempt past its tenant's or host's share: a `completed` event goes to the retry
     /// topic's shortest tier without counting as an attempt; others are dropped.
     async fn defer(&self, delivery: WebhookDelivery, why: String) {
-        self.metrics
-            .webhook_deliveries
-            .with_label_values(&[delivery.event.as_str(), "deferred"])
-            .inc();
-        tracing::debug!(event_id = %delivery.event_id, task_id = %delivery.task_id, %why, "webhook attempt deferred");
+        WebhookDeferred {
+            event: delivery.event,
+            event_id: &delivery.event_id,
+            task_id: delivery.task_id,
+            why: &why,
+        }
+        .emit(&self.metrics);
         if delivery.event != WebhookEvent::Completed {
             return;
         }
@@ -634,11 +666,15 @@ impl Notifier {
     }
 
     async fn dead_letter(&self, delivery: WebhookDelivery, reason: WebhookFailure, error: String, status: Option<u16>) {
-        self.metrics
-            .webhook_deliveries
-            .with_label_values(&[delivery.event.as_str(), reason.as_str()])
-            .inc();
-        tracing::warn!(event_id = %delivery.event_id, task_id = %delivery.task_id, host = %host_of(&delivery.url), reason = reason.as_str(), %error, "webhook given up");
+        WebhookGivenUp {
+            event: delivery.event,
+            event_id: &delivery.event_id,
+            task_id: delivery.task_id,
+            host: &host_of(&delivery.url),
+            reason,
+            error: &error,
+        }
+        .emit(&self.metrics);
         let record = WebhookDlqRecord {
             version: SCHEMA_VERSION,
             event_id: delivery.event_id,

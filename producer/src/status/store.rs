@@ -1,25 +1,14 @@
-//! The status view: every task's state, materialized from the topics into an embedded store
-//! (redb, one file on local disk) so that HTTP clients can ask for it.
-//!
-//! Every state change is a Kafka record — the task record (queued), progress records (running,
-//! step n/N), the completion (succeeded, failed) — and every producer replica reads every
-//! partition of those topics itself (no consumer group), so any replica answers for any task.
-//! The store keeps, in the same transactions as the changes, how far it has read each
-//! partition: a replica restarted on the same volume opens it and reads on from there, instead
-//! of rebuilding it from the topics (a store of another format, or none, is rebuilt). It keeps
-//! tasks for a retention period. The 202 path writes its task through, so a task accepted a
-//! moment ago is `queued`, never a 404.
+//! The store: the view in redb tables, a tenant's tasks indexed newest first, and how far each
+//! partition has been read, all written in the same transactions.
 
 use std::ops::Bound;
 use std::path::Path;
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use redb::{Database, ReadableTable, TableDefinition};
-use serde::{Deserialize, Serialize};
-use sluice_schemas::{CompletionError, CompletionEvent, CompletionStatus, OutputRef, ProgressRecord, TaskRecord, Timings};
-use thiserror::Error;
 use uuid::Uuid;
+
+use super::{Change, Page, Status, StatusError, Stored, TaskStatus, WebhookTarget};
 
 /// task id → the stored [`Stored`] JSON.
 const TASKS: TableDefinition<&str, &[u8]> = TableDefinition::new("tasks");
@@ -33,216 +22,8 @@ const FORMAT: u64 = 2;
 /// The most index entries one list request examines.
 pub const MAX_LIST_SCAN: usize = 2_000;
 
-#[derive(Debug, Error)]
-pub enum StatusError {
-    #[error("status store: {0}")]
-    Store(String),
-    #[error("not a cursor of this API: {0:?}")]
-    Cursor(String),
-}
-
 fn store_error(e: impl std::fmt::Display) -> StatusError {
     StatusError::Store(e.to_string())
-}
-
-/// Where a task is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Status {
-    Queued,
-    Running,
-    Succeeded,
-    Failed,
-    Cancelled,
-    Expired,
-}
-
-impl Status {
-    pub fn is_terminal(self) -> bool {
-        matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled | Status::Expired)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Status::Queued => "queued",
-            Status::Running => "running",
-            Status::Succeeded => "succeeded",
-            Status::Failed => "failed",
-            Status::Cancelled => "cancelled",
-            Status::Expired => "expired",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Status> {
-        match s {
-            "queued" => Some(Status::Queued),
-            "running" => Some(Status::Running),
-            "succeeded" => Some(Status::Succeeded),
-            "failed" => Some(Status::Failed),
-            "cancelled" => Some(Status::Cancelled),
-            "expired" => Some(Status::Expired),
-            _ => None,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Progress {
-    pub step: u32,
-    pub steps: u32,
-}
-
-/// The body of `GET /v1/tasks/{id}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TaskStatus {
-    pub task_id: Uuid,
-    pub status: Status,
-    pub model: String,
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-    pub progress: Option<Progress>,
-    pub outputs: Vec<OutputRef>,
-    pub error: Option<CompletionError>,
-    pub timings: Option<Timings>,
-    pub attempt: u32,
-}
-
-/// What the store keeps of a task: its status and whose it is.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Stored {
-    tenant: String,
-    status: TaskStatus,
-    /// The request hash of a task submitted with an `Idempotency-Key`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    request_sha256: Option<String>,
-    /// Where the task's events are pushed, from its record.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    webhook: Option<sluice_schemas::WebhookSpec>,
-}
-
-/// One state change, from a record of one of the topics.
-#[derive(Debug, Clone)]
-pub enum Change {
-    Queued(TaskRecord),
-    /// The task's record sent back by a redrive, as attempt `attempt` (its `sluice-attempt`),
-    /// at `at`.
-    Redriven {
-        record: TaskRecord,
-        attempt: u32,
-        at: DateTime<Utc>,
-    },
-    Progress(ProgressRecord),
-    Completed(CompletionEvent),
-}
-
-impl Change {
-    fn task_id(&self) -> Uuid {
-        match self {
-            Change::Queued(r) | Change::Redriven { record: r, .. } => r.task_id,
-            Change::Progress(p) => p.task_id,
-            Change::Completed(c) => c.task_id,
-        }
-    }
-
-    fn tenant(&self) -> Option<&str> {
-        match self {
-            Change::Queued(r) | Change::Redriven { record: r, .. } => Some(&r.tenant),
-            Change::Completed(c) => Some(&c.tenant),
-            Change::Progress(_) => None,
-        }
-    }
-
-    /// A status for a task seen first through this change.
-    fn first(&self) -> Option<Stored> {
-        let (model, at) = match self {
-            Change::Queued(r) | Change::Redriven { record: r, .. } => (r.model.clone(), r.submitted_at),
-            Change::Completed(c) => (c.model.clone(), c.completed_at),
-            // Progress carries no tenant: it waits for the task record (the topics are read
-            // from their beginning, so it comes).
-            Change::Progress(_) => return None,
-        };
-        Some(Stored {
-            request_sha256: None,
-            webhook: None,
-            tenant: self.tenant().unwrap_or_default().to_owned(),
-            status: TaskStatus {
-                task_id: self.task_id(),
-                status: Status::Queued,
-                model,
-                created_at: at,
-                updated_at: at,
-                progress: None,
-                outputs: Vec::new(),
-                error: None,
-                timings: None,
-                attempt: 1,
-            },
-        })
-    }
-}
-
-impl Stored {
-    /// Applies a change. Topics are read independently, so changes of one task can arrive in
-    /// any order: a terminal state is never undone, and a later attempt's completion replaces
-    /// an earlier one.
-    fn apply(&mut self, change: &Change) {
-        let s = &mut self.status;
-        match change {
-            Change::Queued(r) => {
-                s.created_at = r.submitted_at;
-                s.model = r.model.clone();
-                self.tenant = r.tenant.clone();
-                self.request_sha256 = r.idempotency.as_ref().map(|i| i.request_sha256.clone());
-                self.webhook = r.webhook.clone();
-            }
-            Change::Redriven { record, attempt, at } => {
-                self.apply(&Change::Queued(record.clone()));
-                let s = &mut self.status;
-                // A new attempt starts over: queued, cancellable, nothing of the old one shown.
-                // An older or repeated redrive changes nothing.
-                if *attempt > s.attempt || (*attempt == s.attempt && s.status == Status::Queued) {
-                    s.status = Status::Queued;
-                    s.attempt = *attempt;
-                    s.progress = None;
-                    s.outputs.clear();
-                    s.error = None;
-                    s.timings = None;
-                    s.updated_at = s.updated_at.max(*at);
-                }
-            }
-            Change::Progress(p) => {
-                if !s.status.is_terminal() {
-                    s.status = Status::Running;
-                    if s.progress.is_none_or(|old| p.step >= old.step) {
-                        s.progress = Some(Progress {
-                            step: p.step,
-                            steps: p.steps,
-                        });
-                    }
-                    s.updated_at = s.updated_at.max(p.at);
-                }
-            }
-            Change::Completed(c) => {
-                if c.attempt < s.attempt {
-                    return; // an earlier attempt's, read after the redrive that replaced it
-                }
-                s.status = match c.status {
-                    CompletionStatus::Succeeded => Status::Succeeded,
-                    CompletionStatus::Failed => Status::Failed,
-                    CompletionStatus::Cancelled => Status::Cancelled,
-                    CompletionStatus::Expired => Status::Expired,
-                };
-                s.outputs = c.outputs.clone();
-                s.error = c.error.clone();
-                s.timings = Some(c.timings);
-                s.attempt = c.attempt;
-                s.updated_at = s.updated_at.max(c.completed_at);
-                if let Some(p) = &mut s.progress {
-                    p.step = p.steps;
-                }
-            }
-        }
-    }
 }
 
 /// The stored status of task `id` (an unreadable entry counts as absent).
@@ -256,24 +37,6 @@ fn read_stored(tasks: &impl ReadableTable<&'static str, &'static [u8]>, id: &str
 fn tenant_key(tenant: &str, created_at: DateTime<Utc>, id: Uuid) -> String {
     let inverted = u64::MAX - created_at.timestamp_millis().max(0) as u64;
     format!("{tenant}\0{inverted:020}\0{id}")
-}
-
-/// A task as the webhook notifier sees it: see [`StatusStore::with_webhook`].
-#[derive(Debug, Clone)]
-pub struct WebhookTarget {
-    pub tenant: String,
-    /// `None`: the task has no webhook.
-    pub webhook: Option<sluice_schemas::WebhookSpec>,
-    pub status: TaskStatus,
-}
-
-/// A page of a tenant's tasks.
-#[derive(Debug, Clone, Serialize)]
-pub struct Page {
-    pub tasks: Vec<TaskStatus>,
-    /// Pass as `cursor` for the next page; absent on the last.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub next_cursor: Option<String>,
 }
 
 /// The embedded store.
@@ -549,15 +312,13 @@ pub fn cursor_key(cursor: &str) -> Option<String> {
     Some(format!("{inverted}\0{id}"))
 }
 
-/// How long a view record may wait behind its topic before it counts as lag: for the metric.
-pub fn lag_of(record_time: DateTime<Utc>) -> Duration {
-    (Utc::now() - record_time).to_std().unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_schemas::{Generation, ProgressEvent, SourceRef};
+    use crate::status::Progress;
+    use sluice_schemas::{
+        CompletionError, CompletionEvent, CompletionStatus, Generation, ProgressEvent, ProgressRecord, SourceRef, TaskRecord, Timings,
+    };
 
     fn record(id: Uuid, tenant: &str, at: DateTime<Utc>) -> TaskRecord {
         TaskRecord {

@@ -1,0 +1,136 @@
+//! Admission: what a `POST /v1/tasks` request must be to become a task record, judged before
+//! anything is published. The caller's tenant (already authenticated), `X-Sluice-User`, the body
+//! validated against the schemas and the model's catalog entry, its deadline, its
+//! `Idempotency-Key`, and its webhook against the deployment's policy give the record, or the
+//! 400 or 422 that says why not. Nothing here touches Kafka; the status view is asked only
+//! whether an idempotent request repeats a task it knows, and the caller does the asking.
+
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::Value;
+use sluice_schemas::{Catalog, Idempotency, TaskRecord};
+use sluice_service::http_error::{ApiError, FieldError};
+
+use crate::publish::{SubmitError, Submitter, TaskPublisher};
+use crate::webhook::Policy;
+
+/// A field's error, for the `fields` of an error body.
+pub(crate) fn field(field: &str, message: impl Into<String>) -> FieldError {
+    FieldError {
+        field: field.to_owned(),
+        message: message.into(),
+    }
+}
+
+/// The record of `tenant`'s request (`headers` and `body`), or a 400 naming what is wrong:
+/// `webhooks` is what a submitted webhook must satisfy (`None`: no webhooks on this deployment).
+pub(crate) fn record(
+    catalog: &Catalog,
+    webhooks: Option<&Policy>,
+    tenant: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<TaskRecord, ApiError> {
+    let user = user_of(headers).map_err(|message| {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("X-Sluice-User", message)])
+    })?;
+    let request: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not JSON: {e}")).with_fields([field("", e.to_string())])
+    })?;
+    let key = idempotency_key(headers)?;
+    let submitter = Submitter {
+        tenant: tenant.to_owned(),
+        user,
+    };
+    let record = TaskPublisher::record_with_key(catalog, &request, &submitter, key.as_deref()).map_err(invalid)?;
+    if let Some(webhook) = &record.webhook {
+        check_webhook(webhooks, tenant, &webhook.url)?;
+    }
+    Ok(record)
+}
+
+/// The user the task is submitted for, from `X-Sluice-User`.
+fn user_of(headers: &HeaderMap) -> Result<Option<String>, &'static str> {
+    match headers.get("x-sluice-user").map(|v| v.to_str()) {
+        None => Ok(None),
+        Some(Ok(u)) if !u.is_empty() && u.len() <= 256 => Ok(Some(u.to_owned())),
+        Some(_) => Err("X-Sluice-User must be 1 to 256 visible characters"),
+    }
+}
+
+/// The `Idempotency-Key` header: at most 255 visible ASCII characters.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let message = "Idempotency-Key must be 1 to 255 visible ASCII characters";
+    match value.to_str() {
+        Ok(k) if !k.is_empty() && k.len() <= 255 && k.bytes().all(|b| (0x21..=0x7e).contains(&b)) => Ok(Some(k.to_owned())),
+        _ => Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("Idempotency-Key", message)])),
+    }
+}
+
+/// A request the record could not be made of: a 400 naming each invalid field once (the body as
+/// a whole is `(body)`), with every violation in `fields`.
+fn invalid(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Invalid(violations) => {
+            let mut names: Vec<&str> = violations
+                .iter()
+                .map(|v| if v.field.is_empty() { "(body)" } else { v.field.as_str() })
+                .collect();
+            let mut seen = std::collections::HashSet::new();
+            names.retain(|n| seen.insert(*n));
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("invalid field(s): {}", names.join(", ")),
+            )
+            .with_fields(violations.into_iter().map(|v| field(&v.field, v.message)))
+        }
+        e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()),
+    }
+}
+
+/// A 400 for a webhook to `url` that `tenant` may not ask for: none are configured, or the URL
+/// or the tenant fails the policy ([`Policy::check`]).
+fn check_webhook(webhooks: Option<&Policy>, tenant: &str, url: &str) -> Result<(), ApiError> {
+    let refusal = match webhooks {
+        None => Some((
+            "webhook",
+            "webhooks are not configured on this deployment (SLUICE_WEBHOOK_SECRETS)".to_owned(),
+        )),
+        Some(policy) => policy.check(tenant, url).err(),
+    };
+    match refusal {
+        Some((name, message)) => Err(
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("invalid field(s): {name}"))
+                .with_fields([field(name, message)]),
+        ),
+        None => Ok(()),
+    }
+}
+
+/// What an idempotent request is to the status view.
+pub(crate) enum Repeat {
+    /// A retry of a task the view knows: the same answer as the first time, nothing published.
+    Retry,
+    /// A task the view does not know: new, or, while the view catches up, one it has not read yet.
+    Unknown,
+}
+
+/// An idempotent request against what the view knows of its task id (`known`, as
+/// [`crate::status::StatusStore::request_hash`] answers): a 422 when its key was used for
+/// another request.
+pub(crate) fn repeat(idempotency: &Idempotency, known: Option<Option<String>>) -> Result<Repeat, ApiError> {
+    match known {
+        Some(Some(hash)) if hash == idempotency.request_sha256 => Ok(Repeat::Retry),
+        Some(_) => {
+            let message = format!("Idempotency-Key {:?} was used for another request", idempotency.key);
+            Err(
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_conflict", message.clone())
+                    .with_fields([field("Idempotency-Key", message)]),
+            )
+        }
+        None => Ok(Repeat::Unknown),
+    }
+}
