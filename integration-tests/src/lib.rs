@@ -5,6 +5,8 @@
 pub mod cluster;
 pub mod contact;
 pub mod kafka;
+#[cfg(test)]
+mod module_map;
 pub mod process;
 pub mod receiver;
 pub mod records;

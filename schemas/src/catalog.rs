@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::models::{MAX_SEED, terrain};
+use crate::normalize::{MAX_SEED, terrain};
 use crate::{Generation, TaskRequest, Violation};
 
 /// What kind of pipeline runs a model.
@@ -420,7 +420,7 @@ impl Catalog {
             )]);
         };
         if model.kind == ModelKind::Terrain {
-            let (_, generation) = crate::models::normalize_terrain(request, seed).map_err(|e| vec![violation("params", e)])?;
+            let (_, generation) = crate::normalize::normalize_terrain(request, seed).map_err(|e| vec![violation("params", e)])?;
             let v = model.check_work(&generation);
             return if v.is_empty() {
                 Ok((model.name.clone(), generation))

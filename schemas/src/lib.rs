@@ -7,7 +7,7 @@
 
 pub mod catalog;
 pub mod decode;
-pub mod models;
+pub mod normalize;
 pub mod records;
 pub mod validate;
 

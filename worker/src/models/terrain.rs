@@ -11,14 +11,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use sluice_schemas::TaskRecord;
-use sluice_schemas::models::terrain::{Colormap, NATIVE_SIZE, Params, tile_starts};
+use sluice_schemas::normalize::terrain::{Colormap, NATIVE_SIZE, Params, tile_starts};
 
 use super::noise::Gaussian;
 use super::{Bucket, ModelAdapter, ModelError, Prepared, Render};
 use crate::engine::{Backend, EngineError, OrtBackend, Runtime, SessionOptions, Tensor};
 use crate::models::encode::{self, Image};
 
-pub const NAME: &str = sluice_schemas::models::terrain::NAME;
+pub const NAME: &str = sluice_schemas::normalize::terrain::NAME;
 
 const N: usize = NATIVE_SIZE as usize;
 const SIGMA_MAX: f32 = 80.0;

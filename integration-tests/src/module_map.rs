@@ -1,0 +1,85 @@
+//! The README's module map is the tree: every Rust file under the mapped source folders is listed
+//! in the map, and the map lists nothing that is not there. The map is the `text` block under the
+//! README heading `### Module map`: a root (`worker/src/`) at no indent, then one entry per line,
+//! indented two spaces per folder level, its name first (folders end in `/`), what it owns after.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// The Rust files the map names, as paths from the repository root.
+fn mapped(readme: &str) -> Result<(BTreeSet<String>, BTreeSet<String>), String> {
+    let section = readme
+        .split_once("### Module map")
+        .ok_or("the README has no `### Module map` heading")?
+        .1;
+    let block = section
+        .split_once("```text\n")
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .ok_or("no ```text block under `### Module map`")?
+        .0;
+    let (mut roots, mut files) = (BTreeSet::new(), BTreeSet::new());
+    let mut folders: Vec<String> = Vec::new();
+    for line in block.lines().filter(|l| !l.trim().is_empty()) {
+        let indent = line.len() - line.trim_start().len();
+        if indent % 2 != 0 {
+            return Err(format!("odd indent: {line:?}"));
+        }
+        let level = indent / 2;
+        let name = line.split_whitespace().next().expect("not empty");
+        if level > folders.len() {
+            return Err(format!("indented deeper than its folder: {line:?}"));
+        }
+        folders.truncate(level);
+        if level == 0 {
+            roots.insert(name.to_owned());
+        }
+        if name.ends_with('/') {
+            folders.push(name.to_owned());
+        } else {
+            files.insert(format!("{}{name}", folders.concat()));
+        }
+    }
+    Ok((roots, files))
+}
+
+/// The Rust files under `root` (a folder of the repository), as paths from the repository root.
+fn tree(repo: &Path, root: &str, out: &mut BTreeSet<String>) {
+    let dir = repo.join(root);
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let entry = entry.expect("readable");
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.file_type().expect("a type").is_dir() {
+            tree(repo, &format!("{root}{name}/"), out);
+        } else if name.ends_with(".rs") {
+            out.insert(format!("{root}{name}"));
+        }
+    }
+}
+
+#[test]
+fn the_readme_module_map_is_the_tree() {
+    let repo = crate::stack::repo_root();
+    let readme = std::fs::read_to_string(repo.join("README.md")).expect("README.md");
+    let (roots, listed) = mapped(&readme).unwrap();
+    assert!(roots.contains("worker/src/") && roots.contains("producer/src/"), "{roots:?}");
+    let mut present = BTreeSet::new();
+    for root in &roots {
+        tree(&repo, root, &mut present);
+    }
+    let missing: Vec<_> = present.difference(&listed).collect();
+    let stale: Vec<_> = listed.difference(&present).collect();
+    assert!(missing.is_empty(), "in the tree, not in the README's module map: {missing:?}");
+    assert!(stale.is_empty(), "in the README's module map, not in the tree: {stale:?}");
+}
+
+#[test]
+fn a_map_entry_belongs_to_the_folder_above_it() {
+    let readme = "### Module map\n\n```text\nw/\n  a.rs   x\n  f/     y\n    b.rs z\n  c.rs   t\n```\n";
+    let (roots, files) = mapped(readme).unwrap();
+    assert_eq!(roots, BTreeSet::from(["w/".to_owned()]));
+    assert_eq!(
+        files,
+        BTreeSet::from(["w/a.rs".to_owned(), "w/f/b.rs".to_owned(), "w/c.rs".to_owned()])
+    );
+    assert!(mapped("### Module map\n\n```text\nw/\n    deep.rs x\n```\n").is_err());
+}
