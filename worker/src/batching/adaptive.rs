@@ -692,55 +692,20 @@ impl Adaptive {
         // shrank the arena as it failed.)
         self.engine.release_memory(&bucket.model);
         let size = chunk.items.len();
-        let (task_ids, dimensions) = names(&chunk.items);
         self.with_entry(bucket, |e| e.fits = e.fits.min(size.saturating_sub(1)));
         if size > 1 {
-            let to = self.update(bucket, |e| {
-                if chunk.clean {
-                    // A probe on a clean arena failed: the smaller call gets a clean one too.
-                    e.clean_probe_failed = Some(Instant::now());
-                    e.clean_next = true;
-                }
-                // A failed probe ran with the arena shrunk at its end (it was larger than
-                // anything that ran): the size below it finds the arena as before the probe.
-                e.ceiling.on_oom(size)
-            });
-            events::OomHandled {
-                bucket: &bucket.name(),
-                from: size,
-                to,
-                task_ids,
-                dimensions,
-                error: &error,
-            }
-            .emit(&self.metrics);
-            // The same tasks again, at the new size.
-            for item in chunk.items.into_iter().rev() {
-                pending.push_front(item);
-            }
+            self.fewer_tasks(bucket, chunk, &error, pending);
             return None;
         }
         let (rows, splittable) = self.call_rows(bucket, &chunk.items);
         if splittable && rows > 1 {
-            let to = rows / 2;
-            self.update(bucket, |e| {
-                e.ceiling.on_oom(1);
-                e.part_rows = Some(to);
-            });
-            events::RowsHalved {
-                bucket: &bucket.name(),
-                task_id: &task_ids[0],
-                dimensions: &dimensions[0],
-                from: rows,
-                to,
-                error: &error,
-            }
-            .emit(&self.metrics);
+            self.smaller_parts(bucket, &chunk, rows, &error);
             return Some(chunk);
         }
         self.update(bucket, |e| e.ceiling.on_oom(1));
         if !chunk.exclusive && self.serialize_singles {
             // Alone but beside other runs: try once more with the device to itself.
+            let (task_ids, dimensions) = names(&chunk.items);
             events::OomHandled {
                 bucket: &bucket.name(),
                 from: 1,
@@ -752,6 +717,67 @@ impl Adaptive {
             .emit(&self.metrics);
             return Some(Chunk { exclusive: true, ..chunk });
         }
+        self.single_out_of_memory(bucket, chunk, rows, error, on_done).await
+    }
+
+    /// Fewer tasks per call: the bucket's ceiling comes down and the same tasks go back to
+    /// `pending`, to run at the new size.
+    fn fewer_tasks<T: BatchItem>(&self, bucket: &Bucket, chunk: Chunk<T>, error: &EngineError, pending: &mut VecDeque<T>) {
+        let size = chunk.items.len();
+        let (task_ids, dimensions) = names(&chunk.items);
+        let to = self.update(bucket, |e| {
+            if chunk.clean {
+                // A probe on a clean arena failed: the smaller call gets a clean one too.
+                e.clean_probe_failed = Some(Instant::now());
+                e.clean_next = true;
+            }
+            // A failed probe ran with the arena shrunk at its end (it was larger than
+            // anything that ran): the size below it finds the arena as before the probe.
+            e.ceiling.on_oom(size)
+        });
+        events::OomHandled {
+            bucket: &bucket.name(),
+            from: size,
+            to,
+            task_ids,
+            dimensions,
+            error,
+        }
+        .emit(&self.metrics);
+        for item in chunk.items.into_iter().rev() {
+            pending.push_front(item);
+        }
+    }
+
+    /// One task whose `rows` did not fit together: they run in halves from now on.
+    fn smaller_parts<T: BatchItem>(&self, bucket: &Bucket, chunk: &Chunk<T>, rows: usize, error: &EngineError) {
+        let to = rows / 2;
+        self.update(bucket, |e| {
+            e.ceiling.on_oom(1);
+            e.part_rows = Some(to);
+        });
+        let (task_ids, dimensions) = names(&chunk.items);
+        events::RowsHalved {
+            bucket: &bucket.name(),
+            task_id: &task_ids[0],
+            dimensions: &dimensions[0],
+            from: rows,
+            to,
+            error,
+        }
+        .emit(&self.metrics);
+    }
+
+    /// A single, alone with the device to itself, out of memory: once more on a clean arena
+    /// (the chunk to run next), or a verdict — it does not fit, and fails.
+    async fn single_out_of_memory<T: BatchItem>(
+        &self,
+        bucket: &Bucket,
+        chunk: Chunk<T>,
+        rows: usize,
+        error: EngineError,
+        on_done: &mut impl FnMut(Done<T>),
+    ) -> Option<Chunk<T>> {
         let verdict = match (&self.cleaner, chunk.clean) {
             (_, true) => {
                 self.update(bucket, |e| e.last_clean = Some((Instant::now(), false)));
@@ -787,6 +813,7 @@ impl Adaptive {
                 }
             },
         };
+        let (task_ids, dimensions) = names(&chunk.items);
         events::DoesNotFit {
             bucket: &bucket.name(),
             task_id: &task_ids[0],
