@@ -528,10 +528,10 @@ impl Offsets {
         };
         let mut state = self.lock();
         for tp in partitions {
-            if let Some(p) = state.partitions.get_mut(tp) {
-                if p.phase == Phase::Consuming {
-                    p.phase = Phase::Draining { released: None };
-                }
+            if let Some(p) = state.partitions.get_mut(tp)
+                && p.phase == Phase::Consuming
+            {
+                p.phase = Phase::Draining { released: None };
             }
         }
         loop {
