@@ -1317,7 +1317,7 @@ async fn a_restarted_producer_keeps_its_status_view() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
     use clap::Parser;
-    use sluice_worker::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
+    use sluice_worker::engine::{Backend, Call, CallKey, EngineError, Placement, SessionOptions, Tensor};
     use sluice_worker::models::encode::{Image, png_rgb8};
     use sluice_worker::models::{Bucket, ModelAdapter, ModelError, Prepared, Registry, Render};
     use sluice_worker::{Exit, Models};
@@ -1330,7 +1330,7 @@ async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
             let r = &task.request;
             Ok(Bucket {
                 model: task.model.clone(),
-                key: format!("{}x{}", r.width, r.height),
+                key: CallKey::new(format!("{}x{}", r.width, r.height), Some(u64::from(r.width * r.height))),
                 rows_per_task: 1,
                 alone: None,
             })

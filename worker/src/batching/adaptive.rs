@@ -844,6 +844,7 @@ impl crate::batching::batcher::BatchLimits for Adaptive {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::CallKey;
     use crate::models::ModelAdapter;
     use crate::testing::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED, prepared, prepared_whole};
 
@@ -863,7 +864,7 @@ mod tests {
 
     fn bucket(rows: usize) -> Bucket {
         Bucket {
-            key: String::new(),
+            key: CallKey::none(),
             model: "fake".into(),
             rows_per_task: rows,
             alone: None,

@@ -153,10 +153,11 @@ impl<T: Send + 'static> Batcher<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::CallKey;
 
     fn bucket(rows: usize) -> Bucket {
         Bucket {
-            key: String::new(),
+            key: CallKey::none(),
             model: "m".into(),
             rows_per_task: rows,
             alone: None,

@@ -9,6 +9,7 @@
 pub(crate) mod gpu;
 
 mod error;
+mod key;
 mod pool;
 mod runtime;
 mod session;
@@ -18,6 +19,7 @@ use std::sync::Arc;
 
 pub use error::EngineError;
 pub(crate) use error::is_out_of_memory;
+pub use key::CallKey;
 pub use pool::{Engine, Loader};
 pub use runtime::{ArenaStats, Runtime, RuntimeOptions};
 pub use session::{ArenaExtend, ConvSearch, Device, ElementKind, InputInfo, OrtBackend, Placement, SessionOptions};
@@ -26,8 +28,9 @@ pub use tensor::{Tensor, TensorData};
 /// One model call: the inputs of a batch and which task owns which rows.
 #[derive(Debug, Clone)]
 pub struct Call {
-    /// The batch's bucket key ([`crate::models::Bucket::key`]): what its tasks share.
-    pub key: String,
+    /// The batch's bucket key ([`crate::models::Bucket::key`]): what its tasks share, in the
+    /// model adapter's own type.
+    pub key: CallKey,
     /// Whole-batch tensors, batch on axis 0: the tasks' rows concatenated in task order.
     pub inputs: Vec<Tensor>,
     pub tasks: Vec<CallTask>,

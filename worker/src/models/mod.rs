@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use sluice_schemas::TaskRecord;
 
-use crate::engine::{Backend, EngineError, SessionOptions, Tensor};
+use crate::engine::{Backend, CallKey, EngineError, SessionOptions, Tensor};
 use crate::models::encode::Image;
 
 /// Why an adapter could not do what the pipeline asked of it. Each kind has one outcome: the
@@ -53,9 +53,10 @@ impl ModelError {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Bucket {
     pub model: String,
-    /// What else tasks must share to run in one call (for Stable Diffusion: size, sampler,
-    /// steps, guidance on or off); empty when the model needs nothing more.
-    pub key: String,
+    /// What else tasks must share to run in one call, in the adapter's own type (for Stable
+    /// Diffusion: size, sampler, steps, guidance on or off); [`CallKey::none`] when the model
+    /// needs nothing more.
+    pub key: CallKey,
     /// Rows (entries on the model's batch axis) each task of the bucket needs.
     pub rows_per_task: usize,
     /// The record (partition, offset) of a task that must run in a call of its own: one
@@ -65,18 +66,12 @@ pub struct Bucket {
 
 impl Bucket {
     /// The bucket's metric label: its model and a size class, `le<N>` with N the power of two
-    /// at or above the task's work (its rows, times the pixels of a key that begins `WxH`, as
-    /// Stable Diffusion's do). The bucket itself (one per size × sampler × steps × guidance ×
+    /// at or above the task's work (its rows, times the pixels of one image where the key knows
+    /// them, as Stable Diffusion's does). The bucket itself (one per size × sampler × steps × guidance ×
     /// rows) would mint a series per combination a client can ask for; the classes are a few
     /// dozen per model at most. Logs name the bucket itself.
     pub fn label(&self) -> String {
-        let pixels = self
-            .key
-            .split(':')
-            .next()
-            .and_then(|size| size.split_once('x'))
-            .and_then(|(w, h)| Some(w.parse::<u64>().ok()?.saturating_mul(h.parse::<u64>().ok()?)))
-            .unwrap_or(1);
+        let pixels = self.key.pixels().unwrap_or(1);
         let work = pixels.saturating_mul(self.rows_per_task.max(1) as u64).max(1);
         format!("{}:le{}", self.model, work.checked_next_power_of_two().unwrap_or(u64::MAX))
     }
@@ -96,7 +91,7 @@ impl Bucket {
 
 impl std::fmt::Display for Bucket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.key.is_empty() {
+        if self.key.name().is_empty() {
             write!(f, "{}:{}", self.model, self.rows_per_task)
         } else {
             write!(f, "{}:{}:{}", self.model, self.key, self.rows_per_task)
@@ -234,9 +229,14 @@ mod tests {
     /// However many distinct requests arrive, a model's label values stay few.
     #[test]
     fn labels_are_a_size_class_per_model() {
+        // Keys as Stable Diffusion names them, with the pixels of their `WxH`.
         let bucket = |key: String, rows: usize| Bucket {
             model: "sd".into(),
-            key,
+            key: {
+                let size = key.split(':').next().and_then(|s| s.split_once('x'));
+                let pixels = size.map(|(w, h)| w.parse::<u64>().unwrap() * h.parse::<u64>().unwrap());
+                CallKey::new(key, pixels)
+            },
             rows_per_task: rows,
             alone: None,
         };

@@ -15,7 +15,7 @@ use sluice_schemas::normalize::terrain::{Colormap, NATIVE_SIZE, Params, tile_sta
 
 use super::noise::Gaussian;
 use super::{Bucket, ModelAdapter, ModelError, Prepared, Render};
-use crate::engine::{Backend, EngineError, OrtBackend, Runtime, SessionOptions, Tensor};
+use crate::engine::{Backend, CallKey, EngineError, OrtBackend, Runtime, SessionOptions, Tensor};
 use crate::models::encode::{self, Image};
 
 pub const NAME: &str = sluice_schemas::normalize::terrain::NAME;
@@ -101,7 +101,7 @@ impl ModelAdapter for Terrain {
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
         let (layout, _) = layout_of(task).map_err(ModelError::InvalidInput)?;
         Ok(Bucket {
-            key: String::new(),
+            key: CallKey::none(),
             model: NAME.to_owned(),
             rows_per_task: layout.rows(),
             alone: None,

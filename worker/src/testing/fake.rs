@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use sluice_schemas::TaskRecord;
 
-use crate::engine::{Backend, Call, EngineError, Placement, SessionOptions, Tensor};
+use crate::engine::{Backend, Call, CallKey, EngineError, Placement, SessionOptions, Tensor};
 use crate::models::encode::{self, Image};
 use crate::models::{Bucket, ModelAdapter, ModelError, Prepared, Render};
 
@@ -76,7 +76,7 @@ pub(crate) struct FakeModel {
 impl ModelAdapter for FakeModel {
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
         Ok(Bucket {
-            key: String::new(),
+            key: CallKey::none(),
             model: task.model.clone(),
             rows_per_task: task.request.num_images as usize,
             alone: None,

@@ -208,7 +208,11 @@ pub fn guidance_embedding(w: f32, dim: usize) -> Vec<f32> {
 
 impl Backend for SdBackend {
     fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
-        let bucket = SdBucket::parse(&call.key).map_err(EngineError::Run)?;
+        let bucket = call
+            .key
+            .get::<SdBucket>()
+            .cloned()
+            .ok_or_else(|| EngineError::Run(format!("not a stable diffusion bucket key: {}", call.key)))?;
         let schedule = self.schedule(&bucket)?;
         let latents_in = input(call, "latents")?;
         let n = latents_in.rows();

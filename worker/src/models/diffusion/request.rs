@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use super::layout::SdLayout;
 use super::schedulers::{Sampler, Schedule};
-use crate::engine::Tensor;
+use crate::engine::{CallKey, Tensor};
 use crate::models::encode::{self, Image};
 use crate::models::noise::Gaussian;
 use crate::models::{ModelError, Render};
@@ -27,8 +27,17 @@ pub struct SdBucket {
 }
 
 impl SdBucket {
-    pub fn key(&self) -> String {
-        format!(
+    /// The bucket key of a call: this, named `512x512:euler:25:cfg`.
+    pub fn key(self) -> CallKey {
+        let pixels = (self.width * self.height) as u64;
+        CallKey::new(self, Some(pixels))
+    }
+}
+
+impl std::fmt::Display for SdBucket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
             "{}x{}:{}:{}:{}",
             self.width,
             self.height,
@@ -36,26 +45,6 @@ impl SdBucket {
             self.steps,
             if self.cfg { "cfg" } else { "nocfg" }
         )
-    }
-
-    pub fn parse(key: &str) -> Result<SdBucket, String> {
-        let bad = || format!("not a stable diffusion bucket key: {key:?}");
-        let parts: Vec<&str> = key.split(':').collect();
-        let [size, sampler, steps, cfg] = parts.as_slice() else {
-            return Err(bad());
-        };
-        let (w, h) = size.split_once('x').ok_or_else(bad)?;
-        Ok(SdBucket {
-            width: w.parse().map_err(|_| bad())?,
-            height: h.parse().map_err(|_| bad())?,
-            sampler: Sampler::parse(sampler).ok_or_else(bad)?,
-            steps: steps.parse().map_err(|_| bad())?,
-            cfg: match *cfg {
-                "cfg" => true,
-                "nocfg" => false,
-                _ => return Err(bad()),
-            },
-        })
     }
 }
 

@@ -1,0 +1,92 @@
+//! What the tasks of one model call share, in the model adapter's own type: the bucket key.
+//!
+//! The pipeline groups, orders and names buckets by the key's name; the model's backend reads the
+//! key back from the call as the type its adapter made it (Stable Diffusion's size, sampler,
+//! steps and guidance), never by parsing text. A new model family brings its own key type.
+
+use std::any::Any;
+use std::cmp::Ordering;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+/// A bucket key: a value of the adapter's type, its name, and the pixels of one image where the
+/// key knows them (the metric label's size class).
+#[derive(Clone)]
+pub struct CallKey {
+    name: Arc<str>,
+    pixels: Option<u64>,
+    value: Arc<dyn Any + Send + Sync>,
+}
+
+impl CallKey {
+    /// No more than the model: every task of it can share a call.
+    pub fn none() -> CallKey {
+        CallKey {
+            name: Arc::from(""),
+            pixels: None,
+            value: Arc::new(()),
+        }
+    }
+
+    /// `key`, named by its `Display`.
+    pub fn new<K: Any + Send + Sync + fmt::Display>(key: K, pixels: Option<u64>) -> CallKey {
+        CallKey {
+            name: Arc::from(key.to_string()),
+            pixels,
+            value: Arc::new(key),
+        }
+    }
+
+    /// The key as its adapter made it; `None` if it is of another type.
+    pub fn get<K: Any>(&self) -> Option<&K> {
+        self.value.downcast_ref()
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Pixels of one image of the bucket, where the key knows them.
+    pub fn pixels(&self) -> Option<u64> {
+        self.pixels
+    }
+}
+
+impl fmt::Display for CallKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+impl fmt::Debug for CallKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.name)
+    }
+}
+
+impl PartialEq for CallKey {
+    fn eq(&self, other: &CallKey) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for CallKey {}
+
+impl Hash for CallKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
+    }
+}
+
+impl PartialOrd for CallKey {
+    fn partial_cmp(&self, other: &CallKey) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for CallKey {
+    fn cmp(&self, other: &CallKey) -> Ordering {
+        self.name.cmp(&other.name)
+    }
+}
