@@ -913,7 +913,43 @@ mod adaptive {
     }
 
     /// Adaptive (at `sizes[0]` at most) against each fixed size of `sizes[1..]`, as a table.
+    /// The machine's busy share of the last `window`, all cores together, from `/proc/stat`.
+    fn busy_share(window: Duration) -> Option<f64> {
+        let sample = || -> Option<(u64, u64)> {
+            let stat = std::fs::read_to_string("/proc/stat").ok()?;
+            let cpu: Vec<u64> = stat
+                .lines()
+                .next()?
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            let idle = cpu.get(3)? + cpu.get(4).unwrap_or(&0);
+            Some((cpu.iter().sum(), idle))
+        };
+        let (total0, idle0) = sample()?;
+        std::thread::sleep(window);
+        let (total1, idle1) = sample()?;
+        let total = total1.saturating_sub(total0).max(1);
+        Some(1.0 - idle1.saturating_sub(idle0) as f64 / total as f64)
+    }
+
+    /// Waits (at most a minute) until the machine is nearly idle: the stack was just started, and
+    /// the broker's JVM spends its first tens of seconds compiling and collecting, which would
+    /// fall on the first rows only.
+    fn wait_idle() {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(60) {
+            match busy_share(Duration::from_secs(2)) {
+                Some(busy) if busy > 0.10 => continue,
+                _ => break,
+            }
+        }
+        eprintln!("== adaptive: machine idle after {:.0} s", started.elapsed().as_secs_f64());
+    }
+
     async fn table(subject: &Subject<'_>, sizes: &[usize], tasks: usize, cap: usize, title: &str) -> anyhow::Result<()> {
+        wait_idle();
         let engine = Engine::start(1);
         // Not measured: the first model calls of a process pay for its warm-up (thread pools,
         // page faults, the allocator growing to the sizes the rows use), which would otherwise
