@@ -224,13 +224,14 @@ impl Emit for CeilingProbed<'_> {
 
 /// The learned ceiling of a bucket, when it is made or changes.
 pub(crate) struct CeilingIs<'a> {
-    pub bucket: &'a BucketName,
+    /// The bucket's metric label.
+    pub label: &'a str,
     pub limit: usize,
 }
 
 impl Emit for CeilingIs<'_> {
     fn emit(self, m: &Metrics) {
-        m.batch_ceiling.with_label_values(&[&self.bucket.label]).set(self.limit as i64);
+        m.batch_ceiling.with_label_values(&[self.label]).set(self.limit as i64);
     }
 }
 

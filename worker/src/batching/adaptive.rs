@@ -390,7 +390,7 @@ impl Adaptive {
                 ceiling = ceiling.starting_at(learned.limit).backed_off(learned.probe_backoff);
             }
             events::CeilingIs {
-                bucket: &bucket.name(),
+                label: &bucket.label(),
                 limit: ceiling.limit(),
             }
             .emit(&self.metrics);
@@ -415,7 +415,7 @@ impl Adaptive {
         self.with_entry(bucket, |e| {
             let r = f(e);
             events::CeilingIs {
-                bucket: &bucket.name(),
+                label: &bucket.label(),
                 limit: e.ceiling.limit(),
             }
             .emit(&self.metrics);
@@ -637,41 +637,33 @@ impl Adaptive {
     /// A single that fitted on a clean arena probes above the ceiling at once (the ceiling was
     /// learned on the arena that is gone), unless such a probe failed a moment ago.
     fn learn_from_success(&self, bucket: &Bucket, size: usize, clean: bool, elapsed: Duration) {
+        let name = bucket.name();
         events::BatchRan {
-            bucket: &bucket.name(),
+            bucket: &name,
             size,
             elapsed,
         }
         .emit(&self.metrics);
-        let probe = if clean && size == 1 {
-            events::CleanRetryEnded {
-                bucket: &bucket.name(),
-                fit: true,
+        // A single that fitted on a clean arena: how soon a failed clean probe may be repeated.
+        let clean_single = (clean && size == 1).then(|| {
+            events::CleanRetryEnded { bucket: &name, fit: true }.emit(&self.metrics);
+            self.clean_every()
+        });
+        let probe = self.update(bucket, |e| {
+            e.fits = e.fits.max(size);
+            let Some(every) = clean_single else {
+                return e.ceiling.on_success(size);
+            };
+            e.last_clean = Some((Instant::now(), true));
+            if e.clean_probe_failed.is_some_and(|at| at.elapsed() < every) {
+                return None;
             }
-            .emit(&self.metrics);
-            let every = self.clean_every();
-            self.update(bucket, |e| {
-                e.fits = e.fits.max(size);
-                e.last_clean = Some((Instant::now(), true));
-                if e.clean_probe_failed.is_some_and(|at| at.elapsed() < every) {
-                    return None;
-                }
-                let to = e.ceiling.probe_now();
-                e.clean_next = to.is_some();
-                to
-            })
-        } else {
-            self.update(bucket, |e| {
-                e.fits = e.fits.max(size);
-                e.ceiling.on_success(size)
-            })
-        };
+            let to = e.ceiling.probe_now();
+            e.clean_next = to.is_some();
+            to
+        });
         if let Some(to) = probe {
-            events::CeilingProbed {
-                bucket: &bucket.name(),
-                to,
-            }
-            .emit(&self.metrics);
+            events::CeilingProbed { bucket: &name, to }.emit(&self.metrics);
         }
     }
 

@@ -8,7 +8,7 @@ use std::any::Any;
 use std::cmp::Ordering;
 use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 /// A bucket key: a value of the adapter's type, its name, and the pixels of one image where the
 /// key knows them (the metric label's size class).
@@ -20,13 +20,15 @@ pub struct CallKey {
 }
 
 impl CallKey {
-    /// No more than the model: every task of it can share a call.
+    /// No more than the model: every task of it can share a call. One shared value: a model
+    /// that needs no key asks for it once per task.
     pub fn none() -> CallKey {
-        CallKey {
+        static NONE: LazyLock<CallKey> = LazyLock::new(|| CallKey {
             name: Arc::from(""),
             pixels: None,
             value: Arc::new(()),
-        }
+        });
+        NONE.clone()
     }
 
     /// `key`, named by its `Display`.

@@ -75,9 +75,7 @@ impl Bucket {
         let work = pixels.saturating_mul(self.rows_per_task.max(1) as u64).max(1);
         format!("{}:le{}", self.model, work.checked_next_power_of_two().unwrap_or(u64::MAX))
     }
-}
 
-impl Bucket {
     /// The bucket as events report it: plain data.
     pub(crate) fn name(&self) -> crate::events::BucketName {
         crate::events::BucketName {
