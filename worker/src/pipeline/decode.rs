@@ -13,30 +13,29 @@ use crate::models::{Bucket, ModelError};
 use crate::outcome::{Failed, Success, TaskIdentity};
 use crate::panics;
 use crate::pipeline::task::{Failure, Job, Record};
-use crate::retry::retry;
 use crate::source::crash_guard::Verdict;
 
-use super::Shared;
+use super::DecodeStage;
 
 /// Decode: parse and validate each record; bad ones fail at once, good ones that may have been
 /// started before are checked for results, the rest go to the batcher.
-pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, shared: Arc<Shared>) {
+pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::Sender<(Bucket, Job)>, stage: Arc<DecodeStage>) {
     while let Some(record) = input.recv().await {
-        if !shared.offsets.keep_or_release(&record.origin) {
+        if !stage.offsets.keep_or_release(&record.origin) {
             continue; // revoked or being revoked while queued; the new owner reads it again
         }
         // Before anything of the partition can be committed, a record that fails at once
         // included (a partition holding only those would otherwise never be).
-        shared.redelivery.know_partition(&record.origin).await;
-        let Some((bucket, mut job)) = admit(&shared, record) else {
+        stage.redelivery.know_partition(&record.origin).await;
+        let Some((bucket, mut job)) = admit(&stage, record) else {
             continue;
         };
         let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.
-        let check = shared.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
-        let current = |o: &crate::pipeline::task::Origin| shared.offsets.is_current(o);
-        let earlier = match shared.running.claim(job.task.task_id, &job.record.origin, current) {
+        let check = stage.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
+        let current = |o: &crate::pipeline::task::Origin| stage.offsets.is_current(o);
+        let earlier = match stage.running.claim(job.task.task_id, &job.record.origin, current) {
             Ok(claim) => {
                 job.claim = Some(claim);
                 false
@@ -45,25 +44,25 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         };
         if !check && !earlier {
             // No earlier delivery can have started it: no results to look for.
-            if let Some((bucket, job)) = guard(&shared, bucket, job) {
+            if let Some((bucket, job)) = guard(&stage, bucket, job) {
                 let _ = to_batcher.send((bucket, job)).await;
             }
             continue;
         }
         // The check is a storage round trip (after the earlier record of the same task, if one
         // is in flight): run it concurrently, not in line.
-        let (shared2, to_batcher) = (shared.clone(), to_batcher.clone());
-        shared.tasks.spawn(async move {
+        let (stage2, to_batcher) = (stage.clone(), to_batcher.clone());
+        stage.tasks.spawn(async move {
             if earlier {
-                let current = |o: &crate::pipeline::task::Origin| shared2.offsets.is_current(o);
+                let current = |o: &crate::pipeline::task::Origin| stage2.offsets.is_current(o);
                 job.claim = Some(
-                    shared2
+                    stage2
                         .running
                         .claim_after_others(job.task.task_id, &job.record.origin, current)
                         .await,
                 );
             }
-            if let Some((bucket, job)) = announce_if_done(&shared2, job).await.and_then(|job| guard(&shared2, bucket, job)) {
+            if let Some((bucket, job)) = announce_if_done(&stage2, job).await.and_then(|job| guard(&stage2, bucket, job)) {
                 let _ = to_batcher.send((bucket, job)).await;
             }
         });
@@ -72,9 +71,9 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
 
 /// The crash guard's verdict on a task with no earlier results: it runs (alone, when an earlier
 /// worker started it and died), or goes to the DLQ after `SLUICE_MAX_CRASHES` such starts.
-fn guard(shared: &Shared, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
+fn guard(stage: &DecodeStage, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
     let origin = &job.record.origin;
-    match shared.crash_guard.verdict(origin) {
+    match stage.crash_guard.verdict(origin) {
         Verdict::Run => Some((bucket, job)),
         Verdict::Alone { starts } => {
             tracing::warn!(parent: &job.span, starts, "started before by a worker that stopped before it finished; running it alone");
@@ -87,7 +86,7 @@ fn guard(shared: &Shared, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
                  (an abort, a crash in native code or an OOM kill; SLUICE_MAX_CRASHES)"
             );
             tracing::error!(parent: &job.span, starts, "a record that keeps killing workers goes to the DLQ");
-            shared.outcomes.fail(job, Failure::new(DlqReason::Crashed, message));
+            stage.outcomes.fail(job, Failure::new(DlqReason::Crashed, message));
             None
         }
     }
@@ -95,12 +94,12 @@ fn guard(shared: &Shared, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
 
 /// The job and bucket of a record, or `None` after failing it (too large, undecodable, a model
 /// not served here, parameters its model refuses).
-fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
-    let outcomes = &shared.outcomes;
-    if record.value.len() > shared.max_task_bytes {
+fn admit(stage: &DecodeStage, record: Record) -> Option<(Bucket, Job)> {
+    let outcomes = &stage.outcomes;
+    if record.value.len() > stage.max_task_bytes {
         let failure = Failure::new(
             DlqReason::TooLarge,
-            format!("record is {} bytes; the limit is {}", record.value.len(), shared.max_task_bytes),
+            format!("record is {} bytes; the limit is {}", record.value.len(), stage.max_task_bytes),
         );
         outcomes.fail(
             Failed::Record {
@@ -139,13 +138,13 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
         span,
         claim: None,
     };
-    let Some(adapter) = shared.serving.adapter(&job.task.model) else {
+    let Some(adapter) = stage.serving.adapter(&job.task.model) else {
         let failure = Failure::new(
             DlqReason::UnsupportedModel,
             format!(
                 "model {:?} is not served here (serving {:?})",
                 job.task.model,
-                shared.serving.names()
+                stage.serving.names()
             ),
         );
         outcomes.fail(job, failure);
@@ -153,7 +152,7 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
     };
     // The bounds of one task's work, as the producer checks them: a record can reach the topic
     // without the producer, and one oversized task must not take the worker's memory.
-    if let Some(entry) = shared.catalog.get(&job.task.model) {
+    if let Some(entry) = stage.catalog.get(&job.task.model) {
         let violations = entry.check_work(&job.task.request);
         if !violations.is_empty() {
             let message = violations.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
@@ -176,17 +175,14 @@ fn admit(shared: &Shared, record: Record) -> Option<(Bucket, Job)> {
 
 /// If an earlier attempt finished the task (its manifest exists), announces it again from the
 /// manifest; otherwise hands the job back.
-async fn announce_if_done(shared: &Arc<Shared>, job: Job) -> Option<Job> {
+async fn announce_if_done(stage: &DecodeStage, job: Job) -> Option<Job> {
     let task_id = job.task.task_id;
-    let manifest = retry(shared.storage_retry, "manifest_check", &shared.metrics, &shared.abandon, || {
-        shared.images.manifest(task_id)
-    })
-    .await;
+    let manifest = stage.store.run("manifest_check", || stage.store.images.manifest(task_id)).await;
     let manifest = match manifest {
         Ok(Some(m)) => m,
         Ok(None) => return Some(job),
         Err(gave_up) => {
-            shared.outcomes.gave_up(job, "checking for earlier results", gave_up);
+            stage.outcomes.gave_up(job, "checking for earlier results", gave_up);
             return None;
         }
     };
@@ -201,6 +197,6 @@ async fn announce_if_done(shared: &Arc<Shared>, job: Job) -> Option<Job> {
         duplicate: true,
         upload: Duration::ZERO,
     };
-    shared.outcomes.succeed(&job, success).await;
+    stage.outcomes.succeed(&job, success).await;
     None
 }

@@ -13,9 +13,8 @@ use crate::models::ModelError;
 use crate::outcome::Success;
 use crate::panics;
 use crate::pipeline::task::Failure;
-use crate::retry::retry;
 
-use super::{Item, Shared};
+use super::{FinishStage, Item};
 
 pub(super) struct Ran {
     pub(super) outputs: Arc<Vec<Tensor>>,
@@ -26,8 +25,8 @@ pub(super) struct Ran {
 }
 
 /// Render, store, announce.
-pub(super) async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
-    let _permit = shared.finishing.acquire().await.expect("never closed");
+pub(super) async fn finish(stage: Arc<FinishStage>, item: Item, ran: Ran) {
+    let _permit = stage.permits.acquire().await.expect("never closed");
     let Item { job, prepared, .. } = item;
     let rendered = {
         let outputs = ran.outputs.clone();
@@ -43,11 +42,11 @@ pub(super) async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
         Ok(Ok(images)) => images,
         Ok(Err(ModelError::Cancelled)) => {
             // Stopped between steps: nothing is stored.
-            shared.outcomes.ended(&job, CompletionStatus::Cancelled).await;
+            stage.outcomes.ended(&job, CompletionStatus::Cancelled).await;
             return;
         }
         Ok(Err(e)) => {
-            shared
+            stage
                 .outcomes
                 .fail(job, Failure::new(DlqReason::ModelError, format!("rendering: {e}")));
             return;
@@ -56,22 +55,22 @@ pub(super) async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
     };
     let upload_started = Instant::now();
     let task_id = job.task.task_id;
-    let stored = retry(shared.storage_retry, "upload", &shared.metrics, &shared.abandon, || async {
+    let store = &stage.store.images;
+    let stored = stage.store.run("upload", || async {
         let puts = images
             .iter()
             .enumerate()
-            .map(|(i, image)| shared.images.put_image(task_id, i as u32, image));
+            .map(|(i, image)| store.put_image(task_id, i as u32, image));
         let outputs: Vec<OutputRef> = futures::future::try_join_all(puts).await?;
-        shared
-            .images
-            .put_manifest(task_id, &outputs, ran.inference.as_millis() as u64, &shared.worker_id)
+        store
+            .put_manifest(task_id, &outputs, ran.inference.as_millis() as u64, &stage.worker_id)
             .await?;
         Ok::<_, crate::storage::images::StorageError>(outputs)
     })
     .await;
     let outputs = match stored {
         Ok(outputs) => outputs,
-        Err(gave_up) => return shared.outcomes.gave_up(job, "storing images", gave_up),
+        Err(gave_up) => return stage.outcomes.gave_up(job, "storing images", gave_up),
     };
     let upload = upload_started.elapsed();
     let timings = Timings {
@@ -86,7 +85,7 @@ pub(super) async fn finish(shared: Arc<Shared>, item: Item, ran: Ran) {
         duplicate: false,
         upload,
     };
-    if shared.outcomes.succeed(&job, success).await {
+    if stage.outcomes.succeed(&job, success).await {
         tracing::debug!(batch_size = ran.batch_size, "completed");
     }
 }

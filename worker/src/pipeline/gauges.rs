@@ -7,21 +7,23 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::{Emit, MemorySampled};
 
-use super::Shared;
+use crate::metrics::Metrics;
+use crate::models::serving::Serving;
+use crate::source::offsets::Offsets;
 
 /// Refreshes the gauges that are read rather than counted.
-pub(crate) async fn gauges(shared: Arc<Shared>, stop: CancellationToken) {
+pub(crate) async fn gauges(offsets: Arc<Offsets>, serving: Arc<Serving>, metrics: Metrics, stop: CancellationToken) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     while !stop.is_cancelled() {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.cancelled() => return,
         }
-        shared.offsets.observed().emit(&shared.metrics);
+        offsets.observed().emit(&metrics);
         MemorySampled {
             rss_bytes: crate::metrics::rss_bytes(),
-            arena: shared.serving.arena_stats(),
+            arena: serving.arena_stats(),
         }
-        .emit(&shared.metrics);
+        .emit(&metrics);
     }
 }

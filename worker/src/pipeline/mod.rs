@@ -8,8 +8,9 @@
 //! place that announces outcomes and acknowledges offsets. One file per stage: [`decode`] (parse,
 //! admit, look for earlier results, the crash guard's verdict), [`run`] (the engine stage: a
 //! batch's tasks prepared and run through the adaptive batcher), [`finish`] (render, store,
-//! announce); the source is [`crate::source`], the batcher [`crate::batching`]. What a stage
-//! needs travels in [`Shared`].
+//! announce); the source is [`crate::source`], the batcher [`crate::batching`]. Each stage takes
+//! a context of its own ([`DecodeStage`], [`EngineStage`], [`FinishStage`]) holding only what it
+//! touches.
 
 mod decode;
 mod finish;
@@ -22,6 +23,7 @@ pub(crate) use decode::decode;
 pub(crate) use gauges::gauges;
 pub(crate) use run::engine;
 
+use std::future::Future;
 use std::sync::Arc;
 
 use tokio::sync::Semaphore;
@@ -33,42 +35,81 @@ use crate::metrics::Metrics;
 use crate::models::Prepared;
 use crate::models::serving::Serving;
 use crate::outcome::Outcomes;
+use crate::outcome::progress::ProgressSink;
+use crate::pipeline::running::Running;
 use crate::pipeline::task::Job;
-use crate::retry::RetryPolicy;
+use crate::retry::{GaveUp, RetryPolicy, retry};
+use crate::source::cancellations::Cancellations;
 use crate::source::crash_guard::CrashGuard;
 use crate::source::offsets::Offsets;
 use crate::source::redelivery::RedeliveryCheck;
-use crate::storage::images::ImageStore;
+use crate::storage::images::{ImageStore, StorageError};
 
-/// What every stage shares.
-pub(crate) struct Shared {
+/// What the decode stage touches: parse and admit, look for earlier results, the crash guard.
+pub(crate) struct DecodeStage {
     pub offsets: Arc<Offsets>,
-    pub outcomes: Outcomes,
-    pub images: ImageStore,
-    pub serving: Arc<Serving>,
-    pub adaptive: Arc<Adaptive>,
     pub redelivery: Arc<dyn RedeliveryCheck>,
-    /// Records model calls' starts; sends records that keep killing workers to the DLQ.
-    pub crash_guard: CrashGuard,
     /// Task ids in flight: a second record of one waits for the first, then for its results.
-    pub running: Arc<crate::pipeline::running::Running>,
-    pub metrics: Metrics,
-    pub worker_id: String,
-    pub max_task_bytes: usize,
+    pub running: Arc<Running>,
+    /// Sends records that keep killing workers to the DLQ.
+    pub crash_guard: Arc<CrashGuard>,
+    /// Which models are served (and their adapters' buckets).
+    pub serving: Arc<Serving>,
     /// The served models' entries: the bounds of one task's work.
     pub catalog: Arc<sluice_schemas::Catalog>,
-    /// Storage retries: bounded, then `retries_exhausted`.
-    pub storage_retry: RetryPolicy,
-    /// Fires when the worker gives up on what is in flight (shutdown grace over, fatal error).
-    pub abandon: CancellationToken,
-    /// Bounds tasks being rendered and stored at once.
-    pub finishing: Semaphore,
+    pub max_task_bytes: usize,
+    /// Where earlier results are looked for.
+    pub store: Arc<RetriedStore>,
+    pub outcomes: Outcomes,
     /// Every spawned per-task future, so shutdown can wait for them.
     pub tasks: TaskTracker,
-    /// Progress records of multi-step models (none in unit tests).
-    pub progress: Option<crate::outcome::progress::ProgressSink>,
+}
+
+/// What the engine stage touches: which tasks are still wanted, their model inputs, the
+/// adaptive batcher, and the finish stage it hands what ran to.
+pub(crate) struct EngineStage {
+    pub offsets: Arc<Offsets>,
     /// Tasks cancelled by their clients (the control topic).
-    pub cancellations: crate::source::cancellations::Cancellations,
+    pub cancellations: Cancellations,
+    pub serving: Arc<Serving>,
+    pub adaptive: Arc<Adaptive>,
+    /// Records model calls' starts, runs suspects alone.
+    pub crash_guard: Arc<CrashGuard>,
+    /// Progress records of multi-step models (none in unit tests).
+    pub progress: Option<ProgressSink>,
+    pub outcomes: Outcomes,
+    pub tasks: TaskTracker,
+    pub finish: Arc<FinishStage>,
+}
+
+/// What the finish stage touches: rendering permits, the store, outcomes.
+pub(crate) struct FinishStage {
+    /// Bounds tasks being rendered and stored at once.
+    pub permits: Semaphore,
+    pub store: Arc<RetriedStore>,
+    pub outcomes: Outcomes,
+    /// Written into each task's manifest.
+    pub worker_id: String,
+}
+
+/// The image store as the stages use it: each operation retried within `retry`, given up when
+/// the worker abandons what is in flight (shutdown grace over, fatal error).
+pub(crate) struct RetriedStore {
+    pub images: ImageStore,
+    pub retry: RetryPolicy,
+    pub metrics: Metrics,
+    pub abandon: CancellationToken,
+}
+
+impl RetriedStore {
+    /// Runs `op` on the store under the retry policy; `operation` labels the retry metrics.
+    async fn run<T, F, Fut>(&self, operation: &'static str, op: F) -> Result<T, GaveUp<StorageError>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StorageError>>,
+    {
+        retry(self.retry, operation, &self.metrics, &self.abandon, op).await
+    }
 }
 
 /// A prepared task inside a batch.
@@ -251,48 +292,65 @@ mod tests {
         ));
         let tasks = TaskTracker::new();
         let abandon = CancellationToken::new();
-        let shared = Arc::new(Shared {
+        let outcomes = Outcomes::new(OutcomeSettings {
             offsets: offsets.clone(),
-            outcomes: Outcomes::new(OutcomeSettings {
-                offsets: offsets.clone(),
-                publisher: recorder.clone(),
-                metrics: metrics.clone(),
-                worker_id: "w".into(),
-                group: "g".into(),
-                retry: RetryPolicy::forever(Duration::from_millis(1)),
-                abandon: abandon.clone(),
-                tasks: tasks.clone(),
-            }),
-            redelivery: Arc::new(NeverStarted),
-            crash_guard: CrashGuard::new(offsets.clone(), 0),
-            running: Arc::default(),
-            images: sink,
-            serving: Arc::new(serving),
-            adaptive: adaptive.clone(),
+            publisher: recorder.clone(),
             metrics: metrics.clone(),
             worker_id: "w".into(),
-            max_task_bytes: 1 << 20,
-            catalog: Arc::new(sluice_schemas::Catalog::default()),
-            storage_retry: RetryPolicy {
+            group: "g".into(),
+            retry: RetryPolicy::forever(Duration::from_millis(1)),
+            abandon: abandon.clone(),
+            tasks: tasks.clone(),
+        });
+        let serving = Arc::new(serving);
+        let crash_guard = Arc::new(CrashGuard::new(offsets.clone(), 0));
+        let store = Arc::new(RetriedStore {
+            images: sink,
+            retry: RetryPolicy {
                 max_attempts: 3,
                 max_elapsed: Duration::from_secs(5),
                 base_delay: Duration::from_millis(1),
                 max_delay: Duration::from_millis(2),
             },
+            metrics: metrics.clone(),
             abandon,
-            finishing: Semaphore::new(8),
-            tasks,
-            progress: None,
+        });
+        let decode_stage = Arc::new(DecodeStage {
+            offsets: offsets.clone(),
+            redelivery: Arc::new(NeverStarted),
+            running: Arc::default(),
+            crash_guard: crash_guard.clone(),
+            serving: serving.clone(),
+            catalog: Arc::new(sluice_schemas::Catalog::default()),
+            max_task_bytes: 1 << 20,
+            store: store.clone(),
+            outcomes: outcomes.clone(),
+            tasks: tasks.clone(),
+        });
+        let engine_stage = Arc::new(EngineStage {
+            offsets: offsets.clone(),
             cancellations: Default::default(),
+            serving,
+            adaptive: adaptive.clone(),
+            crash_guard,
+            progress: None,
+            outcomes: outcomes.clone(),
+            tasks: tasks.clone(),
+            finish: Arc::new(FinishStage {
+                permits: Semaphore::new(8),
+                store,
+                outcomes,
+                worker_id: "w".into(),
+            }),
         });
         let (record_tx, record_rx) = mpsc::channel(256);
         let (job_tx, job_rx) = mpsc::channel(256);
         let (batcher, requests) = Batcher::new(job_rx, adaptive, Duration::from_millis(5));
         let stages = [
-            tokio::spawn(decode(record_rx, job_tx, shared.clone())),
+            tokio::spawn(decode(record_rx, job_tx, decode_stage)),
             tokio::spawn(batcher.run()),
             // One more batch at once than engine threads, as the worker runs it.
-            tokio::spawn(super::engine(requests, shared.clone(), 3)),
+            tokio::spawn(super::engine(requests, engine_stage, 3)),
         ];
 
         // 60 records: tasks of 1-3 images, a task whose model code panics, one it fails on, a
@@ -313,8 +371,8 @@ mod tests {
         for stage in stages {
             stage.await.unwrap();
         }
-        shared.tasks.close();
-        tokio::time::timeout(Duration::from_secs(30), shared.tasks.wait()).await.unwrap();
+        tasks.close();
+        tokio::time::timeout(Duration::from_secs(30), tasks.wait()).await.unwrap();
 
         let seen = recorder.seen.lock().unwrap().clone();
         // Every record has exactly one outcome of the expected kind (a failed task's DLQ record

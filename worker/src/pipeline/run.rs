@@ -17,55 +17,55 @@ use crate::panics;
 use crate::pipeline::task::{Failure, Job};
 
 use super::finish::{Ran, finish};
-use super::{Item, Shared};
+use super::{EngineStage, Item};
 
 /// The engine stage: pulls batches and runs up to `concurrency` of them at once (one more than
 /// the engine slots, so the next batch is prepared while one runs).
-pub(crate) async fn engine(requests: BatchRequests<Job>, shared: Arc<Shared>, concurrency: usize) {
+pub(crate) async fn engine(requests: BatchRequests<Job>, stage: Arc<EngineStage>, concurrency: usize) {
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
     loop {
         let permit = permits.clone().acquire_owned().await.expect("never closed");
         let Some(batch) = requests.next().await else { break };
-        let shared2 = shared.clone();
-        shared.tasks.spawn(async move {
-            run_batch(&shared2, batch).await;
+        let stage2 = stage.clone();
+        stage.tasks.spawn(async move {
+            run_batch(&stage2, batch).await;
             drop(permit);
         });
     }
 }
 
-async fn run_batch(shared: &Arc<Shared>, batch: Batch<Job>) {
+async fn run_batch(stage: &EngineStage, batch: Batch<Job>) {
     let Batch { bucket, items } = batch;
-    let jobs = still_wanted(shared, items);
+    let jobs = still_wanted(stage, items);
     if jobs.is_empty() {
         return;
     }
-    let Some(items) = prepare(shared, &bucket, jobs).await else {
+    let Some(items) = prepare(stage, &bucket, jobs).await else {
         return;
     };
-    let Some(_held) = shared.serving.hold(&bucket.model).await else {
+    let Some(_held) = stage.serving.hold(&bucket.model).await else {
         tracing::error!(model = %bucket.model, "model is not loaded; leaving its tasks for a restarted worker");
         return;
     };
     // Durably, before the call: should it kill the process, the next owner knows what ran.
     let _alone = match bucket.alone {
-        Some(_) => Some(shared.crash_guard.alone().await),
+        Some(_) => Some(stage.crash_guard.alone().await),
         None => None,
     };
     let origins: Vec<&crate::pipeline::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
-    shared.crash_guard.starting(&origins).await;
-    shared.adaptive.run(&bucket, items, |done| on_done(shared, &bucket, done)).await;
+    stage.crash_guard.starting(&origins).await;
+    stage.adaptive.run(&bucket, items, |done| on_done(stage, &bucket, done)).await;
 }
 
 /// The jobs of a batch that are still to run: not from a partition this worker lost, not
 /// cancelled while queued, not past their deadline (those two are announced as such, unrun).
-fn still_wanted(shared: &Arc<Shared>, jobs: Vec<Job>) -> Vec<Job> {
+fn still_wanted(stage: &EngineStage, jobs: Vec<Job>) -> Vec<Job> {
     let mut wanted = Vec::with_capacity(jobs.len());
     for job in jobs {
-        if !shared.offsets.keep_or_release(&job.record.origin) {
+        if !stage.offsets.keep_or_release(&job.record.origin) {
             continue; // revoked, or released by a draining partition
         }
-        let ended = if shared.cancellations.contains(&job.task.task_id) {
+        let ended = if stage.cancellations.contains(&job.task.task_id) {
             // Cancelled while queued: never run.
             Some(CompletionStatus::Cancelled)
         } else if job.task.deadline.is_some_and(|d| d < Utc::now()) {
@@ -76,8 +76,8 @@ fn still_wanted(shared: &Arc<Shared>, jobs: Vec<Job>) -> Vec<Job> {
         };
         match ended {
             Some(status) => {
-                let outcomes = shared.outcomes.clone();
-                shared.tasks.spawn(async move { outcomes.ended(&job, status).await });
+                let outcomes = stage.outcomes.clone();
+                stage.tasks.spawn(async move { outcomes.ended(&job, status).await });
             }
             None => wanted.push(job),
         }
@@ -88,8 +88,8 @@ fn still_wanted(shared: &Arc<Shared>, jobs: Vec<Job>) -> Vec<Job> {
 /// The jobs' model inputs, made on the blocking pool (noise and tiling are CPU work), each task
 /// on its own: one that fails (or panics) goes to the DLQ and the others run. `None` when the
 /// model is gone or the runtime is shutting down: the tasks stay unacknowledged.
-async fn prepare(shared: &Arc<Shared>, bucket: &Bucket, jobs: Vec<Job>) -> Option<Vec<Item>> {
-    let adapter = shared.serving.adapter(&bucket.model)?;
+async fn prepare(stage: &EngineStage, bucket: &Bucket, jobs: Vec<Job>) -> Option<Vec<Item>> {
+    let adapter = stage.serving.adapter(&bucket.model)?;
     let steps: Vec<Option<u32>> = jobs.iter().map(|j| adapter.steps(&j.task)).collect();
     let prepared = tokio::task::spawn_blocking(move || {
         jobs.into_iter()
@@ -109,7 +109,7 @@ async fn prepare(shared: &Arc<Shared>, bucket: &Bucket, jobs: Vec<Job>) -> Optio
     for ((result, job), steps) in prepared.into_iter().zip(steps) {
         match result {
             Ok(prepared) => {
-                let progress = steps.zip(shared.progress.as_ref()).map(|(steps, sink)| {
+                let progress = steps.zip(stage.progress.as_ref()).map(|(steps, sink)| {
                     Arc::new(sink.start(
                         job.task.task_id,
                         &bucket.model,
@@ -119,7 +119,7 @@ async fn prepare(shared: &Arc<Shared>, bucket: &Bucket, jobs: Vec<Job>) -> Optio
                 });
                 items.push(Item { job, prepared, progress })
             }
-            Err(e) => shared.outcomes.fail(job, Failure::new(DlqReason::ModelError, e.to_string())),
+            Err(e) => stage.outcomes.fail(job, Failure::new(DlqReason::ModelError, e.to_string())),
         }
     }
     Some(items)
@@ -127,7 +127,7 @@ async fn prepare(shared: &Arc<Shared>, bucket: &Bucket, jobs: Vec<Job>) -> Optio
 
 /// What the adaptive batcher reports of a call: each task that ran is rendered, stored and
 /// announced on a task of its own; one that failed goes to its outcome.
-fn on_done(shared: &Arc<Shared>, bucket: &Bucket, done: Done<Item>) {
+fn on_done(stage: &EngineStage, bucket: &Bucket, done: Done<Item>) {
     match done {
         Done::Ran {
             items,
@@ -148,12 +148,12 @@ fn on_done(shared: &Arc<Shared>, bucket: &Bucket, done: Done<Item>) {
                     started_at,
                     batch_size,
                 };
-                shared.tasks.spawn(finish(shared.clone(), item, ran).instrument(span));
+                stage.tasks.spawn(finish(stage.finish.clone(), item, ran).instrument(span));
             }
         }
         Done::Failed { item, error } => {
-            if let Some(failure) = failure_of(shared, &item, bucket, &error) {
-                shared.outcomes.fail(item.job, failure);
+            if let Some(failure) = failure_of(stage, &item, bucket, &error) {
+                stage.outcomes.fail(item.job, failure);
             }
         }
     }
@@ -161,8 +161,8 @@ fn on_done(shared: &Arc<Shared>, bucket: &Bucket, done: Done<Item>) {
 
 /// The DLQ failure of a task that failed on its own; `None` for an engine failure that is not
 /// the task's fault (it is left for redelivery).
-fn failure_of(shared: &Shared, item: &Item, bucket: &Bucket, error: &EngineError) -> Option<Failure> {
-    let mut details = shared
+fn failure_of(stage: &EngineStage, item: &Item, bucket: &Bucket, error: &EngineError) -> Option<Failure> {
+    let mut details = stage
         .serving
         .adapter(&bucket.model)
         .map(|a| a.describe(&item.job.task))

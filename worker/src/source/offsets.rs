@@ -3,7 +3,8 @@
 //!
 //! Tasks finish out of order — inside a batch, across batches, and when a poison record goes to
 //! the DLQ at once — so the committable offset of a partition is the lowest offset still
-//! pending, or one past the last record read when none is.
+//! pending, or one past the last record read when none is: each partition's window is a
+//! [`OrderedAcks`], the type the producer's webhook notifier commits with too.
 //!
 //! Each commit also carries the partition's read lease as its metadata (how far records may have
 //! been started: see [`crate::source::redelivery`]); the tracker keeps the lease found at assignment,
@@ -13,6 +14,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+use sluice_service::ordered_acks::OrderedAcks;
 
 use crate::pipeline::task::Origin;
 
@@ -92,9 +95,7 @@ enum Phase {
 struct Partition {
     generation: u64,
     /// Offsets read and not yet finished, with when they were read.
-    pending: BTreeMap<i64, Instant>,
-    /// One past the highest offset read.
-    next: Option<i64>,
+    pending: OrderedAcks<Instant>,
     /// The first offset read under this assignment.
     first: Option<i64>,
     /// The last offset committed (the next record to read after a restart).
@@ -117,7 +118,7 @@ struct Partition {
 
 impl Partition {
     fn committable(&self) -> Option<i64> {
-        let c = self.pending.keys().next().copied().or(self.next)?;
+        let c = self.pending.committable()?;
         match self.phase {
             Phase::Draining { released: Some(r) } => Some(r.min(c)),
             _ => Some(c),
@@ -196,8 +197,7 @@ impl Offsets {
                 tp.clone(),
                 Partition {
                     generation,
-                    pending: BTreeMap::new(),
-                    next: None,
+                    pending: OrderedAcks::new(),
                     first: None,
                     committed: None,
                     phase: Phase::Consuming,
@@ -217,10 +217,9 @@ impl Offsets {
     pub fn track(&self, tp: &TopicPartition, offset: i64) -> Option<Origin> {
         let mut state = self.lock();
         let partition = state.partitions.get_mut(tp)?;
-        if partition.pending.insert(offset, Instant::now()).is_some() {
+        if !partition.pending.read(offset, Instant::now()) {
             return None; // read twice under one assignment (a seek); the first one is in flight
         }
-        partition.next = Some(partition.next.map_or(offset + 1, |n| n.max(offset + 1)));
         partition.first = Some(partition.first.map_or(offset, |f| f.min(offset)));
         let generation = partition.generation;
         state.in_flight += 1;
@@ -240,7 +239,7 @@ impl Offsets {
         let Some(partition) = state.partitions.get_mut(&tp) else {
             return false;
         };
-        if partition.generation != origin.generation || partition.pending.remove(&origin.offset).is_none() {
+        if partition.generation != origin.generation || partition.pending.finish(origin.offset).is_none() {
             return false;
         }
         partition.started.remove(&origin.offset);
@@ -331,7 +330,7 @@ impl Offsets {
             let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin)) else {
                 continue;
             };
-            if p.generation != origin.generation || p.lease.is_none() || !p.pending.contains_key(&origin.offset) {
+            if p.generation != origin.generation || p.lease.is_none() || !p.pending.is_pending(origin.offset) {
                 continue; // nothing of it can be committed: the start cannot be recorded
             }
             let before = p.previous_starts.as_ref().and_then(|s| s.get(&origin.offset)).copied().unwrap_or(0);
@@ -430,7 +429,7 @@ impl Offsets {
         let Phase::Draining { released } = &mut p.phase else {
             return true;
         };
-        if p.pending.remove(&origin.offset).is_some() {
+        if p.pending.finish(origin.offset).is_some() {
             p.started.remove(&origin.offset);
             *released = Some(released.map_or(origin.offset, |r| r.min(origin.offset)));
             state.in_flight -= 1;
@@ -452,7 +451,7 @@ impl Offsets {
         state
             .partitions
             .values()
-            .filter_map(|p| Some(p.next? - p.committed.or(p.first)?))
+            .filter_map(|p| Some(p.pending.next()? - p.committed.or(p.first)?))
             .map(|n| n.max(0) as usize)
             .sum()
     }
@@ -580,7 +579,7 @@ impl Offsets {
     /// Whether `offset` of `tp` is read and not yet finished.
     #[cfg(test)]
     pub(crate) fn is_pending(&self, tp: &TopicPartition, offset: i64) -> bool {
-        self.lock().partitions.get(tp).is_some_and(|p| p.pending.contains_key(&offset))
+        self.lock().partitions.get(tp).is_some_and(|p| p.pending.is_pending(offset))
     }
 
     /// What the tracker holds, for the gauges.

@@ -33,14 +33,14 @@ pub(super) async fn drain(
 ) {
     let offsets = clients.offsets.clone();
     health.send_modify(|h| h.shutting_down = true);
-    let (shared, control) = (stages.shared, stages.control);
+    let (contexts, tasks, control) = ((stages.decode, stages.engine), stages.tasks, stages.control);
     control.stop_reading.cancel();
     let drained = tokio::time::timeout(grace, async {
         for stage in stages.stages {
             let _ = stage.await;
         }
-        shared.tasks.close();
-        shared.tasks.wait().await;
+        tasks.close();
+        tasks.wait().await;
     })
     .await
     .is_ok();
@@ -50,8 +50,8 @@ pub(super) async fn drain(
             "grace period over; abandoning unfinished tasks (they will be read again)"
         );
         stages.abandon.cancel();
-        shared.tasks.close();
-        let _ = tokio::time::timeout(Duration::from_secs(2), shared.tasks.wait()).await;
+        tasks.close();
+        let _ = tokio::time::timeout(Duration::from_secs(2), tasks.wait()).await;
     }
     // Commit what finished and leave the group. With the broker gone a commit can block
     // indefinitely, and the worker must still exit.
@@ -84,7 +84,7 @@ pub(super) async fn drain(
     // Dropping the Kafka clients runs librdkafka's destructors, which wait on the broker:
     // everything that had to be acknowledged already was, so let them go on a thread of their own
     // rather than hold up the exit.
-    drop(shared);
+    drop(contexts);
     let _ = std::thread::Builder::new()
         .name("sluice-kafka-drop".into())
         .spawn(move || drop(clients));

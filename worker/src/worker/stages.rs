@@ -20,7 +20,7 @@ use crate::models::serving::Rebuild;
 use crate::outcome::progress::{self, ProgressSink};
 use crate::outcome::publish::{Destination, Publisher};
 use crate::outcome::{OutcomeSettings, Outcomes};
-use crate::pipeline::{self, Shared};
+use crate::pipeline::{self, DecodeStage, EngineStage, FinishStage, RetriedStore};
 use crate::retry::RetryPolicy;
 use crate::source::commit::commit_loop;
 use crate::source::crash_guard::CrashGuard;
@@ -29,7 +29,11 @@ use crate::source::{self, SourceControl};
 
 /// The running stages, as the drain needs them.
 pub(super) struct Stages {
-    pub shared: Arc<Shared>,
+    /// The stages' contexts, dropped after the drain (they hold Kafka clients).
+    pub decode: Arc<DecodeStage>,
+    pub engine: Arc<EngineStage>,
+    /// Every spawned per-task future, so the drain can wait for them.
+    pub tasks: TaskTracker,
     pub control: SourceControl,
     pub poll_thread: JoinHandle<()>,
     /// Decode, batcher and engine: each ends once its input channel is closed and empty.
@@ -47,7 +51,8 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
     let (b, d) = (&config.batching, &config.delivery);
     let adaptive = Arc::new(adaptive(setup, loaded, clients).await?);
     let abandon = CancellationToken::new();
-    let shared = Arc::new(shared(setup, loaded, clients, adaptive.clone(), &abandon)?);
+    let (decode, engine) = contexts(setup, loaded, clients, adaptive.clone(), &abandon)?;
+    let (decode, engine) = (Arc::new(decode), Arc::new(engine));
 
     let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * 2 + 16);
     let (job_tx, job_rx) = mpsc::channel(d.max_in_flight + 16);
@@ -66,9 +71,9 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
             .map_err(StartError::Thread)?
     };
     let stages = vec![
-        tokio::spawn(pipeline::decode(record_rx, job_tx, shared.clone())),
+        tokio::spawn(pipeline::decode(record_rx, job_tx, decode.clone())),
         tokio::spawn(batcher.run()),
-        tokio::spawn(pipeline::engine(requests, shared.clone(), loaded.engine.slots() + 1)),
+        tokio::spawn(pipeline::engine(requests, engine.clone(), loaded.engine.slots() + 1)),
     ];
     let commit_loop = tokio::spawn(commit_loop(
         clients.committer.clone(),
@@ -79,9 +84,17 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
         control.close.clone(),
     ));
     let gauges_stop = CancellationToken::new();
-    tokio::spawn(pipeline::gauges(shared.clone(), gauges_stop.clone()));
+    tokio::spawn(pipeline::gauges(
+        clients.offsets.clone(),
+        loaded.serving.clone(),
+        metrics.clone(),
+        gauges_stop.clone(),
+    ));
+    let tasks = engine.tasks.clone();
     Ok(Stages {
-        shared,
+        decode,
+        engine,
+        tasks,
         control,
         poll_thread,
         stages,
@@ -120,15 +133,60 @@ async fn adaptive(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients) -> Resu
     })
 }
 
-/// What every stage shares: outcomes and where they go, storage, the redelivery and crash
-/// guards, progress and cancellations.
-fn shared(
+/// Each stage's context, built from what the worker loaded and its clients: outcomes and where
+/// they go, storage, the redelivery and crash guards, progress and cancellations.
+fn contexts(
     setup: &Setup<'_>,
     loaded: &Loaded,
     clients: &Clients,
     adaptive: Arc<Adaptive>,
     abandon: &CancellationToken,
-) -> Result<Shared, StartError> {
+) -> Result<(DecodeStage, EngineStage), StartError> {
+    let Setup { config, worker_id, .. } = *setup;
+    let (k, d) = (&config.kafka, &config.delivery);
+    let tasks = TaskTracker::new();
+    let outcomes = outcomes(setup, clients, abandon, &tasks);
+    let cancellations = kafka::cancellations(config, worker_id)?;
+    let (progress, progress_rx) = ProgressSink::new(worker_id.to_owned(), cancellations.clone());
+    tokio::spawn(progress::publish(progress_rx, clients.producer.clone(), k.progress_topic.clone()));
+    let offsets = &clients.offsets;
+    let crash_guard = Arc::new(CrashGuard::new(offsets.clone(), d.max_crashes));
+    let store = Arc::new(retried_store(setup, loaded, abandon));
+    let decode = DecodeStage {
+        offsets: offsets.clone(),
+        redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), clients.consumer.clone(), d.lease_span)),
+        running: Arc::default(),
+        crash_guard: crash_guard.clone(),
+        serving: loaded.serving.clone(),
+        catalog: loaded.catalog.clone(),
+        max_task_bytes: k.max_task_bytes,
+        store: store.clone(),
+        outcomes: outcomes.clone(),
+        tasks: tasks.clone(),
+    };
+    let finish = FinishStage {
+        permits: Semaphore::new(config.storage.storage_concurrency.max(1) * 2),
+        store,
+        outcomes: outcomes.clone(),
+        worker_id: worker_id.to_owned(),
+    };
+    let engine = EngineStage {
+        offsets: offsets.clone(),
+        cancellations,
+        serving: loaded.serving.clone(),
+        adaptive,
+        crash_guard,
+        progress: Some(progress),
+        outcomes,
+        tasks,
+        finish: Arc::new(finish),
+    };
+    Ok((decode, engine))
+}
+
+/// Where outcomes go: the completion and DLQ topics, straight to the broker or through the
+/// transactional outbox (exactly-once), retried until the worker abandons what is in flight.
+fn outcomes(setup: &Setup<'_>, clients: &Clients, abandon: &CancellationToken, tasks: &TaskTracker) -> Outcomes {
     let Setup {
         config,
         worker_id,
@@ -136,7 +194,6 @@ fn shared(
         ..
     } = *setup;
     let (k, d) = (&config.kafka, &config.delivery);
-    let tasks = TaskTracker::new();
     let publisher = Publisher::new(
         match d.delivery {
             DeliveryMode::AtLeastOnce => Destination::Broker(clients.producer.clone()),
@@ -146,7 +203,7 @@ fn shared(
         k.dlq_topic.clone(),
         worker_id.to_owned(),
     );
-    let outcomes = Outcomes::new(OutcomeSettings {
+    Outcomes::new(OutcomeSettings {
         offsets: clients.offsets.clone(),
         publisher: Arc::new(publisher),
         metrics: metrics.clone(),
@@ -155,34 +212,21 @@ fn shared(
         retry: RetryPolicy::forever(Duration::from_millis(d.retry_base_delay_ms)),
         abandon: abandon.clone(),
         tasks: tasks.clone(),
-    });
-    let cancellations = kafka::cancellations(config, worker_id)?;
-    let (progress, progress_rx) = ProgressSink::new(worker_id.to_owned(), cancellations.clone());
-    tokio::spawn(progress::publish(progress_rx, clients.producer.clone(), k.progress_topic.clone()));
-    let offsets = &clients.offsets;
-    Ok(Shared {
-        offsets: offsets.clone(),
-        outcomes,
-        redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), clients.consumer.clone(), d.lease_span)),
-        crash_guard: CrashGuard::new(offsets.clone(), d.max_crashes),
-        running: Arc::default(),
+    })
+}
+
+/// The image store with the configured storage retries.
+fn retried_store(setup: &Setup<'_>, loaded: &Loaded, abandon: &CancellationToken) -> RetriedStore {
+    let d = &setup.config.delivery;
+    RetriedStore {
         images: loaded.images.clone(),
-        serving: loaded.serving.clone(),
-        adaptive,
-        metrics: metrics.clone(),
-        worker_id: worker_id.to_owned(),
-        max_task_bytes: k.max_task_bytes,
-        catalog: loaded.catalog.clone(),
-        storage_retry: RetryPolicy {
+        retry: RetryPolicy {
             max_attempts: d.retry_max_attempts,
             max_elapsed: Duration::from_millis(d.retry_max_elapsed_ms),
             base_delay: Duration::from_millis(d.retry_base_delay_ms),
             max_delay: Duration::from_secs(10),
         },
+        metrics: setup.metrics.clone(),
         abandon: abandon.clone(),
-        finishing: Semaphore::new(config.storage.storage_concurrency.max(1) * 2),
-        tasks,
-        progress: Some(progress),
-        cancellations,
-    })
+    }
 }
