@@ -24,6 +24,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 use sluice_schemas::{DlqReason, DlqRecord, HEADER_ATTEMPT, HEADER_ORIGIN};
 use thiserror::Error;
+use tokio::sync::mpsc::{Receiver, Sender};
 
 #[derive(Debug, Error)]
 pub enum ReplayError {
@@ -196,10 +197,46 @@ pub async fn run(
     progress: impl Fn(&Summary),
 ) -> Result<Summary, ReplayError> {
     let started = std::time::Instant::now();
-    let mut summary = Summary {
+    let summary = Summary {
         dry_run,
         ..Summary::default()
     };
+    let (tpl, open) = assignment(source, ranges)?;
+    if open.is_empty() {
+        return Ok(summary);
+    }
+    consumer.assign(&tpl)?;
+    let consumer = std::sync::Arc::new(consumer);
+    // Records are read on a blocking thread and written from here, at most 256 awaiting their
+    // acknowledgement.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Read>(1024);
+    let reader = {
+        let consumer = consumer.clone();
+        let source = source.to_owned();
+        let filter = filter.clone();
+        tokio::task::spawn_blocking(move || read_ranges(&consumer, mode, &source, &filter, open, &tx))
+    };
+    let mut tally = Tally {
+        mode,
+        source,
+        summary,
+        seen: HashSet::new(),
+    };
+    write_all(producer, tasks_topic, rx, &mut tally, &progress).await?;
+    reader.await.ok();
+    let mut summary = tally.summary;
+    summary.seconds = started.elapsed().as_secs_f64();
+    progress(&summary);
+    Ok(summary)
+}
+
+/// What the reader sends of each record: its partition, offset, copy and outcome; or the
+/// consume error that stopped it.
+type Read = Result<(i32, i64, Option<Copy>, Outcome), KafkaError>;
+
+/// The partitions to read, each from its range's start, and each one's end; empty ranges left
+/// out.
+fn assignment(source: &str, ranges: &BTreeMap<i32, Range>) -> Result<(TopicPartitionList, BTreeMap<i32, i64>), KafkaError> {
     let mut tpl = TopicPartitionList::new();
     // Each open partition's end.
     let mut open: BTreeMap<i32, i64> = BTreeMap::new();
@@ -209,74 +246,118 @@ pub async fn run(
             open.insert(*p, range.end);
         }
     }
-    if open.is_empty() {
-        return Ok(summary);
+    Ok((tpl, open))
+}
+
+/// Reads the `open` partitions up to their ends (on a blocking thread), sending what each record
+/// comes to; stops early at a consume error (sent on) or once the writer is gone.
+fn read_ranges(consumer: &BaseConsumer, mode: Mode, source: &str, filter: &Filter, mut open: BTreeMap<i32, i64>, tx: &Sender<Read>) {
+    let mut checked = std::time::Instant::now();
+    while !open.is_empty() {
+        if checked.elapsed() >= Duration::from_millis(200) {
+            checked = std::time::Instant::now();
+            close_reached(consumer, source, &mut open);
+        }
+        let Some(message) = consumer.poll(Duration::from_millis(200)) else {
+            continue;
+        };
+        let m = match message {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(e));
+                return;
+            }
+        };
+        let (p, o) = (m.partition(), m.offset());
+        let Some(&end) = open.get(&p) else { continue };
+        if o + 1 >= end {
+            open.remove(&p);
+        }
+        if o >= end {
+            continue;
+        }
+        let (copy, outcome) = select(mode, source, &m, filter);
+        if tx.blocking_send(Ok((p, o, copy, outcome))).is_err() {
+            return;
+        }
     }
-    consumer.assign(&tpl)?;
-    let consumer = std::sync::Arc::new(consumer);
-    let mut seen: HashSet<String> = HashSet::new();
-    // Records are read on a blocking thread and written from here, at most 256 awaiting their
-    // acknowledgement.
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<(i32, i64, Option<Copy>, Outcome), KafkaError>>(1024);
-    let reader = {
-        let consumer = consumer.clone();
-        let source = source.to_owned();
-        let filter = filter.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut open = open;
-            let mut checked = std::time::Instant::now();
-            while !open.is_empty() {
-                // A transactional topic's (the DLQ's, in exactly-once delivery) last offsets
-                // can be commit markers, which are never delivered: the consumer's position
-                // moves past them, so a partition is also done once its position reaches the end.
-                if checked.elapsed() >= Duration::from_millis(200) {
-                    checked = std::time::Instant::now();
-                    if let Ok(positions) = consumer.position() {
-                        for e in positions.elements_for_topic(&source) {
-                            if let (Offset::Offset(at), Some(&end)) = (e.offset(), open.get(&e.partition()))
-                                && at >= end
-                            {
-                                open.remove(&e.partition());
-                            }
-                        }
-                    }
-                }
-                let Some(message) = consumer.poll(Duration::from_millis(200)) else {
-                    continue;
-                };
-                let m = match message {
-                    Ok(m) => m,
-                    Err(e) => {
-                        let _ = tx.blocking_send(Err(e));
-                        return;
-                    }
-                };
-                let (p, o) = (m.partition(), m.offset());
-                let Some(&end) = open.get(&p) else { continue };
-                if o + 1 >= end {
-                    open.remove(&p);
-                }
-                if o >= end {
-                    continue;
-                }
-                let (copy, outcome) = select(mode, &source, &m, &filter);
-                if tx.blocking_send(Ok((p, o, copy, outcome))).is_err() {
-                    return;
+}
+
+/// Closes the open partitions whose position reached their end.
+fn close_reached(consumer: &BaseConsumer, source: &str, open: &mut BTreeMap<i32, i64>) {
+    // A transactional topic's (the DLQ's, in exactly-once delivery) last offsets can be commit
+    // markers, which are never delivered: the consumer's position moves past them, so a
+    // partition is also done once its position reaches the end.
+    if let Ok(positions) = consumer.position() {
+        for e in positions.elements_for_topic(source) {
+            if let (Offset::Offset(at), Some(&end)) = (e.offset(), open.get(&e.partition()))
+                && at >= end
+            {
+                open.remove(&e.partition());
+            }
+        }
+    }
+}
+
+/// A run's counts, and the tasks it copied, as its records are read and written.
+struct Tally<'a> {
+    mode: Mode,
+    source: &'a str,
+    summary: Summary,
+    /// The identities of the tasks copied, so that each is written once.
+    seen: HashSet<String>,
+}
+
+impl Tally<'_> {
+    /// Counts a record read; the copy to write of it and its origin, when there is one.
+    fn read(&mut self, p: i32, o: i64, copy: Option<Copy>, outcome: Outcome) -> Option<(Copy, String)> {
+        self.summary.read += 1;
+        match outcome {
+            Outcome::Copy(identity) => {
+                if !self.seen.insert(identity) {
+                    self.summary.duplicates += 1;
+                } else if self.summary.dry_run {
+                    self.summary.written += 1;
+                } else if let Some(copy) = copy {
+                    let origin = format!("{}:{}:{p}:{o}", self.mode.name(), self.source);
+                    return Some((copy, origin));
                 }
             }
-        })
-    };
-    let mut rx = rx;
+            Outcome::Filtered => self.summary.filtered += 1,
+            Outcome::Unreadable => self.summary.unreadable += 1,
+        }
+        None
+    }
+
+    /// Counts a write acknowledged, or fails the run with how far it got.
+    fn written(&mut self, done: Result<(), KafkaError>, topic: &str) -> Result<(), ReplayError> {
+        done.map_err(|source| ReplayError::Write {
+            topic: topic.to_owned(),
+            written: self.summary.written,
+            source,
+        })?;
+        self.summary.written += 1;
+        Ok(())
+    }
+}
+
+/// Writes the copies the reader sends to `tasks_topic`, at most 256 awaiting acknowledgement,
+/// until the reader is done and every write is acknowledged.
+async fn write_all(
+    producer: &FutureProducer,
+    tasks_topic: &str,
+    mut rx: Receiver<Read>,
+    tally: &mut Tally<'_>,
+    progress: &impl Fn(&Summary),
+) -> Result<(), ReplayError> {
     let mut reading = true;
     let mut pending = futures::stream::FuturesOrdered::new();
     loop {
         tokio::select! {
             biased;
             Some(done) = pending.next(), if !pending.is_empty() => {
-                let done: Result<(), KafkaError> = done;
-                done.map_err(|source| ReplayError::Write { topic: tasks_topic.to_owned(), written: summary.written, source })?;
-                summary.written += 1;
-                progress(&summary);
+                tally.written(done, tasks_topic)?;
+                progress(&tally.summary);
             }
             item = rx.recv(), if reading && pending.len() < 256 => {
                 let Some(item) = item else {
@@ -284,38 +365,18 @@ pub async fn run(
                     continue;
                 };
                 let (p, o, copy, outcome) = item?;
-                summary.read += 1;
-                match outcome {
-                    Outcome::Copy(identity) => {
-                        if !seen.insert(identity) {
-                            summary.duplicates += 1;
-                        } else if dry_run {
-                            summary.written += 1;
-                        } else if let Some(copy) = copy {
-                            let origin = format!("{}:{source}:{p}:{o}", mode.name());
-                            pending.push_back(write(producer, tasks_topic, copy, origin));
-                        }
-                    }
-                    Outcome::Filtered => summary.filtered += 1,
-                    Outcome::Unreadable => summary.unreadable += 1,
+                if let Some((copy, origin)) = tally.read(p, o, copy, outcome) {
+                    pending.push_back(write(producer, tasks_topic, copy, origin));
                 }
-                progress(&summary);
+                progress(&tally.summary);
             }
             else => break,
         }
     }
     while let Some(done) = pending.next().await {
-        done.map_err(|source| ReplayError::Write {
-            topic: tasks_topic.to_owned(),
-            written: summary.written,
-            source,
-        })?;
-        summary.written += 1;
+        tally.written(done, tasks_topic)?;
     }
-    reader.await.ok();
-    summary.seconds = started.elapsed().as_secs_f64();
-    progress(&summary);
-    Ok(summary)
+    Ok(())
 }
 
 enum Outcome {

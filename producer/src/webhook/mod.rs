@@ -23,7 +23,7 @@ mod order;
 pub mod schedule;
 pub mod signing;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,7 @@ use sluice_schemas::{
     WebhookFailure,
 };
 use sluice_service::backpressure::Backpressure;
+use sluice_service::ordered_acks::OrderedAcks;
 use thiserror::Error;
 use tokio::sync::Semaphore;
 use uuid::Uuid;
@@ -97,51 +98,66 @@ enum Job {
     Nothing,
 }
 
-/// Offsets consumed but not yet finished, per partition; the contiguous finished prefix is
-/// committed. `epoch` changes when a partition is read again from an earlier offset (it
-/// was revoked and assigned back): finishes of the older reading are ignored.
+/// Offsets consumed but not yet finished, per partition, kept in the shared [`OrderedAcks`]: a
+/// partition's offset to commit is its committable one, the lowest still pending or one past the
+/// highest read. `epoch` changes when a partition is read again from an earlier offset (it was
+/// revoked and assigned back): finishes of the older reading are ignored.
 #[derive(Default)]
 struct Tracker {
-    partitions: HashMap<(String, i32), (u64, i64, BTreeMap<i64, bool>)>,
+    partitions: HashMap<(String, i32), Reading>,
+    /// The last epoch handed out.
     epoch: u64,
 }
 
+/// One partition's current reading: its epoch, and its offsets read and not finished.
+struct Reading {
+    epoch: u64,
+    acks: OrderedAcks<()>,
+}
+
+impl Reading {
+    /// A reading from scratch, under the next epoch.
+    fn new(epoch: &mut u64) -> Reading {
+        *epoch += 1;
+        Reading {
+            epoch: *epoch,
+            acks: OrderedAcks::new(),
+        }
+    }
+}
+
 impl Tracker {
+    /// Records that `offset` was read; returns the epoch of the reading it belongs to. An offset
+    /// below the partition's next one starts a fresh reading.
     fn begin(&mut self, topic: &str, partition: i32, offset: i64) -> u64 {
-        self.epoch += 1;
-        let fresh = self.epoch;
-        let entry = self
+        let reading = self
             .partitions
             .entry((topic.to_owned(), partition))
-            .or_insert_with(|| (fresh, -1, BTreeMap::new()));
-        if offset <= entry.1 {
-            *entry = (fresh, -1, BTreeMap::new());
+            .or_insert_with(|| Reading::new(&mut self.epoch));
+        if reading.acks.next().is_some_and(|next| offset < next) {
+            *reading = Reading::new(&mut self.epoch);
         }
-        entry.1 = offset;
-        entry.2.insert(offset, false);
-        entry.0
+        // Never already pending: within a reading, offsets are read in increasing order.
+        reading.acks.read(offset, ());
+        reading.epoch
     }
 
-    /// Marks `offset` finished; returns the offset to store for commit, if it moved.
+    /// Marks `offset` finished; returns the offset to store for commit when this finish moved it
+    /// (never for a finish of an older reading, or of an offset not pending).
     fn finish(&mut self, topic: &str, partition: i32, offset: i64, epoch: u64) -> Option<i64> {
-        let entry = self.partitions.get_mut(&(topic.to_owned(), partition))?;
-        if entry.0 != epoch {
+        let reading = self.partitions.get_mut(&(topic.to_owned(), partition))?;
+        if reading.epoch != epoch {
             return None;
         }
-        *entry.2.get_mut(&offset)? = true;
-        let mut next = None;
-        while let Some((&o, &done)) = entry.2.first_key_value() {
-            if !done {
-                break;
-            }
-            entry.2.remove(&o);
-            next = Some(o + 1);
-        }
-        next
+        let before = reading.acks.committable();
+        reading.acks.finish(offset)?;
+        let after = reading.acks.committable();
+        after.filter(|_| after != before)
     }
 
+    /// How many offsets are read and not finished, over all partitions.
     fn pending(&self) -> usize {
-        self.partitions.values().map(|p| p.2.len()).sum()
+        self.partitions.values().map(|p| p.acks.len()).sum()
     }
 }
 
@@ -168,6 +184,45 @@ struct Waiting {
 
 /// Retry records due sooner than this are waited for in memory rather than by pausing.
 const WAIT_IN_MEMORY: Duration = Duration::from_millis(200);
+
+/// What `Notifier::run` keeps from one record to the next.
+struct Consuming {
+    backpressure: Backpressure,
+    /// Retry partitions paused at a record not due yet.
+    waiting: HashMap<i32, Waiting>,
+    /// Every partition paused now.
+    paused_now: HashSet<(String, i32)>,
+    /// Whether `waiting` changed since the pauses were last applied.
+    pauses_changed: bool,
+    /// When a consume error was last logged.
+    last_warning: Option<Instant>,
+    /// The assignment last logged, and when the assignment was last looked at.
+    last_assignment: Vec<String>,
+    last_assignment_check: Instant,
+}
+
+impl Consuming {
+    /// Nothing paused or logged yet; fetching stops past `max_pending` records in flight.
+    fn new(max_pending: usize) -> Consuming {
+        Consuming {
+            backpressure: Backpressure::new(max_pending),
+            waiting: HashMap::new(),
+            paused_now: HashSet::new(),
+            pauses_changed: false,
+            last_warning: None,
+            last_assignment: Vec::new(),
+            last_assignment_check: Instant::now() - Duration::from_secs(60),
+        }
+    }
+
+    /// Logs a consume error, unless one was logged in the last 30 s.
+    fn consume_error(&mut self, e: &KafkaError) {
+        if self.last_warning.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(30)) {
+            self.last_warning = Some(Instant::now());
+            tracing::warn!(error = %e, "webhook notifier: consume error (repeats are not logged for 30 s)");
+        }
+    }
+}
 
 impl Notifier {
     #[allow(clippy::too_many_arguments)]
@@ -241,112 +296,132 @@ impl Notifier {
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
         }
-        let s = &self.settings;
-        self.consumer
-            .subscribe(&[s.completions_topic.as_str(), s.progress_topic.as_str(), s.retry_topic.as_str()])?;
-        tracing::info!(group = %s.group, "webhook notifier consuming");
-        let mut backpressure = Backpressure::new(s.max_pending);
-        // Retry partitions paused at a record not due yet, and every partition paused now.
-        let mut waiting: HashMap<i32, Waiting> = HashMap::new();
-        let mut paused_now: HashSet<(String, i32)> = HashSet::new();
-        let mut pauses_changed = false;
-        let mut last_warning: Option<Instant> = None;
-        let mut last_assignment: Vec<String> = Vec::new();
-        let mut last_assignment_check = Instant::now() - Duration::from_secs(60);
+        self.subscribe()?;
+        let mut state = Consuming::new(self.settings.max_pending);
         loop {
-            let pending = self.tracker.lock().expect("not poisoned").pending();
-            WebhookPending { records: pending }.emit(&self.metrics);
-            // Bounded memory: past max_pending, stop fetching (still polling, to stay in the
-            // group) until half of it has finished.
-            let changed = backpressure.update(pending).is_some();
-            let now = Instant::now();
-            if changed || pauses_changed || waiting.values().any(|w| w.due <= now) {
-                waiting.retain(|_, w| w.due > now);
-                pauses_changed = false;
-                self.apply_pauses(backpressure.is_paused(), &waiting, &mut paused_now);
-            }
-            if last_assignment_check.elapsed() >= Duration::from_secs(5) {
-                last_assignment_check = Instant::now();
-                if let Ok(assignment) = self.consumer.assignment() {
-                    let mut owned: Vec<String> = assignment
-                        .elements()
-                        .iter()
-                        .map(|e| format!("{}/{}", e.topic(), e.partition()))
-                        .collect();
-                    owned.sort();
-                    if owned != last_assignment {
-                        tracing::info!(partitions = %owned.join(","), "webhook notifier assignment");
-                        last_assignment = owned;
-                    }
-                }
-            }
+            self.update_pauses(&mut state);
+            self.log_assignment(&mut state);
             let message = tokio::select! {
                 _ = &mut shutdown => break,
                 m = tokio::time::timeout(Duration::from_millis(200), self.consumer.recv()) => m,
             };
-            let message = match message {
-                Err(_) => continue,
+            match message {
+                Err(_) => {}
                 Ok(Err(e)) => {
-                    if last_warning.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(30)) {
-                        last_warning = Some(Instant::now());
-                        tracing::warn!(error = %e, "webhook notifier: consume error (repeats are not logged for 30 s)");
-                    }
+                    state.consume_error(&e);
                     tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
                 }
-                Ok(Ok(m)) => m,
-            };
-            let (topic, partition, offset) = (message.topic().to_owned(), message.partition(), message.offset());
-            tracing::debug!(topic, partition, offset, "webhook notifier: record");
-            if topic == s.retry_topic && waiting.get(&partition).is_some_and(|w| offset >= w.offset) {
-                continue; // fetched before the pause; read again once the partition is due
+                Ok(Ok(m)) => self.take(m, &mut state),
             }
-            let job = self.job_of(&message);
-            if let Job::Retry(d) = &job
-                && let Ok(wait) = (d.due_at - Utc::now()).to_std()
-                && wait > WAIT_IN_MEMORY
-            {
-                // Not due: pause the partition at this record rather than hold it in memory.
-                match self
-                    .consumer
-                    .seek(&topic, partition, rdkafka::Offset::Offset(offset), Duration::from_secs(1))
-                {
-                    Ok(()) => {
-                        tracing::debug!(partition, offset, ?wait, "webhook notifier: retry partition waits for its head");
-                        waiting.insert(
-                            partition,
-                            Waiting {
-                                offset,
-                                due: Instant::now() + wait,
-                            },
-                        );
-                        pauses_changed = true;
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, partition, "webhook notifier: could not seek a retry partition back; waiting in memory")
-                    }
-                }
-            }
-            let traceparent = message
-                .headers()
-                .and_then(|h| h.iter().find(|h| h.key == sluice_service::trace::TRACEPARENT).and_then(|h| h.value))
-                .and_then(|v| std::str::from_utf8(v).ok())
-                .and_then(sluice_service::trace::TraceContext::parse)
-                .map(|t| t.child().header());
-            drop(message);
-            if matches!(job, Job::Nothing) {
-                self.finish(&topic, partition, offset, None);
-                continue;
-            }
-            let epoch = self.tracker.lock().expect("not poisoned").begin(&topic, partition, offset);
-            let this = self.clone();
-            tokio::spawn(async move {
-                this.handle(job, traceparent.as_deref()).await;
-                this.finish(&topic, partition, offset, Some(epoch));
-            });
         }
         Ok(())
+    }
+
+    /// Subscribes to the completion, progress and retry topics.
+    fn subscribe(&self) -> Result<(), KafkaError> {
+        let s = &self.settings;
+        self.consumer
+            .subscribe(&[s.completions_topic.as_str(), s.progress_topic.as_str(), s.retry_topic.as_str()])?;
+        tracing::info!(group = %s.group, "webhook notifier consuming");
+        Ok(())
+    }
+
+    /// Reports the records in flight, and pauses or resumes partitions when backpressure or a
+    /// retry partition's wait changed, or a wait is over.
+    fn update_pauses(&self, state: &mut Consuming) {
+        let pending = self.tracker.lock().expect("not poisoned").pending();
+        WebhookPending { records: pending }.emit(&self.metrics);
+        // Bounded memory: past max_pending, stop fetching (still polling, to stay in the
+        // group) until half of it has finished.
+        let changed = state.backpressure.update(pending).is_some();
+        let now = Instant::now();
+        if changed || state.pauses_changed || state.waiting.values().any(|w| w.due <= now) {
+            state.waiting.retain(|_, w| w.due > now);
+            state.pauses_changed = false;
+            self.apply_pauses(state.backpressure.is_paused(), &state.waiting, &mut state.paused_now);
+        }
+    }
+
+    /// Logs the partitions assigned when they changed, looking every 5 s.
+    fn log_assignment(&self, state: &mut Consuming) {
+        if state.last_assignment_check.elapsed() >= Duration::from_secs(5) {
+            state.last_assignment_check = Instant::now();
+            if let Ok(assignment) = self.consumer.assignment() {
+                let mut owned: Vec<String> = assignment
+                    .elements()
+                    .iter()
+                    .map(|e| format!("{}/{}", e.topic(), e.partition()))
+                    .collect();
+                owned.sort();
+                if owned != state.last_assignment {
+                    tracing::info!(partitions = %owned.join(","), "webhook notifier assignment");
+                    state.last_assignment = owned;
+                }
+            }
+        }
+    }
+
+    /// Takes one consumed record: skipped while its retry partition waits, its partition paused
+    /// at it when it is a retry not due yet, else its job started.
+    fn take(self: &Arc<Self>, message: BorrowedMessage<'_>, state: &mut Consuming) {
+        let (topic, partition, offset) = (message.topic().to_owned(), message.partition(), message.offset());
+        tracing::debug!(topic, partition, offset, "webhook notifier: record");
+        if topic == self.settings.retry_topic && state.waiting.get(&partition).is_some_and(|w| offset >= w.offset) {
+            return; // fetched before the pause; read again once the partition is due
+        }
+        let job = self.job_of(&message);
+        if let Job::Retry(d) = &job
+            && let Ok(wait) = (d.due_at - Utc::now()).to_std()
+            && wait > WAIT_IN_MEMORY
+            && self.wait_for_head(&topic, partition, offset, wait, state)
+        {
+            return;
+        }
+        let traceparent = child_traceparent(&message);
+        drop(message);
+        self.start(job, topic, partition, offset, traceparent);
+    }
+
+    /// Pauses a retry partition at its record at `offset`, not due for `wait`, rather than hold
+    /// the record in memory; false when the partition could not be sought back (it waits in
+    /// memory then).
+    fn wait_for_head(&self, topic: &str, partition: i32, offset: i64, wait: Duration, state: &mut Consuming) -> bool {
+        match self
+            .consumer
+            .seek(topic, partition, rdkafka::Offset::Offset(offset), Duration::from_secs(1))
+        {
+            Ok(()) => {
+                tracing::debug!(partition, offset, ?wait, "webhook notifier: retry partition waits for its head");
+                state.waiting.insert(
+                    partition,
+                    Waiting {
+                        offset,
+                        due: Instant::now() + wait,
+                    },
+                );
+                state.pauses_changed = true;
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, partition, "webhook notifier: could not seek a retry partition back; waiting in memory");
+                false
+            }
+        }
+    }
+
+    /// Starts a record's job: finished at once when there is nothing to do, else handled on a
+    /// task of its own and finished after.
+    fn start(self: &Arc<Self>, job: Job, topic: String, partition: i32, offset: i64, traceparent: Option<String>) {
+        if matches!(job, Job::Nothing) {
+            self.finish(&topic, partition, offset, None);
+            return;
+        }
+        let epoch = self.tracker.lock().expect("not poisoned").begin(&topic, partition, offset);
+        let this = self.clone();
+        tokio::spawn(async move {
+            this.handle(job, traceparent.as_deref()).await;
+            this.finish(&topic, partition, offset, Some(epoch));
+        });
     }
 
     /// Pauses every assigned partition (`all`: too much in flight) or only the retry partitions
@@ -536,11 +611,33 @@ impl Notifier {
 
     /// One attempt at `delivery`, then whatever follows: done, a retry record, or the DLQ.
     async fn deliver(&self, delivery: WebhookDelivery, traceparent: Option<&str>) {
-        let event = delivery.event;
         let _share = match self.shares.take(&delivery.tenant, &host_of(&delivery.url)) {
             Ok(share) => share,
             Err(why) => return self.defer(delivery, why).await,
         };
+        match self.attempt(&delivery, traceparent).await {
+            Attempt::Delivered { status } => {
+                WebhookDelivered {
+                    event: delivery.event,
+                    event_id: &delivery.event_id,
+                    task_id: delivery.task_id,
+                    status,
+                    attempt: delivery.attempt,
+                }
+                .emit(&self.metrics);
+            }
+            Attempt::Retry {
+                error,
+                status,
+                retry_after,
+            } => self.retry(delivery, error, status, retry_after).await,
+            Attempt::GiveUp { reason, error, status } => self.give_up(delivery, reason, error, status).await,
+        }
+    }
+
+    /// Sends `delivery` once, its body presigned now, within the notifier's concurrency.
+    async fn attempt(&self, delivery: &WebhookDelivery, traceparent: Option<&str>) -> Attempt {
+        let event = delivery.event;
         let body = self.body(&delivery.payload).await;
         let started = Instant::now();
         let outcome = {
@@ -561,73 +658,69 @@ impl Notifier {
             elapsed: started.elapsed(),
         }
         .emit(&self.metrics);
-        match outcome {
-            Attempt::Delivered { status } => {
-                WebhookDelivered {
+        outcome
+    }
+
+    /// A failed attempt worth another: a `completed` event is scheduled again, or goes to the DLQ
+    /// once its schedule is spent; other events are dropped.
+    async fn retry(&self, delivery: WebhookDelivery, error: String, status: Option<u16>, retry_after: Option<Duration>) {
+        let event = delivery.event;
+        let next = if event == WebhookEvent::Completed {
+            self.settings.schedule.next(delivery.attempt, retry_after)
+        } else {
+            None
+        };
+        match next {
+            Some((delay, tier)) => self.schedule_retry(delivery, error, delay, tier).await,
+            None if event == WebhookEvent::Completed => {
+                self.dead_letter(delivery, WebhookFailure::Exhausted, error, status).await;
+            }
+            None => {
+                WebhookDropped {
                     event,
                     event_id: &delivery.event_id,
-                    task_id: delivery.task_id,
-                    status,
-                    attempt: delivery.attempt,
+                    error: &error,
                 }
                 .emit(&self.metrics);
             }
-            Attempt::Retry {
-                error,
-                status,
-                retry_after,
-            } => {
-                let next = if event == WebhookEvent::Completed {
-                    self.settings.schedule.next(delivery.attempt, retry_after)
-                } else {
-                    None
-                };
-                match next {
-                    Some((delay, tier)) => {
-                        WebhookRetrying {
-                            event,
-                            event_id: &delivery.event_id,
-                            task_id: delivery.task_id,
-                            attempt: delivery.attempt,
-                            error: &error,
-                            delay,
-                        }
-                        .emit(&self.metrics);
-                        let jitter = delay.mul_f64(fastrand::f64() * 0.1);
-                        let retry = WebhookDelivery {
-                            attempt: delivery.attempt + 1,
-                            due_at: Utc::now() + chrono::Duration::from_std(delay + jitter).unwrap_or_default(),
-                            last_error: error,
-                            ..delivery
-                        };
-                        let partition = (tier % self.retry_partitions) as i32;
-                        self.publish(&self.settings.retry_topic, Some(partition), retry.task_id, &retry)
-                            .await;
-                    }
-                    None if event == WebhookEvent::Completed => {
-                        self.dead_letter(delivery, WebhookFailure::Exhausted, error, status).await;
-                    }
-                    None => {
-                        WebhookDropped {
-                            event,
-                            event_id: &delivery.event_id,
-                            error: &error,
-                        }
-                        .emit(&self.metrics);
-                    }
-                }
+        }
+    }
+
+    /// Publishes the next attempt at `delivery` to the retry topic's partition for `tier`, due
+    /// after `delay` and a little jitter.
+    async fn schedule_retry(&self, delivery: WebhookDelivery, error: String, delay: Duration, tier: usize) {
+        WebhookRetrying {
+            event: delivery.event,
+            event_id: &delivery.event_id,
+            task_id: delivery.task_id,
+            attempt: delivery.attempt,
+            error: &error,
+            delay,
+        }
+        .emit(&self.metrics);
+        let jitter = delay.mul_f64(fastrand::f64() * 0.1);
+        let retry = WebhookDelivery {
+            attempt: delivery.attempt + 1,
+            due_at: Utc::now() + chrono::Duration::from_std(delay + jitter).unwrap_or_default(),
+            last_error: error,
+            ..delivery
+        };
+        let partition = (tier % self.retry_partitions) as i32;
+        self.publish(&self.settings.retry_topic, Some(partition), retry.task_id, &retry)
+            .await;
+    }
+
+    /// An attempt not worth repeating: a `completed` event goes to the DLQ; others are counted
+    /// as not sent.
+    async fn give_up(&self, delivery: WebhookDelivery, reason: WebhookFailure, error: String, status: Option<u16>) {
+        if delivery.event == WebhookEvent::Completed {
+            self.dead_letter(delivery, reason, error, status).await;
+        } else {
+            WebhookNotSent {
+                event: delivery.event,
+                outcome: reason.as_str(),
             }
-            Attempt::GiveUp { reason, error, status } => {
-                if event == WebhookEvent::Completed {
-                    self.dead_letter(delivery, reason, error, status).await;
-                } else {
-                    WebhookNotSent {
-                        event,
-                        outcome: reason.as_str(),
-                    }
-                    .emit(&self.metrics);
-                }
-            }
+            .emit(&self.metrics);
         }
     }
 
@@ -725,6 +818,16 @@ impl Notifier {
             }
         }
     }
+}
+
+/// The trace context a record's handling runs in: a child of the one its header carries.
+fn child_traceparent(message: &BorrowedMessage<'_>) -> Option<String> {
+    message
+        .headers()
+        .and_then(|h| h.iter().find(|h| h.key == sluice_service::trace::TRACEPARENT).and_then(|h| h.value))
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(sluice_service::trace::TraceContext::parse)
+        .map(|t| t.child().header())
 }
 
 /// What the API checks of a submitted webhook.
