@@ -95,6 +95,12 @@ fn guard(stage: &DecodeStage, bucket: Bucket, job: Job) -> Option<(Bucket, Job)>
 /// The job and bucket of a record, or `None` after failing it (too large, undecodable, a model
 /// not served here, parameters its model refuses).
 fn admit(stage: &DecodeStage, record: Record) -> Option<(Bucket, Job)> {
+    let job = job_of(stage, record)?;
+    bucket_of(stage, job)
+}
+
+/// The job of a record, or `None` after failing it (too large, undecodable).
+fn job_of(stage: &DecodeStage, record: Record) -> Option<Job> {
     let outcomes = &stage.outcomes;
     if record.value.len() > stage.max_task_bytes {
         let failure = Failure::new(
@@ -132,12 +138,18 @@ fn admit(stage: &DecodeStage, record: Record) -> Option<(Bucket, Job)> {
         .unwrap_or_default();
     let span =
         tracing::info_span!("task", task_id = %task.task_id, trace_id, partition = record.origin.partition, offset = record.origin.offset);
-    let job = Job {
+    Some(Job {
         record,
         task,
         span,
         claim: None,
-    };
+    })
+}
+
+/// The bucket of a job, or `None` after failing it (a model not served here, work over its
+/// catalog bounds, parameters its model refuses).
+fn bucket_of(stage: &DecodeStage, job: Job) -> Option<(Bucket, Job)> {
+    let outcomes = &stage.outcomes;
     let Some(adapter) = stage.serving.adapter(&job.task.model) else {
         let failure = Failure::new(
             DlqReason::UnsupportedModel,

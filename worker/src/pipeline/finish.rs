@@ -56,18 +56,20 @@ pub(super) async fn finish(stage: Arc<FinishStage>, item: Item, ran: Ran) {
     let upload_started = Instant::now();
     let task_id = job.task.task_id;
     let store = &stage.store.images;
-    let stored = stage.store.run("upload", || async {
-        let puts = images
-            .iter()
-            .enumerate()
-            .map(|(i, image)| store.put_image(task_id, i as u32, image));
-        let outputs: Vec<OutputRef> = futures::future::try_join_all(puts).await?;
-        store
-            .put_manifest(task_id, &outputs, ran.inference.as_millis() as u64, &stage.worker_id)
-            .await?;
-        Ok::<_, crate::storage::images::StorageError>(outputs)
-    })
-    .await;
+    let stored = stage
+        .store
+        .run("upload", || async {
+            let puts = images
+                .iter()
+                .enumerate()
+                .map(|(i, image)| store.put_image(task_id, i as u32, image));
+            let outputs: Vec<OutputRef> = futures::future::try_join_all(puts).await?;
+            store
+                .put_manifest(task_id, &outputs, ran.inference.as_millis() as u64, &stage.worker_id)
+                .await?;
+            Ok::<_, crate::storage::images::StorageError>(outputs)
+        })
+        .await;
     let outputs = match stored {
         Ok(outputs) => outputs,
         Err(gave_up) => return stage.outcomes.gave_up(job, "storing images", gave_up),

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::statistics::Statistics;
 use rdkafka::{ClientContext, TopicPartitionList};
 use sluice_service::backpressure::Backpressure;
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::{Emit, LagObserved, PartitionsAssigned, PartitionsRevoked, Paused, PollGap, RebalanceFailed, RecordReceived};
 use crate::metrics::Metrics;
-use crate::pipeline::task::Record;
+use crate::pipeline::task::{Origin, Record};
 use crate::source::commit::Committer;
 use crate::source::offsets::{Offsets, TopicPartition};
 
@@ -169,20 +169,6 @@ pub(crate) fn poll_loop(
 ) {
     let mut tx = Some(tx);
     let mut last_error_log: Option<Instant> = None;
-    let set_paused = |pause: bool, in_flight: usize| {
-        consumer.context().paused.store(pause, Ordering::SeqCst);
-        Paused { paused: pause, in_flight }.emit(&metrics);
-        if let Ok(assignment) = consumer.assignment() {
-            let r = if pause {
-                consumer.pause(&assignment)
-            } else {
-                consumer.resume(&assignment)
-            };
-            if let Err(e) = r {
-                tracing::warn!(error = %e, pause, "pause/resume failed");
-            }
-        }
-    };
     let mut backpressure = Backpressure::new(max_in_flight);
     let mut last_poll = Instant::now();
     while !control.close.is_cancelled() {
@@ -196,7 +182,7 @@ pub(crate) fn poll_loop(
         // Stopping: paused for good (nothing read now would be tracked).
         let counted = if tx.is_none() { usize::MAX } else { in_flight };
         if let Some(pause) = backpressure.update(counted) {
-            set_paused(pause, in_flight);
+            set_paused(&consumer, &metrics, pause, in_flight);
         }
         match consumer.poll(Duration::from_millis(100)) {
             None => {}
@@ -222,28 +208,52 @@ pub(crate) fn poll_loop(
                 let Some(origin) = offsets.track(&tp, message.offset()) else {
                     continue;
                 };
-                let headers = message
-                    .headers()
-                    .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
-                    .unwrap_or_default();
-                let record = Record {
-                    origin,
-                    key: message.key().map(<[u8]>::to_vec),
-                    value: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
-                    headers,
-                    timestamp_ms: message.timestamp().to_millis(),
-                    received_at: Instant::now(),
-                };
                 RecordReceived.emit(&metrics);
-                if sender.blocking_send(record).is_err() {
+                if sender.blocking_send(record_of(origin, &message)).is_err() {
                     tracing::warn!("pipeline input closed");
                     tx = None;
                 }
             }
         }
     }
-    // Leave the group; the revoke callback runs during the following polls and commits what is
-    // finished (the caller bounds how long it waits for this thread).
+    leave(&consumer);
+}
+
+/// Pauses or resumes fetching from every assigned partition.
+fn set_paused(consumer: &TaskConsumer, metrics: &Metrics, pause: bool, in_flight: usize) {
+    consumer.context().paused.store(pause, Ordering::SeqCst);
+    Paused { paused: pause, in_flight }.emit(metrics);
+    if let Ok(assignment) = consumer.assignment() {
+        let r = if pause {
+            consumer.pause(&assignment)
+        } else {
+            consumer.resume(&assignment)
+        };
+        if let Err(e) = r {
+            tracing::warn!(error = %e, pause, "pause/resume failed");
+        }
+    }
+}
+
+/// A message read, as the pipeline's record of it.
+fn record_of(origin: Origin, message: &BorrowedMessage<'_>) -> Record {
+    let headers = message
+        .headers()
+        .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
+        .unwrap_or_default();
+    Record {
+        origin,
+        key: message.key().map(<[u8]>::to_vec),
+        value: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+        headers,
+        timestamp_ms: message.timestamp().to_millis(),
+        received_at: Instant::now(),
+    }
+}
+
+/// Leaves the group; the revoke callback runs during the following polls and commits what is
+/// finished (the caller bounds how long it waits for this thread).
+fn leave(consumer: &TaskConsumer) {
     consumer.unsubscribe();
     let deadline = Instant::now() + Duration::from_secs(3);
     while Instant::now() < deadline && consumer.assignment().map(|a| a.count() > 0).unwrap_or(false) {

@@ -227,21 +227,17 @@ impl Backend for SdBackend {
         };
         let draws = schedule.noise_draws();
 
-        let mut latents: Vec<f32> = floats(latents_in)?.iter().map(|v| v * schedule.init_noise_sigma()).collect();
-        let mut states = vec![ImageState::default(); n];
-        // Which rows belong to which task, and which tasks are still running.
-        let owner: Vec<usize> = call
-            .tasks
-            .iter()
-            .enumerate()
-            .flat_map(|(t, task)| std::iter::repeat_n(t, task.rows))
-            .collect();
-        if owner.len() != n {
-            return Err(EngineError::Run(format!("tasks own {} rows, the call has {n}", owner.len())));
-        }
+        let mut rows = Rows {
+            latents: floats(latents_in)?.iter().map(|v| v * schedule.init_noise_sigma()).collect(),
+            states: vec![ImageState::default(); n],
+            per_image,
+            noise,
+            draws,
+            draw: 0,
+        };
+        let owner = row_owners(call, n)?;
         let mut cancelled = vec![false; call.tasks.len()];
         let steps = schedule.timesteps().len();
-        let mut draw = 0;
         for (i, &t) in schedule.timesteps().iter().enumerate() {
             note_cancellations(call, &mut cancelled);
             let active: Vec<usize> = (0..n).filter(|&r| !cancelled[owner[r]]).collect();
@@ -249,48 +245,27 @@ impl Backend for SdBackend {
                 break;
             }
             let b = active.len();
-            let mut sample = Vec::with_capacity(b * per_image);
-            for &r in &active {
-                let mut x = latents[r * per_image..(r + 1) * per_image].to_vec();
-                schedule.scale_model_input(i, &mut x).map_err(|e| EngineError::Run(e.to_string()))?;
-                sample.extend(x);
-            }
-            let (inputs, rows) = self.unet_inputs(&text, &active, sample, &latent_shape, t);
+            let sample = rows.model_input(&schedule, i, &active)?;
+            let (inputs, unet_rows) = self.unet_inputs(&text, &active, sample, &latent_shape, t);
             let out = self.unet.run_tensors(&inputs)?;
             let pred = out
                 .iter()
                 .find(|t| t.name == "out_sample")
                 .or(out.first())
-                .and_then(|t| t.f32_rows(0, rows))
+                .and_then(|t| t.f32_rows(0, unet_rows))
                 .ok_or_else(|| EngineError::Run("unet output is not float32".into()))?;
-            let draws_now = schedule.draws_noise(i);
-            for (k, &r) in active.iter().enumerate() {
-                let model_output = if text.uncond.is_some() {
+            rows.step(&schedule, i, &active, |k, r| {
+                if text.uncond.is_some() {
                     let uncond = &pred[k * per_image..(k + 1) * per_image];
                     let cond = &pred[(b + k) * per_image..(b + k + 1) * per_image];
                     guided(uncond, cond, guidance[r])
                 } else {
                     pred[k * per_image..(k + 1) * per_image].to_vec()
-                };
-                let step_noise = match (draws_now, noise) {
-                    (true, Some(noise)) => Some(&noise[(r * draws + draw) * per_image..(r * draws + draw + 1) * per_image]),
-                    _ => None,
-                };
-                schedule
-                    .step(
-                        i,
-                        &model_output,
-                        &mut latents[r * per_image..(r + 1) * per_image],
-                        step_noise,
-                        &mut states[r],
-                    )
-                    .map_err(|e| EngineError::Run(e.to_string()))?;
-            }
-            if draws_now {
-                draw += 1;
-            }
+                }
+            })?;
             report_progress(call, &cancelled, i + 1, steps);
         }
+        let latents = rows.latents;
 
         let (images, image_shape) = self.decode_checked(&latents, &latent_shape)?;
         let cancelled_rows: Vec<f32> = owner.iter().map(|&t| if cancelled[t] { 1.0 } else { 0.0 }).collect();
@@ -409,6 +384,84 @@ impl SdBackend {
 
 /// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two
 /// predictions.
+/// The latents of a call's image rows as the denoising loop advances them, with each row's
+/// sampler state and its noise draws.
+struct Rows<'a> {
+    latents: Vec<f32>,
+    states: Vec<ImageState>,
+    /// Latent values of one row.
+    per_image: usize,
+    /// `draws` draws per row, for samplers that add noise.
+    noise: Option<&'a [f32]>,
+    draws: usize,
+    /// Draws used so far (the same for every row).
+    draw: usize,
+}
+
+impl Rows<'_> {
+    /// The `active` rows' latents, scaled for the model at step `i`.
+    fn model_input(&self, schedule: &Schedule, i: usize, active: &[usize]) -> Result<Vec<f32>, EngineError> {
+        let per_image = self.per_image;
+        let mut sample = Vec::with_capacity(active.len() * per_image);
+        for &r in active {
+            let mut x = self.latents[r * per_image..(r + 1) * per_image].to_vec();
+            schedule.scale_model_input(i, &mut x).map_err(|e| EngineError::Run(e.to_string()))?;
+            sample.extend(x);
+        }
+        Ok(sample)
+    }
+
+    /// One sampler step of each active row, from the model output `output(k, r)` for the row
+    /// `r`, the `k`-th of the call.
+    fn step(
+        &mut self,
+        schedule: &Schedule,
+        i: usize,
+        active: &[usize],
+        output: impl Fn(usize, usize) -> Vec<f32>,
+    ) -> Result<(), EngineError> {
+        let (per_image, draws) = (self.per_image, self.draws);
+        let draws_now = schedule.draws_noise(i);
+        for (k, &r) in active.iter().enumerate() {
+            let model_output = output(k, r);
+            let step_noise = match (draws_now, self.noise) {
+                (true, Some(noise)) => {
+                    let at = r * draws + self.draw;
+                    Some(&noise[at * per_image..(at + 1) * per_image])
+                }
+                _ => None,
+            };
+            schedule
+                .step(
+                    i,
+                    &model_output,
+                    &mut self.latents[r * per_image..(r + 1) * per_image],
+                    step_noise,
+                    &mut self.states[r],
+                )
+                .map_err(|e| EngineError::Run(e.to_string()))?;
+        }
+        if draws_now {
+            self.draw += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Which task owns each of the call's `n` image rows.
+fn row_owners(call: &Call, n: usize) -> Result<Vec<usize>, EngineError> {
+    let owner: Vec<usize> = call
+        .tasks
+        .iter()
+        .enumerate()
+        .flat_map(|(t, task)| std::iter::repeat_n(t, task.rows))
+        .collect();
+    if owner.len() != n {
+        return Err(EngineError::Run(format!("tasks own {} rows, the call has {n}", owner.len())));
+    }
+    Ok(owner)
+}
+
 fn guided(uncond: &[f32], cond: &[f32], g: f32) -> Vec<f32> {
     uncond.iter().zip(cond).map(|(u, c)| u + g * (c - u)).collect()
 }
