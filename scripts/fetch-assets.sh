@@ -88,15 +88,17 @@ if [ "$WHAT" = all ] && { [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c
   "$VENV/bin/python" -m pip install --quiet "onnx==$ONNX_PY_VERSION" "numpy==2.2.6"
 fi
 
-# The tiny random-weight Stable Diffusion models (integration-tests/fixtures/sd-tiny.tar.xz, made
-# by scripts/sd-reference/generate.sh): sd-tiny, sd-tiny-lcm, sd-tiny-external. Unpacked once per
-# version of the fixture.
-SD_FIXTURE="$(cd "$(dirname "$0")/.." && pwd)/integration-tests/fixtures/sd-tiny.tar.xz"
-SD_SHA=$( [ "$WHAT" = all ] && sha256sum "$SD_FIXTURE" | cut -c1-16 || echo none)
+# The tiny random-weight Stable Diffusion models, made by scripts/sd-reference/generate.sh:
+# integration-tests/fixtures/sd-tiny.tar.xz (sd-tiny, sd-tiny-lcm, sd-tiny-external) and
+# sdxl-tiny.tar.xz (sdxl-tiny; generate.sh --sdxl), unpacked side by side into one directory (one
+# SLUICE_MODEL_DIR serves them all) once per version of the two fixtures.
+FIXTURES="$(cd "$(dirname "$0")/.." && pwd)/integration-tests/fixtures"
+SD_SHA=$( [ "$WHAT" = all ] && cat "$FIXTURES/sd-tiny.tar.xz" "$FIXTURES/sdxl-tiny.tar.xz" | sha256sum | cut -c1-16 || echo none)
 SD_DIR="$CACHE/models/sd-tiny-$SD_SHA"
-if [ "$WHAT" = all ] && [ ! -f "$SD_DIR/sd-tiny/unet/model.onnx" ]; then
+if [ "$WHAT" = all ] && [ ! -f "$SD_DIR/sdxl-tiny/unet/model.onnx" ]; then
   rm -rf "$SD_DIR.partial" && mkdir -p "$SD_DIR.partial"
-  tar -xJf "$SD_FIXTURE" -C "$SD_DIR.partial"
+  tar -xJf "$FIXTURES/sd-tiny.tar.xz" -C "$SD_DIR.partial"
+  tar -xJf "$FIXTURES/sdxl-tiny.tar.xz" -C "$SD_DIR.partial"
   rm -rf "$SD_DIR" && mv "$SD_DIR.partial" "$SD_DIR"
 fi
 

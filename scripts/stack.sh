@@ -245,6 +245,7 @@ write_env() {
   ln -sfn "$model" "$dir/models/terrain/model.onnx"
   local sd; sd="$(sed -n 's/^export SLUICE_SD_TINY=//p' <<<"$assets")"
   ln -sfn "$sd/sd-tiny" "$dir/models/sd-tiny"
+  ln -sfn "$sd/sdxl-tiny" "$dir/models/sdxl-tiny"
   cat >"$dir/env.tmp" <<ENV
 # Written by scripts/stack.sh; source it: . $dir/env
 export SLUICE_STACK_DIR=$dir

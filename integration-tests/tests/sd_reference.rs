@@ -1,7 +1,8 @@
 //! Stable Diffusion against the reference implementation: every case recorded by
 //! `scripts/sd-reference/generate.sh` (Optimum's `ORTStableDiffusionPipeline` /
 //! `ORTLatentConsistencyModelPipeline`, diffusers 0.39, on the tiny random-weight models in
-//! `fixtures/sd-tiny.tar.xz`), run by Sluice from the same initial latents and per-step noise.
+//! `fixtures/sd-tiny.tar.xz`) and by `generate.sh --sdxl` (`ORTStableDiffusionXLPipeline` on
+//! `fixtures/sdxl-tiny.tar.xz`), run by Sluice from the same initial latents and per-step noise.
 //! Final latents within 1e-3, PNGs within ±1 level, prompt tokens identical.
 
 use std::path::{Path, PathBuf};
@@ -17,8 +18,30 @@ use sluice_worker::models::diffusion::request::SdRequest;
 use sluice_worker::models::diffusion::schedulers::Sampler;
 use sluice_worker::models::diffusion::tokenizer::ClipTokenizer;
 
+/// A set of recorded cases: its fixtures and the tiny models it ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Set {
+    /// SD 1.x-shaped models (sd-tiny, sd-tiny-lcm, sd-tiny-external).
+    Sd,
+    /// An SDXL-shaped model (sdxl-tiny).
+    Sdxl,
+}
+
+impl Set {
+    fn fixtures(self) -> PathBuf {
+        repo_root().join(match self {
+            Set::Sd => "integration-tests/fixtures/sd-reference",
+            Set::Sdxl => "integration-tests/fixtures/sdxl-reference",
+        })
+    }
+
+    fn cases(self) -> Vec<Value> {
+        serde_json::from_str(&std::fs::read_to_string(self.fixtures().join("cases.json")).unwrap()).unwrap()
+    }
+}
+
 fn fixtures() -> PathBuf {
-    repo_root().join("integration-tests/fixtures/sd-reference")
+    Set::Sd.fixtures()
 }
 
 fn runtime() -> Arc<Runtime> {
@@ -37,6 +60,7 @@ fn runtime() -> Arc<Runtime> {
         .clone()
 }
 
+/// Where the tiny models are (both fixtures are unpacked side by side).
 fn models() -> PathBuf {
     assets().unwrap()["SLUICE_SD_TINY"].clone().into()
 }
@@ -62,16 +86,16 @@ fn model_dir(case: &Value) -> PathBuf {
 }
 
 fn cases() -> Vec<Value> {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json")).unwrap()).unwrap()
+    Set::Sd.cases()
 }
 
 /// Runs a case; returns (final latents, PNG bytes per image).
-fn run_case(case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
+fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
     let model = StableDiffusion::open(runtime(), "sd", dir).unwrap();
     let n = case["num_images"].as_u64().unwrap() as usize;
     let request = SdRequest {
         prompt: case["prompt"].as_str().unwrap().to_owned(),
-        negative_prompt: case["negative_prompt"].as_str().unwrap_or("").to_owned(),
+        negative_prompt: case["negative_prompt"].as_str().map(str::to_owned),
         steps: case["steps"].as_u64().unwrap() as usize,
         guidance_scale: case["guidance_scale"].as_f64().unwrap() as f32,
         sampler: Sampler::parse(case["sampler"].as_str().unwrap()).unwrap(),
@@ -80,12 +104,12 @@ fn run_case(case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
         num_images: n,
         seed: 0,
     };
-    let latents = npy::read(&fixtures().join(case["latents_in"].as_str().unwrap())).unwrap();
+    let latents = npy::read(&set.fixtures().join(case["latents_in"].as_str().unwrap())).unwrap();
     let draws = case["noise_draws"].as_u64().unwrap() as usize;
     let per = latents.data.len() / n;
     let mut noise = vec![0f32; n * draws * per];
     if let Some(path) = case["noise_in"].as_str() {
-        let a = npy::read(&fixtures().join(path)).unwrap();
+        let a = npy::read(&set.fixtures().join(path)).unwrap();
         assert_eq!(a.shape[..2], [draws, n]);
         for d in 0..draws {
             for i in 0..n {
@@ -132,19 +156,33 @@ fn run_case(case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
 
 #[test]
 fn every_reference_case_matches_diffusers() {
+    every_case_matches(Set::Sd, 20);
+}
+
+#[test]
+fn every_sdxl_reference_case_matches_diffusers() {
+    every_case_matches(Set::Sdxl, SDXL_CASES);
+}
+
+/// How many cases `generate.sh --sdxl` records.
+const SDXL_CASES: usize = 11;
+
+/// Runs every case of `set` (there must be `count`), each within the tolerances.
+fn every_case_matches(set: Set, count: usize) {
+    let fixtures = set.fixtures();
     let mut report = Vec::new();
-    for case in cases() {
+    for case in set.cases() {
         let name = case["name"].as_str().unwrap().to_owned();
         let dir = model_dir(&case);
-        let (latents, images) = run_case(&case, &dir);
-        let expected = npy::read(&fixtures().join(case["expected_latents"].as_str().unwrap())).unwrap();
+        let (latents, images) = run_case(set, &case, &dir);
+        let expected = npy::read(&fixtures.join(case["expected_latents"].as_str().unwrap())).unwrap();
         assert_eq!(latents.len(), expected.data.len(), "{name}: latents");
         let latent_err = latents.iter().zip(&expected.data).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(latent_err <= 1e-3, "{name}: final latents differ by {latent_err} (tolerance 1e-3)");
         let mut level_err = 0;
         for (i, (png, want)) in images.iter().zip(case["expected_images"].as_array().unwrap()).enumerate() {
             let (w, h, got) = png_pixels(png).unwrap();
-            let (ew, eh, want) = png_pixels(&std::fs::read(fixtures().join(want.as_str().unwrap())).unwrap()).unwrap();
+            let (ew, eh, want) = png_pixels(&std::fs::read(fixtures.join(want.as_str().unwrap())).unwrap()).unwrap();
             assert_eq!((w, h), (ew, eh), "{name}: image {i} size");
             let e = got.iter().zip(&want).map(|(a, b)| (*a as i32 - *b as i32).abs()).max().unwrap();
             assert!(e <= 1, "{name}: image {i} differs by {e} levels (tolerance 1)");
@@ -153,7 +191,7 @@ fn every_reference_case_matches_diffusers() {
         assert_eq!(images.len(), case["num_images"].as_u64().unwrap() as usize, "{name}");
         report.push(format!("{name}: max |Δ latents| {latent_err:.2e}, max |Δ PNG| {level_err}"));
     }
-    assert_eq!(report.len(), 20, "every recorded case");
+    assert_eq!(report.len(), count, "every recorded case");
     eprintln!("{}", report.join("\n"));
 }
 
@@ -175,6 +213,36 @@ fn prompt_tokens_match_the_reference_tokenizer() {
     assert!(checked >= 5, "only {checked} ASCII prompts checked");
 }
 
+#[test]
+fn sdxl_prompts_tokenize_as_both_reference_tokenizers() {
+    let dir = models().join("sdxl-tiny");
+    let first = ClipTokenizer::load(&dir.join("tokenizer")).unwrap();
+    let second = ClipTokenizer::load(&dir.join("tokenizer_2")).unwrap();
+    let ids = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect() };
+    let mut checked = 0;
+    for case in Set::Sdxl.cases() {
+        let prompts = [
+            ("prompt", "prompt_ids", "prompt_ids_2"),
+            ("negative_prompt", "negative_prompt_ids", "negative_prompt_ids_2"),
+        ];
+        for (text, ids_1, ids_2) in prompts {
+            let Some(text) = case[text].as_str() else { continue };
+            if case[ids_1].is_array() {
+                assert_eq!(first.encode(text).unwrap(), ids(&case[ids_1]), "{text:?}, tokenizer");
+                checked += 1;
+            }
+            if case[ids_2].is_array() {
+                assert_eq!(second.encode(text).unwrap(), ids(&case[ids_2]), "{text:?}, tokenizer_2");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 10, "only {checked} prompts checked");
+    // tokenizer_2 pads with `!`, a special token there: written in a prompt it is the pad id.
+    let wow = second.encode("wow!").unwrap();
+    assert_eq!(wow[2], wow[wow.len() - 1], "`!` in a prompt is tokenizer_2's pad token {wow:?}");
+}
+
 /// Mean |Δ| between the float images of two runs that differ in one input.
 fn moved(a: &[Vec<u8>], b: &[Vec<u8>]) -> f64 {
     let (_, _, a) = png_pixels(&a[0]).unwrap();
@@ -186,11 +254,11 @@ fn moved(a: &[Vec<u8>], b: &[Vec<u8>]) -> f64 {
 fn prompt_negative_prompt_guidance_and_seed_each_change_the_image() {
     let base = cases().into_iter().find(|c| c["name"] == "euler").unwrap();
     let dir = model_dir(&base);
-    let (_, reference) = run_case(&base, &dir);
+    let (_, reference) = run_case(Set::Sd, &base, &dir);
     let vary = |key: &str, value: Value| {
         let mut c = base.clone();
         c[key] = value;
-        run_case(&c, &dir).1
+        run_case(Set::Sd, &c, &dir).1
     };
     // The reference generator measured these moves on the same model (fixtures README): prompt
     // 0.017, negative prompt 0.012, guidance 7.5 → 1 0.022, seed 0.157 mean |Δ|.
@@ -207,10 +275,59 @@ fn prompt_negative_prompt_guidance_and_seed_each_change_the_image() {
         assert!(d > 0.005, "changing {what} moved the image by only {d}");
     }
     assert_eq!(
-        moved(&reference, &run_case(&base, &dir).1),
+        moved(&reference, &run_case(Set::Sd, &base, &dir).1),
         0.0,
         "the same inputs give the same image"
     );
+}
+
+/// Runs `sluice-worker generate` on a recorded case with its flags (`--negative-prompt` only when
+/// the case had one) into `out`, and checks the latents and the PNG against the reference.
+fn generate_matches(set: Set, case: &Value, out: &Path) {
+    let fixtures = set.fixtures();
+    let f = |p: &str| fixtures.join(case[p].as_str().unwrap()).display().to_string();
+    let number = |p: &str| case[p].to_string();
+    let mut command = std::process::Command::new(sluice_integration_tests::bin("sluice-worker"));
+    let model = models().join(case["model"].as_str().unwrap());
+    command
+        .args(["generate", "--model-path", &model.display().to_string()])
+        .args(["--prompt", case["prompt"].as_str().unwrap()])
+        .args(["--steps", &number("steps"), "--guidance-scale", &number("guidance_scale")])
+        .args(["--sampler", case["sampler"].as_str().unwrap()])
+        .args(["--width", &number("width"), "--height", &number("height")])
+        .args(["--num-images", "1", "--latents-in", &f("latents_in")])
+        .args(["--out", &out.join("x.png").display().to_string()])
+        .args(["--latents-out", &out.join("x.npy").display().to_string()])
+        .env("ORT_DYLIB_PATH", &assets().unwrap()["ORT_DYLIB_PATH"]);
+    if let Some(negative) = case["negative_prompt"].as_str() {
+        command.args(["--negative-prompt", negative]);
+    }
+    if case["noise_in"].is_string() {
+        command.args(["--noise-in", &f("noise_in")]);
+    }
+    assert!(command.status().unwrap().success());
+    let got = npy::read(&out.join("x.npy")).unwrap();
+    let want = npy::read(&fixtures.join(case["expected_latents"].as_str().unwrap())).unwrap();
+    assert_eq!(got.shape, want.shape);
+    let err = got.data.iter().zip(&want.data).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(err <= 1e-3, "latents differ by {err}");
+    let (_, _, a) = png_pixels(&std::fs::read(out.join("x.png")).unwrap()).unwrap();
+    let png = fixtures.join(case["expected_images"][0].as_str().unwrap());
+    let (_, _, b) = png_pixels(&std::fs::read(png).unwrap()).unwrap();
+    assert_eq!(a.len(), b.len());
+    let levels = a.iter().zip(&b).map(|(x, y)| (*x as i32 - *y as i32).abs()).max().unwrap();
+    assert!(levels <= 1, "PNG differs by {levels} levels");
+}
+
+#[test]
+fn generate_cli_runs_sdxl_and_an_absent_negative_prompt_is_not_an_empty_one() {
+    let out = std::env::temp_dir().join(format!("sluice-generate-xl-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for name in ["euler_absent_negative", "euler_empty_negative", "euler_a"] {
+        let case = Set::Sdxl.cases().into_iter().find(|c| c["name"] == name).unwrap();
+        generate_matches(Set::Sdxl, &case, &out);
+    }
+    std::fs::remove_dir_all(out).ok();
 }
 
 #[test]
@@ -218,45 +335,7 @@ fn generate_cli_reproduces_a_reference_case_with_its_flags() {
     let case = cases().into_iter().find(|c| c["name"] == "euler_a").unwrap();
     let out = std::env::temp_dir().join(format!("sluice-generate-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
-    let f = |p: &str| fixtures().join(case[p].as_str().unwrap()).display().to_string();
-    let status = std::process::Command::new(sluice_integration_tests::bin("sluice-worker"))
-        .args(["generate", "--model-path", &models().join("sd-tiny").display().to_string()])
-        .args(["--prompt", case["prompt"].as_str().unwrap()])
-        .args(["--negative-prompt", case["negative_prompt"].as_str().unwrap()])
-        .args([
-            "--steps",
-            "4",
-            "--guidance-scale",
-            "7.5",
-            "--sampler",
-            "euler_a",
-            "--width",
-            "64",
-            "--height",
-            "64",
-        ])
-        .args(["--num-images", "1", "--latents-in", &f("latents_in"), "--noise-in", &f("noise_in")])
-        .args([
-            "--out",
-            &out.join("x.png").display().to_string(),
-            "--latents-out",
-            &out.join("x.npy").display().to_string(),
-        ])
-        .env("ORT_DYLIB_PATH", &assets().unwrap()["ORT_DYLIB_PATH"])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let got = npy::read(&out.join("x.npy")).unwrap();
-    let want = npy::read(&fixtures().join(case["expected_latents"].as_str().unwrap())).unwrap();
-    assert_eq!(got.shape, want.shape);
-    let err = got.data.iter().zip(&want.data).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(err <= 1e-3, "latents differ by {err}");
-    let (_, _, a) = png_pixels(&std::fs::read(out.join("x.png")).unwrap()).unwrap();
-    let png = fixtures().join(case["expected_images"][0].as_str().unwrap());
-    let (_, _, b) = png_pixels(&std::fs::read(png).unwrap()).unwrap();
-    assert_eq!(a.len(), b.len());
-    let levels = a.iter().zip(&b).map(|(x, y)| (*x as i32 - *y as i32).abs()).max().unwrap();
-    assert!(levels <= 1, "PNG differs by {levels} levels");
+    generate_matches(Set::Sd, &case, &out);
     // Two images: x_0.png, x_1.png.
     let status = std::process::Command::new(sluice_integration_tests::bin("sluice-worker"))
         .args([
@@ -307,7 +386,7 @@ fn the_unet_loop_reports_each_step_and_stops_a_cancelled_task_between_steps() {
     let model = StableDiffusion::open(runtime(), "sd", &dir).unwrap();
     let request = |seed| SdRequest {
         prompt: "a lighthouse".into(),
-        negative_prompt: String::new(),
+        negative_prompt: Some(String::new()),
         steps: 8,
         guidance_scale: 7.5,
         sampler: Sampler::Euler,

@@ -487,8 +487,11 @@ impl Catalog {
         if prompt.trim().is_empty() {
             v.push(violation("prompt", format!("is required for model {}", model.name)));
         }
-        let negative_prompt = request.negative_prompt.unwrap_or_default();
-        for (field, text) in [("prompt", &prompt), ("negative_prompt", &negative_prompt)] {
+        let negative_prompt = request.negative_prompt;
+        for (field, text) in [
+            ("prompt", prompt.as_str()),
+            ("negative_prompt", negative_prompt.as_deref().unwrap_or("")),
+        ] {
             let n = text.chars().count();
             if n > model.max_prompt_chars {
                 v.push(violation(

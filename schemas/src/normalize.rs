@@ -121,7 +121,7 @@ pub(crate) fn normalize_terrain(request: TaskRequest, seed: impl FnOnce() -> u64
         request.model,
         Generation {
             prompt: request.prompt.unwrap_or_default(),
-            negative_prompt: request.negative_prompt.unwrap_or_default(),
+            negative_prompt: request.negative_prompt,
             steps: request.steps.unwrap_or(1),
             guidance_scale: request.guidance_scale.unwrap_or(1.0),
             seed: request.seed.unwrap_or_else(seed),

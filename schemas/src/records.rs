@@ -47,7 +47,9 @@ pub struct TaskRequest {
 #[serde(deny_unknown_fields)]
 pub struct Generation {
     pub prompt: String,
-    pub negative_prompt: String,
+    /// Absent is not empty (SDXL's `force_zeros_for_empty_prompt`): kept as the client sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub negative_prompt: Option<String>,
     pub steps: u32,
     pub guidance_scale: f64,
     pub seed: u64,

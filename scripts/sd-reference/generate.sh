@@ -13,11 +13,20 @@
 #                                                           manifest.json, README.md
 #   worker/src/models/diffusion/testdata/schedulers.json    scheduler timesteps/sigmas/traces
 #
+# With --sdxl it runs sdxl.py instead (the SDXL fixture, ~2.5 minutes with its rerun check) and writes
+# only (SD 1.x outputs untouched):
+#   integration-tests/fixtures/sdxl-tiny.tar.xz             sdxl-tiny/ (two text encoders, SDXL-shaped UNet)
+#   integration-tests/fixtures/sdxl-reference/              cases.json, per-case .npy/.npz/.png, tokens.json,
+#                                                           manifest.json, README.md
+#
 # The venv lives at ${SLUICE_CACHE:-$HOME/.cache/sluice}/venv-sd-reference and is reused: the install
 # is skipped when a marker holds requirements.txt's sha256, or when `pip freeze` already has every pin.
 #
-# Usage: bash scripts/sd-reference/generate.sh [--no-rerun-check]
+# Usage: bash scripts/sd-reference/generate.sh [--sdxl] [--no-rerun-check] [--work DIR]
+#   --sdxl             run sdxl.py (SDXL fixture) instead of generate.py (SD 1.x fixtures)
 #   --no-rerun-check   skip the second, independent run that checks the outputs are reproducible
+#   --work DIR         scratch directory (the exported models, unpacked tarball, rerun outputs), emptied
+#                      at the start and kept afterwards (default: a temporary directory, removed at exit)
 #   PYTHON=python3.11  interpreter used to create the venv (default: python3)
 set -euo pipefail
 
@@ -29,12 +38,17 @@ req="$here/requirements.txt"
 marker="$venv/.sluice-requirements.sha256"
 
 rerun=(--rerun-check)
-for arg in "$@"; do
-  case "$arg" in
+script=generate.py
+keep_work=
+while [ $# -gt 0 ]; do
+  case "$1" in
     --no-rerun-check) rerun=() ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+    --sdxl) script=sdxl.py ;;
+    --work) [ $# -ge 2 ] || { echo "--work needs a directory" >&2; exit 2; }; keep_work="$2"; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
+  shift
 done
 
 # Every pin in requirements.txt is in `pip freeze` (names compared case- and -/_-insensitively).
@@ -64,6 +78,17 @@ if [ "$(cat "$marker" 2>/dev/null || true)" != "$want" ]; then
 fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONHASHSEED=0
-work="$(mktemp -d "${TMPDIR:-/tmp}/sd-reference.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-"$venv/bin/python" "$here/generate.py" --out "$repo" --work "$work/work" "${rerun[@]}"
+if [ -n "$keep_work" ]; then
+  # the scripts delete DIR first: refuse a non-empty directory that is not an earlier work directory
+  if [ -d "$keep_work" ] && [ -n "$(ls -A "$keep_work")" ] && [ ! -d "$keep_work/tokenizer" ]; then
+    echo "--work $keep_work: not empty and not an earlier work directory (no tokenizer/); refusing to delete it" >&2
+    exit 2
+  fi
+  mkdir -p "$keep_work"
+  workdir="$(cd "$keep_work" && pwd)"
+else
+  work="$(mktemp -d "${TMPDIR:-/tmp}/sd-reference.XXXXXX")"
+  trap 'rm -rf "$work"' EXIT
+  workdir="$work/work"
+fi
+"$venv/bin/python" "$here/$script" --out "$repo" --work "$workdir" "${rerun[@]}"

@@ -330,7 +330,7 @@ mod tests {
             model: "sd".into(),
             request: Generation {
                 prompt: "p".into(),
-                negative_prompt: String::new(),
+                negative_prompt: None,
                 steps: 4,
                 guidance_scale: 7.5,
                 seed: 1,

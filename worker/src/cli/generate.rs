@@ -20,13 +20,15 @@ use sluice_worker::models::diffusion::{StableDiffusion, sampler_names};
 #[command(name = "sluice-worker generate")]
 pub struct GenerateArgs {
     /// The model directory (model_index.json, tokenizer/, text_encoder/, unet/, vae_decoder/,
-    /// scheduler/).
+    /// scheduler/; SDXL also tokenizer_2/, text_encoder_2/). The family is read from it.
     #[arg(long, env = "SLUICE_GENERATE_MODEL_PATH")]
     model_path: PathBuf,
     #[arg(long, env = "SLUICE_GENERATE_PROMPT")]
     prompt: String,
-    #[arg(long, env = "SLUICE_GENERATE_NEGATIVE_PROMPT", default_value = "")]
-    negative_prompt: String,
+    /// Absent is not empty: for SDXL (force_zeros_for_empty_prompt) an absent negative prompt
+    /// gives all-zero unconditional embeddings and `""` encodes the empty string, as diffusers.
+    #[arg(long, env = "SLUICE_GENERATE_NEGATIVE_PROMPT")]
+    negative_prompt: Option<String>,
     #[arg(long, env = "SLUICE_GENERATE_STEPS", default_value_t = 4)]
     steps: usize,
     #[arg(long, env = "SLUICE_GENERATE_GUIDANCE_SCALE", default_value_t = 7.5)]

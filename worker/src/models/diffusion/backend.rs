@@ -1,11 +1,13 @@
 //! The Stable Diffusion backend: text encoder, the UNet loop and the VAE decoder, three ONNX
-//! Runtime sessions on one engine thread.
+//! Runtime sessions on one engine thread (four for SDXL: its second text encoder).
 //!
 //! One call is one bucket (same size, sampler, steps and guidance mode), `rows` = images. Inputs
 //! per image row: `cond_ids` and (with classifier-free guidance) `uncond_ids` [n, 77] int64,
 //! `latents` [n, c, h/8, w/8] standard normal, `noise` [n, draws, c, h/8, w/8] (ancestral and
-//! LCM samplers), `guidance` [n]. Outputs: `images` [n, 3, H, W] in [0, 1], `latents` (the final,
-//! unscaled latents) and `cancelled` [n] (1 for images of a task cancelled mid-loop).
+//! LCM samplers), `guidance` [n]; SDXL adds `cond_ids_2`/`uncond_ids_2` (its second tokenizer)
+//! and, with guidance, `uncond_zero` [n] (1: all-zero unconditional embeddings). Outputs:
+//! `images` [n, 3, H, W] in [0, 1], `latents` (the final, unscaled latents) and `cancelled` [n]
+//! (1 for images of a task cancelled mid-loop).
 //!
 //! Every stage can run out of memory; the error goes back to the adaptive batcher, which halves
 //! the batch. The VAE decode, the classic high-resolution OOM, first falls back to one image at a
@@ -14,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::layout::SdLayout;
+use super::layout::{Family, SdLayout};
 use super::request::SdBucket;
 use super::schedulers::{ImageState, Schedule};
 use crate::engine::{Backend, Call, ElementKind, EngineError, InputInfo, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
@@ -63,10 +65,12 @@ impl TimestepFeed {
     }
 }
 
-/// The three sessions of a model, loaded on one engine thread.
+/// The sessions of a model, loaded on one engine thread.
 pub struct SdBackend {
     layout: Arc<SdLayout>,
     text_encoder: OrtBackend,
+    /// SDXL's second text encoder (with a projection: its `text_embeds` are the pooled input).
+    text_encoder_2: Option<OrtBackend>,
     unet: OrtBackend,
     vae_decoder: OrtBackend,
     timestep: TimestepFeed,
@@ -81,6 +85,10 @@ impl SdBackend {
         options: &SessionOptions,
     ) -> Result<SdBackend, EngineError> {
         let text_encoder = OrtBackend::load(runtime, &dir.join("text_encoder/model.onnx"), options)?;
+        let text_encoder_2 = match layout.family {
+            Family::Sd => None,
+            Family::Sdxl => Some(OrtBackend::load(runtime, &dir.join("text_encoder_2/model.onnx"), options)?),
+        };
         let unet = OrtBackend::load(runtime, &dir.join("unet/model.onnx"), options)?;
         let vae_decoder = OrtBackend::load(runtime, &dir.join("vae_decoder/model.onnx"), options)?;
         let unet_inputs = unet.inputs();
@@ -93,9 +101,17 @@ impl SdBackend {
                 if has_cond { "has" } else { "has no" }
             )));
         }
+        let has_added = ["text_embeds", "time_ids"].map(|name| unet_inputs.iter().any(|i| i.name == name));
+        if has_added != [layout.family == Family::Sdxl; 2] {
+            return Err(EngineError::Load(format!(
+                "unet: a {:?} model, but its `text_embeds` and `time_ids` inputs are {has_added:?} (SDXL's UNet takes both, SD 1.x/2.x's neither)",
+                layout.family
+            )));
+        }
         Ok(SdBackend {
             layout,
             text_encoder,
+            text_encoder_2,
             unet,
             vae_decoder,
             timestep,
@@ -111,39 +127,6 @@ impl SdBackend {
             Arc::new(Schedule::new(bucket.sampler, &self.layout.scheduler, bucket.steps).map_err(|e| EngineError::Run(e.to_string()))?);
         self.schedules.insert(bucket.clone(), schedule.clone());
         Ok(schedule)
-    }
-
-    /// `last_hidden_state` of every row of `ids` [n, seq], encoding each distinct prompt once.
-    fn encode(&mut self, ids: &Tensor) -> Result<Vec<f32>, EngineError> {
-        let seq = ids.shape[1];
-        let rows = ids.rows();
-        let mut distinct: Vec<&[i64]> = Vec::new();
-        let mut index = Vec::with_capacity(rows);
-        for r in 0..rows {
-            let row = ids
-                .i64_rows(r, r + 1)
-                .ok_or_else(|| EngineError::Run("token ids must be int64".into()))?;
-            let at = distinct.iter().position(|d| *d == row).unwrap_or_else(|| {
-                distinct.push(row);
-                distinct.len() - 1
-            });
-            index.push(at);
-        }
-        let batch = Tensor::i64("input_ids", vec![distinct.len(), seq], distinct.concat());
-        let out = self.text_encoder.run_tensors(&[batch])?;
-        let hidden = out
-            .iter()
-            .find(|t| t.name == "last_hidden_state")
-            .ok_or_else(|| EngineError::Run("text_encoder has no last_hidden_state output".into()))?;
-        let rows: Vec<&[f32]> = index
-            .iter()
-            .map(|&i| {
-                hidden
-                    .f32_rows(i, i + 1)
-                    .ok_or_else(|| EngineError::Run("last_hidden_state is not float32".into()))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(rows.concat())
     }
 
     /// Decodes unscaled latents [n, ...] to images in [0, 1]; one image at a time when the
@@ -179,6 +162,81 @@ impl SdBackend {
             other => other,
         }
     }
+}
+
+/// Which hidden states of a text encoder a pipeline reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hidden {
+    /// `last_hidden_state` (SD 1.x/2.x).
+    Last,
+    /// `hidden_states[-2]`, the penultimate layer's (SDXL, both encoders).
+    Penultimate,
+}
+
+/// Runs `encoder` on the token ids `ids` [n, seq], each distinct row once. Returns, per row, the
+/// `hidden` states [seq, d], and with `pooled` the `text_embeds` [p] (a projection's pooled
+/// output).
+fn encode(encoder: &mut OrtBackend, ids: &Tensor, hidden: Hidden, pooled: bool) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
+    let seq = ids.shape[1];
+    let rows = ids.rows();
+    let mut distinct: Vec<&[i64]> = Vec::new();
+    let mut index = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let row = ids
+            .i64_rows(r, r + 1)
+            .ok_or_else(|| EngineError::Run("token ids must be int64".into()))?;
+        let at = distinct.iter().position(|d| *d == row).unwrap_or_else(|| {
+            distinct.push(row);
+            distinct.len() - 1
+        });
+        index.push(at);
+    }
+    let batch = Tensor::i64("input_ids", vec![distinct.len(), seq], distinct.concat());
+    let out = encoder.run_tensors(&[batch])?;
+    let name = match hidden {
+        Hidden::Last => "last_hidden_state".to_owned(),
+        Hidden::Penultimate => {
+            let layers = out
+                .iter()
+                .filter_map(|t| t.name.strip_prefix("hidden_states.")?.parse::<usize>().ok())
+                .max()
+                .filter(|&last| last >= 1)
+                .ok_or_else(|| EngineError::Run("text encoder has no `hidden_states.N` outputs (SDXL reads the penultimate)".into()))?;
+            format!("hidden_states.{}", layers - 1)
+        }
+    };
+    let per_row = |name: &str| -> Result<Vec<f32>, EngineError> {
+        let t = out
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| EngineError::Run(format!("text encoder has no `{name}` output")))?;
+        let rows: Vec<&[f32]> = index
+            .iter()
+            .map(|&i| {
+                t.f32_rows(i, i + 1)
+                    .ok_or_else(|| EngineError::Run(format!("`{name}` is not float32")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(rows.concat())
+    };
+    Ok((per_row(&name)?, if pooled { Some(per_row("text_embeds")?) } else { None }))
+}
+
+/// Two encoders' hidden states joined along the features of each of `tokens` tokens, as SDXL's
+/// `torch.concat(prompt_embeds_list, dim=-1)`.
+fn join_features(a: &[f32], b: &[f32], tokens: usize) -> Result<Vec<f32>, EngineError> {
+    if tokens == 0 || !a.len().is_multiple_of(tokens) || !b.len().is_multiple_of(tokens) {
+        return Err(EngineError::Run(format!(
+            "text encoders gave {} and {} values for {tokens} tokens",
+            a.len(),
+            b.len()
+        )));
+    }
+    let (da, db) = (a.len() / tokens, b.len() / tokens);
+    Ok(a.chunks(da)
+        .zip(b.chunks(db))
+        .flat_map(|(x, y)| x.iter().chain(y).copied())
+        .collect())
 }
 
 fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, EngineError> {
@@ -219,7 +277,7 @@ impl Backend for SdBackend {
         let latent_shape = latents_in.shape.clone();
         let per_image: usize = latent_shape[1..].iter().product();
         let guidance = floats(input(call, "guidance")?)?.to_vec();
-        let text = self.conditioning(call, n, bucket.cfg, &guidance)?;
+        let text = self.conditioning(call, &bucket, n, &guidance)?;
         let noise = if schedule.noise_draws() > 0 {
             Some(floats(input(call, "noise")?)?)
         } else {
@@ -278,6 +336,9 @@ impl Backend for SdBackend {
 
     fn release_memory(&mut self) {
         self.text_encoder.release_memory();
+        if let Some(second) = self.text_encoder_2.as_mut() {
+            second.release_memory();
+        }
         self.unet.release_memory();
         self.vae_decoder.release_memory();
     }
@@ -288,8 +349,8 @@ impl Backend for SdBackend {
 }
 
 /// A call's text conditioning, per image row: the prompts' hidden states, the negative prompts'
-/// when guidance runs the UNet on `[uncond, cond]`, and the guidance-scale embedding of models
-/// distilled with it (LCM).
+/// when guidance runs the UNet on `[uncond, cond]`, the guidance-scale embedding of models
+/// distilled with it (LCM), and SDXL's added conditions.
 struct Conditioning {
     cond: Vec<f32>,
     uncond: Option<Vec<f32>>,
@@ -298,31 +359,76 @@ struct Conditioning {
     seq: usize,
     /// `timestep_cond` rows, `dim` values each.
     time_cond: Option<(Vec<f32>, usize)>,
+    /// SDXL's `text_embeds` and `time_ids`.
+    added: Option<Added>,
+}
+
+/// SDXL's added conditions: the second encoder's pooled embeddings (`text_embeds`), per row and
+/// per half of the guidance batch, and the size conditioning `time_ids`, the same for every row
+/// of a call (original size, crop top-left (0, 0), target size).
+struct Added {
+    pooled: Vec<f32>,
+    uncond_pooled: Option<Vec<f32>>,
+    dim: usize,
+    time_ids: [f32; 6],
 }
 
 impl SdBackend {
-    /// Encodes a call's prompts (and negative prompts with guidance) on the text encoder; `rows`
-    /// image rows.
-    fn conditioning(&mut self, call: &Call, rows: usize, cfg: bool, guidance: &[f32]) -> Result<Conditioning, EngineError> {
-        let ids = input(call, "cond_ids")?;
-        let seq = ids.shape[1];
-        let cond = self.encode(ids)?;
-        let uncond = if cfg {
-            Some(self.encode(input(call, "uncond_ids")?)?)
-        } else {
-            None
+    /// Encodes a call's prompts (and negative prompts with guidance) on the text encoders; `rows`
+    /// image rows of `bucket`.
+    fn conditioning(&mut self, call: &Call, bucket: &SdBucket, rows: usize, guidance: &[f32]) -> Result<Conditioning, EngineError> {
+        let seq = input(call, "cond_ids")?.shape[1];
+        let (cond, pooled) = self.encode_prompts(call, "cond", rows * seq)?;
+        let (mut uncond, mut uncond_pooled) = match bucket.cfg {
+            true => {
+                let (hidden, pooled) = self.encode_prompts(call, "uncond", rows * seq)?;
+                (Some(hidden), pooled)
+            }
+            false => (None, None),
         };
+        if let (Some(uncond), Ok(zero)) = (uncond.as_mut(), input(call, "uncond_zero")) {
+            // SDXL's force_zeros_for_empty_prompt: rows whose negative prompt is absent.
+            zero_rows(uncond, floats(zero)?);
+            if let Some(p) = uncond_pooled.as_mut() {
+                zero_rows(p, floats(zero)?);
+            }
+        }
         let time_cond = self
             .layout
             .time_cond_dim
             .map(|dim| (guidance.iter().flat_map(|&g| guidance_embedding(g - 1.0, dim)).collect(), dim));
+        let added = pooled.map(|pooled| {
+            let (h, w) = (bucket.height as f32, bucket.width as f32);
+            Added {
+                dim: pooled.len() / rows,
+                pooled,
+                uncond_pooled: uncond_pooled.take(),
+                time_ids: [h, w, 0.0, 0.0, h, w],
+            }
+        });
         Ok(Conditioning {
             per_row: cond.len() / rows,
             cond,
             uncond,
             seq,
             time_cond,
+            added,
         })
+    }
+
+    /// The hidden states [rows, seq, D] of the `{which}_ids` prompts (`tokens` = rows × seq) and,
+    /// for SDXL, their pooled embeddings: both encoders' penultimate states joined, the second's
+    /// `text_embeds`.
+    fn encode_prompts(&mut self, call: &Call, which: &str, tokens: usize) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
+        let ids = input(call, &format!("{which}_ids"))?;
+        match &mut self.text_encoder_2 {
+            None => encode(&mut self.text_encoder, ids, Hidden::Last, false),
+            Some(second) => {
+                let (first_hidden, _) = encode(&mut self.text_encoder, ids, Hidden::Penultimate, false)?;
+                let (second_hidden, pooled) = encode(second, input(call, &format!("{which}_ids_2"))?, Hidden::Penultimate, true)?;
+                Ok((join_features(&first_hidden, &second_hidden, tokens)?, pooled))
+            }
+        }
     }
 
     /// One UNet call's inputs for the `active` rows at timestep `t`: `sample` (their scaled
@@ -360,6 +466,17 @@ impl SdBackend {
             };
             inputs.push(Tensor::f32("timestep_cond", vec![rows, dim], rows_tc));
         }
+        if let Some(added) = &text.added {
+            let dim = added.dim;
+            let mut pooled = Vec::with_capacity(rows * dim);
+            for half in [added.uncond_pooled.as_ref(), Some(&added.pooled)].into_iter().flatten() {
+                for &r in active {
+                    pooled.extend_from_slice(&half[r * dim..(r + 1) * dim]);
+                }
+            }
+            inputs.push(Tensor::f32("text_embeds", vec![rows, dim], pooled));
+            inputs.push(Tensor::f32("time_ids", vec![rows, 6], added.time_ids.repeat(rows)));
+        }
         (inputs, rows)
     }
 
@@ -382,8 +499,6 @@ impl SdBackend {
     }
 }
 
-/// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two
-/// predictions.
 /// The latents of a call's image rows as the denoising loop advances them, with each row's
 /// sampler state and its noise draws.
 struct Rows<'a> {
@@ -462,6 +577,21 @@ fn row_owners(call: &Call, n: usize) -> Result<Vec<usize>, EngineError> {
     Ok(owner)
 }
 
+/// Zeroes the rows of `values` (equal parts, one per entry of `zero`) whose flag is set.
+fn zero_rows(values: &mut [f32], zero: &[f32]) {
+    if zero.is_empty() {
+        return;
+    }
+    let per = values.len() / zero.len();
+    for (row, &z) in values.chunks_mut(per.max(1)).zip(zero) {
+        if z > 0.0 {
+            row.fill(0.0);
+        }
+    }
+}
+
+/// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two
+/// predictions.
 fn guided(uncond: &[f32], cond: &[f32], g: f32) -> Vec<f32> {
     uncond.iter().zip(cond).map(|(u, c)| u + g * (c - u)).collect()
 }

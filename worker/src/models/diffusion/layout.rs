@@ -9,6 +9,10 @@
 //! unet/{model.onnx, config.json}   (+ model.onnx_data)
 //! vae_decoder/{model.onnx, config.json}
 //! ```
+//!
+//! SDXL (`StableDiffusionXLPipeline` in `model_index.json`, or a `text_encoder_2/`) adds
+//! `text_encoder_2/model.onnx` and `tokenizer_2/`, and its UNet takes `text_embeds` and
+//! `time_ids`.
 
 use std::path::{Path, PathBuf};
 
@@ -30,6 +34,24 @@ pub const REQUIRED_FILES: [&str; 9] = [
     "vae_decoder/config.json",
 ];
 
+/// Files an SDXL directory has besides [`REQUIRED_FILES`].
+pub const SDXL_FILES: [&str; 4] = [
+    "text_encoder_2/model.onnx",
+    "tokenizer_2/vocab.json",
+    "tokenizer_2/merges.txt",
+    "tokenizer_2/tokenizer_config.json",
+];
+
+/// Which pipeline a model directory is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Stable Diffusion 1.x/2.x, SD-Turbo, LCM: one CLIP text encoder, its last hidden state.
+    Sd,
+    /// SDXL and SDXL-Turbo: two text encoders, their penultimate hidden states joined, the second
+    /// one's pooled embedding and the size conditioning (`time_ids`) into the UNet.
+    Sdxl,
+}
+
 #[derive(Debug, Error)]
 pub enum LayoutError {
     #[error("{dir}: {file} is missing (expected the Optimum ONNX layout: optimum-cli export onnx --task text-to-image)")]
@@ -45,9 +67,15 @@ pub enum LayoutError {
 /// What the CPU side of the pipeline needs from a model directory.
 pub struct SdLayout {
     pub dir: PathBuf,
+    pub family: Family,
     pub tokenizer: ClipTokenizer,
+    /// SDXL's second tokenizer (pads with `!`).
+    pub tokenizer_2: Option<ClipTokenizer>,
+    /// SDXL: an absent negative prompt gives all-zero unconditional embeddings
+    /// (`model_index.json` `force_zeros_for_empty_prompt`, true unless it says otherwise).
+    pub force_zeros_for_empty_prompt: bool,
     pub scheduler: SchedulerConfig,
-    /// `vae_decoder/config.json` `scaling_factor` (0.18215 for SD 1.x/2.x).
+    /// `vae_decoder/config.json` `scaling_factor` (0.18215 for SD 1.x/2.x, 0.13025 for SDXL).
     pub scaling_factor: f32,
     /// Pixels per latent along each axis: 2^(VAE blocks - 1), 8 for every SD.
     pub vae_scale: usize,
@@ -62,13 +90,30 @@ pub struct SdLayout {
 }
 
 impl SdLayout {
-    /// Checks every required file and reads the configs and the tokenizer.
+    /// Checks every required file and reads the configs and the tokenizers.
     pub fn open(dir: &Path) -> Result<SdLayout, LayoutError> {
-        for file in REQUIRED_FILES {
+        let index = match std::fs::read_to_string(dir.join("model_index.json")) {
+            Ok(text) => super::python_json::parse(&text).map_err(|e| LayoutError::Config {
+                file: dir.join("model_index.json").display().to_string(),
+                reason: e.to_string(),
+            })?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let xl_class = index["_class_name"].as_str().is_some_and(|c| c.contains("StableDiffusionXL"));
+        let family = if xl_class || dir.join("text_encoder_2").is_dir() {
+            Family::Sdxl
+        } else {
+            Family::Sd
+        };
+        let extra: &[&str] = match family {
+            Family::Sd => &[],
+            Family::Sdxl => &SDXL_FILES,
+        };
+        for file in REQUIRED_FILES.iter().chain(extra) {
             if !dir.join(file).is_file() {
                 return Err(LayoutError::Missing {
                     dir: dir.display().to_string(),
-                    file: file.to_owned(),
+                    file: (*file).to_owned(),
                 });
             }
         }
@@ -100,7 +145,13 @@ impl SdLayout {
         let time_cond_dim = unet["time_cond_proj_dim"].as_u64().map(|d| d as usize);
         Ok(SdLayout {
             dir: dir.to_owned(),
+            family,
             tokenizer: ClipTokenizer::load(&dir.join("tokenizer"))?,
+            tokenizer_2: match family {
+                Family::Sd => None,
+                Family::Sdxl => Some(ClipTokenizer::load(&dir.join("tokenizer_2"))?),
+            },
+            force_zeros_for_empty_prompt: family == Family::Sdxl && index["force_zeros_for_empty_prompt"].as_bool().unwrap_or(true),
             scheduler,
             scaling_factor,
             vae_scale,

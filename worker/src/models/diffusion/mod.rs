@@ -2,7 +2,7 @@
 //! text encoder, a UNet loop under one of the [`schedulers`], the VAE decoder.
 //!
 //! The pieces are split so that SDXL can reuse them: [`layout`] reads a model directory,
-//! [`request`] turns a task into inputs and outputs into PNGs, [`denoise`] runs the sessions.
+//! [`request`] turns a task into inputs and outputs into PNGs, [`backend`] runs the sessions.
 
 pub mod backend;
 pub mod layout;

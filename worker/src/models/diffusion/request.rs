@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use super::layout::SdLayout;
+use super::layout::{Family, SdLayout};
 use super::schedulers::{Sampler, Schedule};
 use crate::engine::{CallKey, Tensor};
 use crate::models::encode::{self, Image};
@@ -52,7 +52,10 @@ impl std::fmt::Display for SdBucket {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SdRequest {
     pub prompt: String,
-    pub negative_prompt: String,
+    /// Absent is not empty: for SDXL with `force_zeros_for_empty_prompt` an absent negative
+    /// prompt gives all-zero unconditional embeddings, `""` is encoded (diffusers' rule); for
+    /// SD 1.x/2.x absent is `""`.
+    pub negative_prompt: Option<String>,
     pub steps: usize,
     pub guidance_scale: f32,
     pub sampler: Sampler,
@@ -114,6 +117,32 @@ impl SdRequest {
         (latents, noise)
     }
 
+    /// The token ids of the prompt (`cond_ids`) and, with guidance, of the negative prompt
+    /// (`uncond_ids`), one row per image; SDXL's second tokenizer's as `cond_ids_2` and
+    /// `uncond_ids_2`, and `uncond_zero` [n] (1 where the unconditional embeddings are zeros).
+    fn prompt_inputs(&self, layout: &SdLayout) -> Result<Vec<Tensor>, String> {
+        let n = self.num_images;
+        let negative = self.negative_prompt.as_deref().unwrap_or("");
+        let zeroed = self.negative_prompt.is_none() && layout.force_zeros_for_empty_prompt;
+        let tokenizers = std::iter::once(("", &layout.tokenizer)).chain(layout.tokenizer_2.as_ref().map(|t| ("_2", t)));
+        let mut inputs = Vec::new();
+        for (suffix, tokenizer) in tokenizers {
+            let ids = |text: &str| -> Result<Vec<i64>, String> {
+                let ids = tokenizer.encode(text).map_err(|e| e.to_string())?;
+                Ok((0..n).flat_map(|_| ids.iter().map(|&i| i as i64)).collect())
+            };
+            let len = tokenizer.max_length();
+            inputs.push(Tensor::i64(format!("cond_ids{suffix}"), vec![n, len], ids(&self.prompt)?));
+            if self.cfg(layout) {
+                inputs.push(Tensor::i64(format!("uncond_ids{suffix}"), vec![n, len], ids(negative)?));
+            }
+        }
+        if layout.family == Family::Sdxl && self.cfg(layout) {
+            inputs.push(Tensor::f32("uncond_zero", vec![n], vec![if zeroed { 1.0 } else { 0.0 }; n]));
+        }
+        Ok(inputs)
+    }
+
     /// The model inputs, from standard-normal `latents` [images, c, h, w] and `noise`
     /// [images, draws, c, h, w] (empty when the sampler draws none).
     pub fn inputs(&self, layout: &SdLayout, latents: Vec<f32>, noise: Vec<f32>, draws: usize) -> Result<Vec<Tensor>, String> {
@@ -126,16 +155,7 @@ impl SdRequest {
         if noise.len() != n * draws * per {
             return Err(format!("noise has {} values, expected {n}x{draws}x{dims:?}", noise.len()));
         }
-        let ids = |text: &str| -> Result<Vec<i64>, String> {
-            let ids = layout.tokenizer.encode(text).map_err(|e| e.to_string())?;
-            Ok(ids.iter().map(|&i| i as i64).collect())
-        };
-        let len = layout.tokenizer.max_length();
-        let repeat = |row: Vec<i64>| -> Vec<i64> { (0..n).flat_map(|_| row.iter().copied()).collect() };
-        let mut inputs = vec![Tensor::i64("cond_ids", vec![n, len], repeat(ids(&self.prompt)?))];
-        if self.cfg(layout) {
-            inputs.push(Tensor::i64("uncond_ids", vec![n, len], repeat(ids(&self.negative_prompt)?)));
-        }
+        let mut inputs = self.prompt_inputs(layout)?;
         inputs.push(Tensor::f32("latents", vec![n, dims[0], dims[1], dims[2]], latents));
         if draws > 0 {
             inputs.push(Tensor::f32("noise", vec![n, draws, dims[0], dims[1], dims[2]], noise));

@@ -92,8 +92,13 @@ impl ClipTokenizer {
             PreTokenizerWrapper::Split(split),
             PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
         ]))));
-        // Written in a prompt, the start and end markers are those tokens, as in transformers.
-        tokenizer.add_special_tokens(&[AddedToken::from(bos.clone(), true), AddedToken::from(eos.clone(), true)]);
+        // Written in a prompt, the start, end and padding markers are those tokens, as in
+        // transformers (SDXL's second tokenizer pads with `!`: a `!` in a prompt is id 0 there).
+        let mut specials = vec![AddedToken::from(bos.clone(), true), AddedToken::from(eos.clone(), true)];
+        if pad != bos && pad != eos {
+            specials.push(AddedToken::from(pad.clone(), true));
+        }
+        tokenizer.add_special_tokens(&specials);
         let id = |token: &str| {
             tokenizer
                 .token_to_id(token)
