@@ -87,6 +87,56 @@ async fn prompts_with_every_sampler_become_pngs_in_s3_and_a_seed_repeats_its_byt
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn sdxl_prompts_become_pngs_and_an_absent_negative_prompt_is_not_an_empty_one() {
+    let c = cluster().await;
+    let base = json!({"model": "sdxl-tiny", "prompt": "a lighthouse at dusk", "seed": 7, "steps": 4});
+    let with = |extra: Value| {
+        let mut body = base.clone();
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let mut requested = HashMap::new();
+    for (name, body, size) in [
+        ("absent", base.clone(), (64u32, 64u32, 1u32)),
+        ("absent again", base.clone(), (64, 64, 1)),
+        ("empty", with(json!({"negative_prompt": ""})), (64, 64, 1)),
+        ("negative", with(json!({"negative_prompt": "blurry"})), (64, 64, 1)),
+        (
+            "two, 96x64, euler_a",
+            with(json!({"sampler": "euler_a", "width": 96, "height": 64, "num_images": 2})),
+            (96, 64, 2),
+        ),
+        (
+            "turbo-like",
+            with(json!({"sampler": "euler_a", "steps": 1, "guidance_scale": 0.0})),
+            (64, 64, 1),
+        ),
+    ] {
+        requested.insert(name, (c.submit_ok(&body).await.unwrap(), size));
+    }
+    let ids: BTreeSet<String> = requested.values().map(|(id, _)| id.clone()).collect();
+    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
+    let sink = c.stack.sink().unwrap();
+    let mut first = HashMap::new();
+    for (name, (id, (w, h, n))) in &requested {
+        let event = &completions[id];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{name}: {event:?}");
+        assert_eq!((event.model.as_str(), event.outputs.len()), ("sdxl-tiny", *n as usize), "{name}");
+        for output in &event.outputs {
+            let (pw, ph, ..) = png_info(&sink.read(&output.key).await.unwrap()).unwrap();
+            assert_eq!((pw, ph), (*w, *h), "PNG size of {name}");
+        }
+        first.insert(*name, event.outputs[0].sha256.clone());
+    }
+    assert_eq!(first["absent"], first["absent again"], "same record, same bytes");
+    assert_ne!(
+        first["absent"], first["empty"],
+        "an absent negative prompt zeroes the unconditional embeddings; \"\" is encoded"
+    );
+    assert_ne!(first["empty"], first["negative"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn the_catalog_bounds_requests_and_lists_the_models() {
     let c = cluster().await;
     let models: Value = reqwest::get(format!("{}/v1/models", c.producer_url))
@@ -101,7 +151,7 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
         .iter()
         .map(|m| m["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["terrain", "sd-tiny"]);
+    assert_eq!(names, ["terrain", "sd-tiny", "sdxl-tiny"]);
     let sd = &models["models"][1];
     assert_eq!(sd["kind"], "stable-diffusion");
     assert_eq!(sd["width"], json!({"min": 64, "max": 256, "default": 64}));
@@ -127,7 +177,10 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
             .collect();
         assert!(fields.contains(&field), "{body}: {reply}");
         if field == "model" {
-            assert!(reply.to_string().contains("terrain, sd-tiny"), "lists the served models: {reply}");
+            assert!(
+                reply.to_string().contains("terrain, sd-tiny, sdxl-tiny"),
+                "lists the served models: {reply}"
+            );
         }
     }
 }

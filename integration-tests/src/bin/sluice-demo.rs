@@ -18,13 +18,15 @@ use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
 
 const DIFFICULTIES: [u32; 8] = [1, 15, 30, 45, 60, 75, 90, 100];
 const SIZE: u32 = 256;
-/// Prompts for the tiny SD model (random weights: the images are noise-like patterns, but each
-/// prompt, sampler and seed gives its own).
-const PROMPTS: [(&str, &str); 4] = [
-    ("a lighthouse on a cliff at dusk", "euler"),
-    ("a red bicycle in the rain", "euler_a"),
-    ("an astronaut riding a horse on mars", "dpmpp_2m_karras"),
-    ("a bowl of ramen, studio photo", "lcm"),
+/// Prompts for the tiny SD and SDXL models (random weights: the images are noise-like patterns,
+/// but each prompt, sampler and seed gives its own): model, prompt, sampler.
+const PROMPTS: [(&str, &str, &str); 6] = [
+    ("sd-tiny", "a lighthouse on a cliff at dusk", "euler"),
+    ("sd-tiny", "a red bicycle in the rain", "euler_a"),
+    ("sd-tiny", "an astronaut riding a horse on mars", "dpmpp_2m_karras"),
+    ("sd-tiny", "a bowl of ramen, studio photo", "lcm"),
+    ("sdxl-tiny", "a lighthouse on a cliff at dusk", "euler"),
+    ("sdxl-tiny", "a fox in the snow, watercolor", "dpmpp_2m"),
 ];
 
 #[tokio::main]
@@ -78,10 +80,10 @@ async fn main() -> anyhow::Result<()> {
             (body, format!("terrain d={d}"))
         })
         .collect();
-    for (i, (prompt, sampler)) in PROMPTS.iter().enumerate() {
-        let body = json!({"model": "sd-tiny", "prompt": prompt, "negative_prompt": "blurry", "sampler": sampler,
+    for (i, (model, prompt, sampler)) in PROMPTS.iter().enumerate() {
+        let body = json!({"model": model, "prompt": prompt, "negative_prompt": "blurry", "sampler": sampler,
             "steps": 8, "width": 128, "height": 128, "seed": 2000 + i});
-        bodies.push((body, format!("sd-tiny {sampler}")));
+        bodies.push((body, format!("{model} {sampler}")));
     }
     for (body, label) in bodies {
         let reply: serde_json::Value = client
@@ -96,7 +98,7 @@ async fn main() -> anyhow::Result<()> {
         submitted.push((reply["task_id"].as_str().context("task_id")?.to_owned(), label));
     }
     println!(
-        "submitted {} terrain tasks ({SIZE}x{SIZE}, {} tiles each) and {} text-to-image tasks (128x128, 8 steps) over HTTP; waiting for completions…",
+        "submitted {} terrain tasks ({SIZE}x{SIZE}, {} tiles each) and {} text-to-image tasks (SD and SDXL, 128x128, 8 steps) over HTTP; waiting for completions…",
         DIFFICULTIES.len(),
         tiles(SIZE),
         PROMPTS.len()
