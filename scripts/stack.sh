@@ -246,6 +246,7 @@ write_env() {
   local sd; sd="$(sed -n 's/^export SLUICE_SD_TINY=//p' <<<"$assets")"
   ln -sfn "$sd/sd-tiny" "$dir/models/sd-tiny"
   ln -sfn "$sd/sdxl-tiny" "$dir/models/sdxl-tiny"
+  ln -sfn "$sd/sd-tiny-inpaint" "$dir/models/sd-tiny-inpaint"
   cat >"$dir/env.tmp" <<ENV
 # Written by scripts/stack.sh; source it: . $dir/env
 export SLUICE_STACK_DIR=$dir
@@ -256,6 +257,7 @@ export AWS_SECRET_ACCESS_KEY=$SECRET_KEY
 export AWS_REGION=us-east-1
 export AWS_ALLOW_HTTP=true
 export SLUICE_OUTPUT_URL=s3://$BUCKET/outputs
+export SLUICE_INPUT_URL=s3://$BUCKET/inputs
 export SLUICE_MODEL_DIR=$dir/models
 $(grep -E '^export (ORT_DYLIB_PATH|SLUICE_ONNX_PYTHON|SLUICE_SD_TINY)=' <<<"$assets")
 ENV

@@ -1335,7 +1335,7 @@ async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
                 alone: None,
             })
         }
-        fn prepare(&self, task: &sluice_schemas::TaskRecord) -> Result<Prepared, ModelError> {
+        fn prepare(&self, task: &sluice_schemas::TaskRecord, _inputs: &sluice_worker::models::InputImages) -> Result<Prepared, ModelError> {
             let r = &task.request;
             Ok(Prepared {
                 inputs: vec![Tensor::f32("seed", vec![1], vec![r.seed as f32])],

@@ -136,6 +136,195 @@ async fn sdxl_prompts_become_pngs_and_an_absent_negative_prompt_is_not_an_empty_
     assert_ne!(first["empty"], first["negative"]);
 }
 
+/// An RGB image of `w` × `h` as a data URL: a gradient, or (`mask`) black with a white square in
+/// the middle; PNG, or JPEG where `jpeg`.
+fn image_url(w: u32, h: u32, mask: bool, jpeg: bool) -> String {
+    let img = image::RgbImage::from_fn(w, h, |x, y| match mask {
+        false => image::Rgb([(x * 255 / w) as u8, (y * 255 / h) as u8, 96]),
+        true if (w / 4..3 * w / 4).contains(&x) && (h / 4..3 * h / 4).contains(&y) => image::Rgb([255; 3]),
+        true => image::Rgb([0; 3]),
+    });
+    let (format, mime) = match jpeg {
+        true => (image::ImageFormat::Jpeg, "image/jpeg"),
+        false => (image::ImageFormat::Png, "image/png"),
+    };
+    let mut bytes = Vec::new();
+    image::DynamicImage::ImageRgb8(img)
+        .write_to(&mut std::io::Cursor::new(&mut bytes), format)
+        .unwrap();
+    format!("data:{mime};base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+/// img2img and inpainting over HTTP: input images sent as data URLs (PNG and JPEG) are stored
+/// by the producer under their hash, read and checked by the worker, and the tasks become PNGs
+/// of their size: img2img on SD and SDXL at two strengths, inpainting with an ordinary UNet
+/// (blending) and with a 9-channel inpainting UNet, two images per task. The same image twice
+/// is stored once; a strength changes the result.
+#[tokio::test(flavor = "multi_thread")]
+async fn img2img_and_inpainting_tasks_with_images_sent_inline_become_pngs() {
+    let c = cluster().await;
+    let init = image_url(96, 64, false, false);
+    let mask = image_url(96, 64, true, false);
+    let size = json!({"width": 96, "height": 64, "prompt": "a lighthouse at dusk", "seed": 11, "steps": 4});
+    let task = |extra: Value| {
+        let mut body = size.clone();
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let mut requested = HashMap::new();
+    for (name, body, n) in [
+        (
+            "sd img2img 0.75",
+            task(json!({"model": "sd-tiny", "init_image": init, "strength": 0.75})),
+            1u32,
+        ),
+        (
+            "sd img2img 0.5",
+            task(json!({"model": "sd-tiny", "init_image": init, "strength": 0.5})),
+            1,
+        ),
+        (
+            "sd img2img jpeg, euler_a, 2 images",
+            task(json!({"model": "sd-tiny", "init_image": image_url(96, 64, false, true), "sampler": "euler_a", "num_images": 2})),
+            2,
+        ),
+        (
+            "sdxl img2img",
+            task(json!({"model": "sdxl-tiny", "init_image": init, "strength": 0.6})),
+            1,
+        ),
+        (
+            "sd inpaint (blend)",
+            task(json!({"model": "sd-tiny", "init_image": init, "mask_image": mask})),
+            1,
+        ),
+        (
+            "9-channel inpaint, 2 images",
+            task(json!({"model": "sd-tiny-inpaint", "init_image": init, "mask_image": mask, "num_images": 2})),
+            2,
+        ),
+        (
+            "sdxl inpaint",
+            task(json!({"model": "sdxl-tiny", "init_image": init, "mask_image": mask, "strength": 0.75})),
+            1,
+        ),
+    ] {
+        requested.insert(name, (c.submit_ok(&body).await.unwrap(), n));
+    }
+    let ids: BTreeSet<String> = requested.values().map(|(id, _)| id.clone()).collect();
+    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
+    let sink = c.stack.sink().unwrap();
+    let mut first = HashMap::new();
+    for (name, (id, n)) in &requested {
+        let event = &completions[id];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{name}: {event:?}");
+        assert_eq!(event.outputs.len(), *n as usize, "{name}");
+        for output in &event.outputs {
+            let (pw, ph, ..) = png_info(&sink.read(&output.key).await.unwrap()).unwrap();
+            assert_eq!((pw, ph), (96, 64), "PNG size of {name}");
+        }
+        first.insert(*name, event.outputs[0].sha256.clone());
+    }
+    assert_ne!(first["sd img2img 0.75"], first["sd img2img 0.5"], "strength changes the result");
+    // The records carry references, not pixels: the init image is stored once, under its hash.
+    let records =
+        sluice_integration_tests::TopicReader::snapshot(c.stack.brokers(), sluice_schemas::topics::TASKS, Duration::from_secs(5)).unwrap();
+    let refs: Vec<Value> = records
+        .iter()
+        .filter_map(|r| serde_json::from_slice::<Value>(&r.value).ok())
+        .filter(|v| ids.contains(v["task_id"].as_str().unwrap_or_default()))
+        .map(|v| v["request"]["init_image"].clone())
+        .collect();
+    assert_eq!(refs.len(), ids.len());
+    let largest = records.iter().map(|r| r.value.len()).max().unwrap();
+    assert!(largest < 4096, "records stay small: {largest} bytes");
+    let key = refs[0]["key"].as_str().unwrap();
+    assert_eq!(key, format!("{}.png", refs[0]["sha256"].as_str().unwrap()));
+    let stored = sink.read(&format!("inputs/{key}")).await.unwrap();
+    assert_eq!(sha256_hex(&stored), refs[0]["sha256"].as_str().unwrap());
+}
+
+/// Hostile or unusable input images are 400s naming the field, and nothing is published.
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_images_are_refused_naming_the_field() {
+    let c = cluster().await;
+    // A PNG that claims 30000 x 30000 pixels: refused from its header.
+    let bomb = {
+        let mut bytes = Vec::new();
+        {
+            let mut encoder = png::Encoder::new(&mut bytes, 30_000, 30_000);
+            encoder.set_color(png::ColorType::Grayscale);
+            let mut writer = encoder.write_header().unwrap();
+            // A little data: the header is all a decoder needs to refuse it.
+            writer.write_chunk(png::chunk::IDAT, &[0u8; 64]).unwrap();
+        }
+        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+    };
+    let init = image_url(64, 64, false, false);
+    for (body, field, says) in [
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": image_url(96, 64, false, false)}),
+            "init_image",
+            "the image is 96x64, the task 64x64",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": init, "mask_image": image_url(96, 64, true, false)}),
+            "mask_image",
+            "96x64",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": "data:image/png;base64,not-base64!"}),
+            "init_image",
+            "not base64",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": "data:image/png;base64,aGVsbG8="}),
+            "init_image",
+            "not a readable png",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": "data:image/gif;base64,R0lGODlh"}),
+            "init_image",
+            "",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": "https://example.com/a.png"}),
+            "init_image",
+            "",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": bomb}),
+            "init_image",
+            "not a readable png",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "mask_image": init}),
+            "init_image",
+            "is required",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": init, "strength": 0}),
+            "strength",
+            "",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": init, "strength": 0.1, "steps": 4}),
+            "strength",
+            "runs no step",
+        ),
+        (json!({"model": "terrain", "init_image": init}), "init_image", ""),
+    ] {
+        let (status, reply) = c.submit(&body).await.unwrap();
+        assert_eq!(status, 400, "{field} {says}: {reply}");
+        let named = reply["fields"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["field"].as_str().unwrap().starts_with(field) && f["message"].as_str().unwrap().contains(says));
+        assert!(named, "{field} {says}: {reply}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_catalog_bounds_requests_and_lists_the_models() {
     let c = cluster().await;
@@ -151,7 +340,7 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
         .iter()
         .map(|m| m["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["terrain", "sd-tiny", "sdxl-tiny"]);
+    assert_eq!(names, ["terrain", "sd-tiny", "sdxl-tiny", "sd-tiny-inpaint"]);
     let sd = &models["models"][1];
     assert_eq!(sd["kind"], "stable-diffusion");
     assert_eq!(sd["width"], json!({"min": 64, "max": 256, "default": 64}));
@@ -178,7 +367,7 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
         assert!(fields.contains(&field), "{body}: {reply}");
         if field == "model" {
             assert!(
-                reply.to_string().contains("terrain, sd-tiny, sdxl-tiny"),
+                reply.to_string().contains("terrain, sd-tiny, sdxl-tiny, sd-tiny-inpaint"),
                 "lists the served models: {reply}"
             );
         }

@@ -13,8 +13,9 @@ use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
 use sluice_worker::engine::{Call, CallTask, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::ModelAdapter;
 use sluice_worker::models::diffusion::StableDiffusion;
+use sluice_worker::models::diffusion::input;
 use sluice_worker::models::diffusion::npy;
-use sluice_worker::models::diffusion::request::SdRequest;
+use sluice_worker::models::diffusion::request::{Draws, ImageInput, SdRequest};
 use sluice_worker::models::diffusion::schedulers::Sampler;
 use sluice_worker::models::diffusion::tokenizer::ClipTokenizer;
 
@@ -25,6 +26,8 @@ enum Set {
     Sd,
     /// An SDXL-shaped model (sdxl-tiny).
     Sdxl,
+    /// img2img and inpainting on sd-tiny, sdxl-tiny and a 9-channel inpainting UNet.
+    Image,
 }
 
 impl Set {
@@ -32,6 +35,7 @@ impl Set {
         repo_root().join(match self {
             Set::Sd => "integration-tests/fixtures/sd-reference",
             Set::Sdxl => "integration-tests/fixtures/sdxl-reference",
+            Set::Image => "integration-tests/fixtures/image-reference",
         })
     }
 
@@ -89,6 +93,15 @@ fn cases() -> Vec<Value> {
     Set::Sd.cases()
 }
 
+/// The init image and mask of an img2img or inpainting case.
+fn image_input(set: Set, case: &Value) -> Option<ImageInput> {
+    let read = |key: &str| case[key].as_str().map(|p| std::fs::read(set.fixtures().join(p)).unwrap());
+    let (w, h) = (case["width"].as_u64().unwrap() as usize, case["height"].as_u64().unwrap() as usize);
+    let init = read("init_image")?;
+    let strength = case["strength"].as_f64().unwrap();
+    Some(input::image_input(&init, read("mask_image").as_deref(), strength, w, h).unwrap())
+}
+
 /// Runs a case; returns (final latents, PNG bytes per image).
 fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
     let model = StableDiffusion::open(runtime(), "sd", dir).unwrap();
@@ -103,6 +116,7 @@ fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
         height: case["height"].as_u64().unwrap() as usize,
         num_images: n,
         seed: 0,
+        image: image_input(set, case),
     };
     let latents = npy::read(&set.fixtures().join(case["latents_in"].as_str().unwrap())).unwrap();
     let draws = case["noise_draws"].as_u64().unwrap() as usize;
@@ -117,7 +131,15 @@ fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
             }
         }
     }
-    let (bucket, prepared) = model.prepare_request(&request, Some((latents.data, noise))).unwrap();
+    let image_noise = case["image_noise_in"]
+        .as_str()
+        .map(|path| npy::read(&set.fixtures().join(path)).unwrap().data);
+    let draws = Draws {
+        latents: latents.data,
+        noise,
+        image_noise,
+    };
+    let (bucket, prepared) = model.prepare_request(&request, Some(draws)).unwrap();
     let mut backend = model
         .load(
             dir,
@@ -163,6 +185,14 @@ fn every_reference_case_matches_diffusers() {
 fn every_sdxl_reference_case_matches_diffusers() {
     every_case_matches(Set::Sdxl, SDXL_CASES);
 }
+
+#[test]
+fn every_img2img_and_inpainting_reference_case_matches_diffusers() {
+    every_case_matches(Set::Image, IMAGE_CASES);
+}
+
+/// How many cases `generate.sh --images` records.
+const IMAGE_CASES: usize = 19;
 
 /// How many cases `generate.sh --sdxl` records.
 const SDXL_CASES: usize = 11;
@@ -394,6 +424,7 @@ fn the_unet_loop_reports_each_step_and_stops_a_cancelled_task_between_steps() {
         height: 64,
         num_images: 1,
         seed,
+        image: None,
     };
     let (bucket, a) = model.prepare_request(&request(1), None).unwrap();
     let (_, b) = model.prepare_request(&request(2), None).unwrap();

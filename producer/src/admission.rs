@@ -21,15 +21,31 @@ pub(crate) fn field(field: &str, message: impl Into<String>) -> FieldError {
     }
 }
 
+/// An admitted request: its record, and the input images it sent inline, which the record
+/// references once they are stored ([`crate::input_images::InputImages::attach`]).
+pub(crate) struct Admitted {
+    pub record: TaskRecord,
+    pub images: InlineImages,
+}
+
+/// The data URLs of a request's `init_image` and `mask_image`.
+#[derive(Default)]
+pub(crate) struct InlineImages {
+    pub init: Option<String>,
+    pub mask: Option<String>,
+}
+
 /// The record of `tenant`'s request (`headers` and `body`), or a 400 naming what is wrong:
-/// `webhooks` is what a submitted webhook must satisfy (`None`: no webhooks on this deployment).
+/// `webhooks` is what a submitted webhook must satisfy (`None`: no webhooks on this deployment);
+/// `images_accepted`, whether an input store is configured for input images.
 pub(crate) fn record(
     catalog: &Catalog,
     webhooks: Option<&Policy>,
+    images_accepted: bool,
     tenant: &str,
     headers: &HeaderMap,
     body: &[u8],
-) -> Result<TaskRecord, ApiError> {
+) -> Result<Admitted, ApiError> {
     let user = user_of(headers).map_err(|message| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("X-Sluice-User", message)])
     })?;
@@ -45,7 +61,19 @@ pub(crate) fn record(
     if let Some(webhook) = &record.webhook {
         check_webhook(webhooks, tenant, &webhook.url)?;
     }
-    Ok(record)
+    let text = |name: &str| request.get(name).and_then(Value::as_str).map(str::to_owned);
+    let images = InlineImages {
+        init: text("init_image"),
+        mask: text("mask_image"),
+    };
+    if images.init.is_some() && !images_accepted {
+        let message = "this deployment takes no input images (SLUICE_INPUT_URL is not set)";
+        return Err(
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "invalid field(s): init_image")
+                .with_fields([field("init_image", message)]),
+        );
+    }
+    Ok(Admitted { record, images })
 }
 
 /// The user the task is submitted for, from `X-Sluice-User`.

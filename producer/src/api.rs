@@ -43,6 +43,8 @@ pub struct AppState {
     pub streams: Arc<crate::streams::Streams>,
     /// What a submitted webhook must satisfy (`None`: no secrets configured, no webhooks).
     pub webhooks: Option<crate::webhook::Policy>,
+    /// Where input images are stored (`None`: requests with images are refused).
+    pub inputs: Option<crate::input_images::InputImages>,
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
@@ -137,7 +139,8 @@ async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes)
 /// first time, and publishes anything else.
 async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let tenant = tenant_of(s, headers)?;
-    let record = admission::record(&s.catalog, s.webhooks.as_ref(), &tenant, headers, body)?;
+    let admission::Admitted { mut record, images } =
+        admission::record(&s.catalog, s.webhooks.as_ref(), s.inputs.is_some(), &tenant, headers, body)?;
     if let (Some(_), Some(idem)) = (&s.status, &record.idempotency) {
         let (who, task_id) = (tenant.clone(), record.task_id);
         let known = on_store(s, move |store| store.request_hash(&who, task_id)).await?;
@@ -151,7 +154,31 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<
             }
         }
     }
+    if let Some(inputs) = &s.inputs {
+        inputs.attach(&mut record, images).await.map_err(input_refused)?;
+    }
     publish(s, headers, record).await
+}
+
+/// An input image that can't be the task's (a 400 naming its field), or an input store that did
+/// not take it (a 503: nothing was published, the client may retry).
+fn input_refused(e: crate::input_images::InputImageError) -> ApiError {
+    use crate::input_images::InputImageError;
+    match e {
+        InputImageError::Invalid { field, message } => {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("invalid field(s): {field}"))
+                .with_fields([admission::field(field, message)])
+        }
+        InputImageError::Store(e) => {
+            tracing::warn!(error = %e, "input store unavailable; task refused");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the input image store is unavailable; retry later",
+            )
+            .with_header(header::RETRY_AFTER, "1")
+        }
+    }
 }
 
 /// Publishes an admitted record, the request's trace continued in it, and writes it through to

@@ -145,9 +145,18 @@ pub struct ServeArgs {
     /// only). Without keys and without this, the producer refuses to start.
     #[arg(long, env = "SLUICE_ALLOW_ANONYMOUS", default_value_t = false, action = clap::ArgAction::Set)]
     pub allow_anonymous: bool,
-    /// Largest accepted request body, bytes.
+    /// Largest accepted request body, bytes. With SLUICE_INPUT_URL set, a body may be larger by
+    /// two data URLs of SLUICE_MAX_INPUT_IMAGE_BYTES.
     #[arg(long, env = "SLUICE_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
     pub max_body_bytes: usize,
+    /// Where input images of img2img and inpainting requests are stored (`s3://bucket/prefix`
+    /// or `file:///path`; the workers' SLUICE_INPUT_URL). Unset: requests with images are
+    /// refused.
+    #[arg(long, env = "SLUICE_INPUT_URL")]
+    pub input_url: Option<String>,
+    /// The largest input image, bytes, decoded from its data URL.
+    #[arg(long, env = "SLUICE_MAX_INPUT_IMAGE_BYTES", default_value_t = crate::input_images::DEFAULT_MAX_BYTES)]
+    pub max_input_image_bytes: usize,
     /// The status view's file on local disk (rebuilt from the topics on start).
     #[arg(long, env = "SLUICE_STATUS_PATH", default_value = "sluice-status/view.redb")]
     pub status_path: PathBuf,

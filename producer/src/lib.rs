@@ -8,6 +8,7 @@ pub mod auth;
 pub mod backlog;
 pub mod config;
 mod events;
+mod input_images;
 pub mod metrics;
 pub mod openapi;
 pub mod presign;

@@ -94,8 +94,15 @@ impl TaskPublisher {
 
     /// Builds the record of a request: validated against `task-request.schema.json` and the
     /// model's catalog entry, every default filled in (a seed drawn if none was given), then
-    /// checked as a task record too.
+    /// checked as a task record too. Input images are stored by the HTTP API only: a request
+    /// with one is refused here.
     pub fn record(catalog: &Catalog, request: &Value, submitter: &Submitter) -> Result<TaskRecord, SubmitError> {
+        if request.get("init_image").is_some() {
+            return Err(SubmitError::Invalid(vec![Violation {
+                field: "init_image".into(),
+                message: "input images are taken by POST /v1/tasks only".into(),
+            }]));
+        }
         Self::record_with_key(catalog, request, submitter, None)
     }
 
@@ -147,7 +154,16 @@ impl TaskPublisher {
             deadline,
             webhook,
         };
-        let value = serde_json::to_value(&record).expect("record serializes");
+        // An image task is checked as it will be published, once its images are stored and
+        // referenced (crate::input_images): the references stand in here.
+        let mut value = serde_json::to_value(&record).expect("record serializes");
+        if record.request.strength.is_some() {
+            let placeholder = serde_json::to_value(sluice_schemas::ImageRef::of_sha256("0".repeat(64))).expect("serializes");
+            value["request"]["init_image"] = placeholder.clone();
+            if request.get("mask_image").is_some() {
+                value["request"]["mask_image"] = placeholder;
+            }
+        }
         validate(RecordKind::Task, &value).map_err(SubmitError::Invalid)?;
         Ok(record)
     }

@@ -503,6 +503,17 @@ impl Catalog {
         if request.params.as_ref().is_some_and(|p| !p.is_empty()) {
             v.push(violation("params", format!("model {} takes no params", model.name)));
         }
+        // img2img and inpainting: diffusers' default strengths; at least one step must run.
+        let strength = match (&request.init_image, &request.mask_image) {
+            (None, _) => None,
+            (Some(_), mask) => Some(request.strength.unwrap_or(if mask.is_some() { 1.0 } else { 0.8 })),
+        };
+        if let Some(s) = strength.filter(|s| (f64::from(steps) * s) < 1.0) {
+            v.push(violation(
+                "strength",
+                format!("{s} of {steps} steps runs no step (int(steps x strength) must be at least 1)"),
+            ));
+        }
         if !v.is_empty() {
             return Err(v);
         }
@@ -517,6 +528,10 @@ impl Catalog {
             height,
             num_images,
             params: Default::default(),
+            // The images are stored, and their references set, by the producer.
+            init_image: None,
+            mask_image: None,
+            strength,
         };
         let v = model.check_work(&generation);
         if !v.is_empty() {

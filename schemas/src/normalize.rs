@@ -130,6 +130,9 @@ pub(crate) fn normalize_terrain(request: TaskRequest, seed: impl FnOnce() -> u64
             height: request.height.unwrap_or(terrain::NATIVE_SIZE),
             num_images: request.num_images.unwrap_or(1),
             params: params.to_map(),
+            init_image: None,
+            mask_image: None,
+            strength: None,
         },
     ))
 }

@@ -40,6 +40,40 @@ pub struct TaskRequest {
     /// Where the task's events are pushed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webhook: Option<WebhookSpec>,
+    /// img2img (with `mask_image`: inpainting): the image to start from, as a data URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_image: Option<String>,
+    /// Inpainting: the mask (white repaints), as a data URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_image: Option<String>,
+    /// img2img and inpainting: the share of the schedule that runs, (0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strength: Option<f64>,
+}
+
+/// An input image the producer stored under its content address (`generation.schema.json`'s
+/// `image_ref`): `key` is `<sha256>.png` in the deployment's input store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageRef {
+    pub key: String,
+    /// SHA-256 (hex) of the stored bytes.
+    pub sha256: String,
+}
+
+impl ImageRef {
+    /// The reference of stored bytes whose SHA-256 is `sha256` (hex).
+    pub fn of_sha256(sha256: String) -> ImageRef {
+        ImageRef {
+            key: format!("{sha256}.png"),
+            sha256,
+        }
+    }
+
+    /// Whether the key is the content address of the hash (the schema checks both shapes).
+    pub fn is_content_addressed(&self) -> bool {
+        self.key.strip_suffix(".png") == Some(self.sha256.as_str())
+    }
 }
 
 /// Fully explicit generation parameters, as carried by a [`TaskRecord`].
@@ -58,6 +92,15 @@ pub struct Generation {
     pub height: u32,
     pub num_images: u32,
     pub params: Map<String, Value>,
+    /// img2img and inpainting: the stored image to start from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_image: Option<ImageRef>,
+    /// Inpainting: the stored mask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_image: Option<ImageRef>,
+    /// With `init_image`: the share of the schedule that runs, (0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strength: Option<f64>,
 }
 
 /// A record on the tasks topic (`task.schema.json`).

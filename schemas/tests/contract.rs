@@ -156,6 +156,9 @@ fn fully_populated_types_validate() {
             url: "https://hooks.example.com/sluice".into(),
             events: vec![WebhookEvent::Started, WebhookEvent::Progress, WebhookEvent::Completed],
         }),
+        init_image: None,
+        mask_image: None,
+        strength: None,
     };
     must_validate(RecordKind::TaskRequest, &request);
 

@@ -19,11 +19,18 @@
 #   integration-tests/fixtures/sdxl-reference/              cases.json, per-case .npy/.npz/.png, tokens.json,
 #                                                           manifest.json, README.md
 #
+# With --images it runs images.py instead (img2img and inpainting references on sd-tiny, sdxl-tiny and a
+# 9-channel inpainting model; needs the committed sd-tiny.tar.xz and sdxl-tiny.tar.xz) and writes only:
+#   integration-tests/fixtures/inpaint-tiny.tar.xz          sd-tiny-inpaint/ (9-channel UNet, sd-tiny's other weights)
+#   integration-tests/fixtures/image-reference/             inputs/*.png, cases.json, per-case .npy/.npz/.png,
+#                                                           manifest.json, README.md
+#
 # The venv lives at ${SLUICE_CACHE:-$HOME/.cache/sluice}/venv-sd-reference and is reused: the install
 # is skipped when a marker holds requirements.txt's sha256, or when `pip freeze` already has every pin.
 #
-# Usage: bash scripts/sd-reference/generate.sh [--sdxl] [--no-rerun-check] [--work DIR]
+# Usage: bash scripts/sd-reference/generate.sh [--sdxl | --images] [--no-rerun-check] [--work DIR]
 #   --sdxl             run sdxl.py (SDXL fixture) instead of generate.py (SD 1.x fixtures)
+#   --images           run images.py (img2img / inpainting fixture) instead of generate.py
 #   --no-rerun-check   skip the second, independent run that checks the outputs are reproducible
 #   --work DIR         scratch directory (the exported models, unpacked tarball, rerun outputs), emptied
 #                      at the start and kept afterwards (default: a temporary directory, removed at exit)
@@ -44,8 +51,9 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --no-rerun-check) rerun=() ;;
     --sdxl) script=sdxl.py ;;
+    --images) script=images.py ;;
     --work) [ $# -ge 2 ] || { echo "--work needs a directory" >&2; exit 2; }; keep_work="$2"; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift

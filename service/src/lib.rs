@@ -1,11 +1,12 @@
 //! What every Sluice binary shares: Kafka client settings, backpressure on a consumer, ordered
 //! acknowledgement of a partition's records, logging, the metrics endpoint, the
-//! HTTP error shape, shutdown signals, W3C trace context and its OTLP export. Each module does one of these jobs.
+//! HTTP error shape, object stores by URL, shutdown signals, W3C trace context and its OTLP export. Each module does one of these jobs.
 
 pub mod backpressure;
 pub mod http_error;
 pub mod kafka;
 pub mod metrics;
+pub mod object_url;
 pub mod ordered_acks;
 pub mod otlp;
 pub mod shutdown;

@@ -106,6 +106,11 @@ pub struct StorageArgs {
     /// Where images go: `s3://bucket/prefix` or `file:///path`.
     #[arg(long, env = "SLUICE_OUTPUT_URL")]
     pub output_url: String,
+    /// Where the producer stores input images (img2img, inpainting): `s3://bucket/prefix` or
+    /// `file:///path`, the producer's SLUICE_INPUT_URL. Unset: tasks with input images go to the
+    /// DLQ.
+    #[arg(long, env = "SLUICE_INPUT_URL")]
+    pub input_url: Option<String>,
     /// Storage requests in flight at once (checks, images, manifests), over a pool of kept-alive
     /// connections. Twice as many tasks may be rendered and waiting to store.
     #[arg(long, env = "SLUICE_STORAGE_CONCURRENCY", default_value_t = crate::storage::images::DEFAULT_CONCURRENCY)]

@@ -199,7 +199,7 @@ async fn images_per_second(
 ) -> anyhow::Result<f64> {
     let prepared: Vec<_> = tasks
         .iter()
-        .map(|t| adapter.prepare(t))
+        .map(|t| adapter.prepare(t, &Default::default()))
         .collect::<Result<_, _>>()
         .map_err(anyhow::Error::msg)?;
     let call = Call {
@@ -789,7 +789,7 @@ mod adaptive {
                 let task = (subject.task)(i);
                 let r = &task.request;
                 let dims = format!("{}x{}x{}", r.width, r.height, r.num_images);
-                Item(subject.adapter.prepare(&task).expect("prepared"), i, dims)
+                Item(subject.adapter.prepare(&task, &Default::default()).expect("prepared"), i, dims)
             })
             .collect();
         let (mut issued, mut done, mut failed, mut batches) = (0usize, 0usize, 0usize, 0usize);

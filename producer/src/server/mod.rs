@@ -22,6 +22,7 @@ use thiserror::Error;
 use crate::api::AppState;
 use crate::auth::{ApiKeys, AuthError};
 use crate::config::ServeArgs;
+use crate::input_images::InputImages;
 use crate::metrics::Metrics;
 use crate::presign::Presigner;
 use crate::publish::TaskPublisher;
@@ -62,6 +63,8 @@ pub enum ServeError {
     Notifier(#[from] NotifierError),
     #[error("creating the Kafka producer")]
     Publisher(#[source] KafkaError),
+    #[error("invalid input store URL {url}: {reason}")]
+    InputStore { url: String, reason: String },
     #[error("binding the metrics listener {addr}")]
     MetricsListener {
         addr: SocketAddr,
@@ -94,7 +97,15 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
     if args.webhooks.enabled {
         webhooks::start(&args, &policy, &view, presigner.clone(), &metrics, stop.stopped())?;
     }
+    let inputs = match &args.input_url {
+        Some(url) => {
+            Some(InputImages::open(url, args.max_input_image_bytes).map_err(|reason| ServeError::InputStore { url: url.clone(), reason })?)
+        }
+        None => None,
+    };
+    let max_body_bytes = args.max_body_bytes + inputs.as_ref().map_or(0, InputImages::body_allowance);
     let state = Arc::new(AppState {
+        inputs,
         webhooks: Some(policy),
         catalog,
         status: Some(view.store),
@@ -109,7 +120,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
         streams: Streams::new(args.events_max_streams, args.events_max_streams_per_tenant),
     });
     let listener = http::listen(&args, &state.metrics).await?;
-    drain::serve(listener, crate::api::router(state, args.max_body_bytes), shutdown, stop).await
+    drain::serve(listener, crate::api::router(state, max_body_bytes), shutdown, stop).await
 }
 
 /// The API keys; none at all only when anonymous access was asked for by name.

@@ -10,8 +10,10 @@ use clap::Parser;
 use sluice_worker::config::DeviceArgs;
 use sluice_worker::engine::{Call, CallTask, Runtime};
 use sluice_worker::models::ModelAdapter;
+use sluice_worker::models::diffusion::input;
+use sluice_worker::models::diffusion::layout::SdLayout;
 use sluice_worker::models::diffusion::npy::{self, Array};
-use sluice_worker::models::diffusion::request::SdRequest;
+use sluice_worker::models::diffusion::request::{Draws, ImageInput, SdRequest};
 use sluice_worker::models::diffusion::schedulers::{Sampler, Schedule};
 use sluice_worker::models::diffusion::{StableDiffusion, sampler_names};
 
@@ -46,7 +48,8 @@ pub struct GenerateArgs {
     #[arg(long, env = "SLUICE_GENERATE_SEED")]
     seed: Option<u64>,
     /// Standard-normal initial latents [num_images, 4, h/8, w/8] (.npy, float32), scaled by the
-    /// scheduler's initial sigma as diffusers' `latents=`.
+    /// scheduler's initial sigma as diffusers' `latents=`. With --init-image: the noise diffusers'
+    /// `prepare_latents` draws (added to the encoded image at the first step run).
     #[arg(long, env = "SLUICE_GENERATE_LATENTS_IN")]
     latents_in: Option<PathBuf>,
     /// Per-step noise of ancestral and LCM samplers, draws stacked on axis 0:
@@ -59,6 +62,21 @@ pub struct GenerateArgs {
     /// Writes the final latents (unscaled, before the VAE) as .npy.
     #[arg(long, env = "SLUICE_GENERATE_LATENTS_OUT")]
     latents_out: Option<PathBuf>,
+    /// img2img: the image to start from (PNG of exactly --width × --height); with --mask-image,
+    /// inpainting. The text-to-image export serves both.
+    #[arg(long, env = "SLUICE_GENERATE_INIT_IMAGE")]
+    init_image: Option<PathBuf>,
+    /// With --init-image: the share of the steps that runs, (0, 1]; `int(steps × strength)`
+    /// steps run (computed in f64).
+    #[arg(long, env = "SLUICE_GENERATE_STRENGTH", default_value_t = 0.8)]
+    strength: f64,
+    /// Inpainting (with --init-image): white repaints, black keeps (binarized at 0.5).
+    #[arg(long, env = "SLUICE_GENERATE_MASK_IMAGE", requires = "init_image")]
+    mask_image: Option<PathBuf>,
+    /// The VAE encoder's latent sampling draw, [1, 4, h/8, w/8] (.npy, float32), used for every
+    /// VAE-encoder sample of the run (seed stream 0 when absent).
+    #[arg(long, env = "SLUICE_GENERATE_IMAGE_NOISE_IN", requires = "init_image")]
+    image_noise_in: Option<PathBuf>,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -86,48 +104,15 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         height: args.height,
         num_images: args.num_images,
         seed,
+        image: image_input(&args)?,
     };
     let runtime = Arc::new(Runtime::init(&args.device.runtime_options())?);
     let model = StableDiffusion::open(runtime, "generate", &args.model_path)?;
     let layout = model.layout();
     let schedule: Schedule = request.check(layout).map_err(anyhow::Error::msg)?;
-    let draws = schedule.noise_draws();
-    let (mut latents, mut noise) = request.seeded_noise(layout, draws);
-    let dims = request.latent_dims(layout);
     let n = request.num_images;
-    if let Some(path) = &args.latents_in {
-        let a = npy::read(path).map_err(anyhow::Error::msg)?;
-        let want = [n, dims[0], dims[1], dims[2]];
-        if a.shape != want {
-            bail!("--latents-in {}: shape {:?}, expected {want:?}", path.display(), a.shape);
-        }
-        latents = a.data;
-    }
-    match (&args.noise_in, draws) {
-        (Some(path), 0) => bail!("--noise-in {}: sampler {} draws no noise", path.display(), sampler.name()),
-        (Some(path), _) => {
-            let a = npy::read(path).map_err(anyhow::Error::msg)?;
-            let want = [draws, n, dims[0], dims[1], dims[2]];
-            if a.shape != want {
-                bail!(
-                    "--noise-in {}: shape {:?}, expected {want:?} (draws, images, latent)",
-                    path.display(),
-                    a.shape
-                );
-            }
-            // Draw-major on disk, image-major in the model inputs.
-            let per: usize = dims.iter().product();
-            for d in 0..draws {
-                for i in 0..n {
-                    noise[(i * draws + d) * per..][..per].copy_from_slice(&a.data[(d * n + i) * per..][..per]);
-                }
-            }
-        }
-        (None, _) => {}
-    }
-    let (bucket, prepared) = model
-        .prepare_request(&request, Some((latents, noise)))
-        .map_err(anyhow::Error::msg)?;
+    let given = draws(&args, &request, layout, schedule.noise_draws())?;
+    let (bucket, prepared) = model.prepare_request(&request, Some(given)).map_err(anyhow::Error::msg)?;
     let mut backend = model.load(&args.model_path, &args.device.session_options())?;
     let call = Call {
         key: bucket.key.clone(),
@@ -141,7 +126,73 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let outputs = backend.run(&call)?;
     let elapsed = started.elapsed();
-    let images = prepared.render.render(&outputs, 0..n)?;
+    write_outputs(&args, &outputs, prepared.render.render(&outputs, 0..n)?, n)?;
+    eprintln!(
+        "seed {seed}, {} on {}: {} image(s) of {}x{} in {:.2} s ({})",
+        sampler.name(),
+        backend.placement(),
+        n,
+        request.width,
+        request.height,
+        elapsed.as_secs_f64(),
+        bucket
+    );
+    Ok(())
+}
+
+/// The init image and mask of --init-image and --mask-image, if given.
+fn image_input(args: &GenerateArgs) -> anyhow::Result<Option<ImageInput>> {
+    let Some(init) = &args.init_image else { return Ok(None) };
+    let read = |path: &PathBuf| std::fs::read(path).with_context(|| format!("reading {}", path.display()));
+    let mask = args.mask_image.as_ref().map(read).transpose()?;
+    let input = input::image_input(&read(init)?, mask.as_deref(), args.strength, args.width, args.height).map_err(anyhow::Error::msg)?;
+    Ok(Some(input))
+}
+
+/// The run's draws: seeded, with --latents-in, --noise-in and --image-noise-in in their place.
+fn draws(args: &GenerateArgs, request: &SdRequest, layout: &SdLayout, draws: usize) -> anyhow::Result<Draws> {
+    let mut given = request.seeded_draws(layout, draws);
+    let dims = request.latent_dims(layout);
+    let n = request.num_images;
+    if let Some(path) = &args.latents_in {
+        given.latents = read_npy(path, &[n, dims[0], dims[1], dims[2]], "--latents-in")?;
+    }
+    if let Some(path) = &args.image_noise_in {
+        given.image_noise = Some(read_npy(path, &[1, dims[0], dims[1], dims[2]], "--image-noise-in")?);
+    }
+    match (&args.noise_in, draws) {
+        (Some(path), 0) => bail!("--noise-in {}: sampler {} draws no noise", path.display(), request.sampler.name()),
+        (Some(path), _) => {
+            let a = read_npy(path, &[draws, n, dims[0], dims[1], dims[2]], "--noise-in (draws, images, latent)")?;
+            // Draw-major on disk, image-major in the model inputs.
+            let per: usize = dims.iter().product();
+            for d in 0..draws {
+                for i in 0..n {
+                    given.noise[(i * draws + d) * per..][..per].copy_from_slice(&a[(d * n + i) * per..][..per]);
+                }
+            }
+        }
+        (None, _) => {}
+    }
+    Ok(given)
+}
+
+/// A float32 .npy of the given shape.
+fn read_npy(path: &Path, want: &[usize], flag: &str) -> anyhow::Result<Vec<f32>> {
+    let a = npy::read(path).map_err(anyhow::Error::msg)?;
+    if a.shape != want {
+        bail!("{flag} {}: shape {:?}, expected {want:?}", path.display(), a.shape);
+    }
+    Ok(a.data)
+}
+
+/// Writes the PNGs (and --latents-out).
+fn write_outputs(
+    args: &GenerateArgs,
+    outputs: &[sluice_worker::engine::Tensor],
+    images: Vec<sluice_worker::models::encode::Image>,
+    n: usize,
+) -> anyhow::Result<()> {
     for (i, image) in images.iter().enumerate() {
         let path = image_path(&args.out, i, n);
         std::fs::write(&path, &image.bytes).with_context(|| format!("writing {}", path.display()))?;
@@ -159,15 +210,5 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         )
         .map_err(anyhow::Error::msg)?;
     }
-    eprintln!(
-        "seed {seed}, {} on {}: {} image(s) of {}x{} in {:.2} s ({})",
-        sampler.name(),
-        backend.placement(),
-        n,
-        request.width,
-        request.height,
-        elapsed.as_secs_f64(),
-        bucket
-    );
     Ok(())
 }

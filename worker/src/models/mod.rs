@@ -114,12 +114,20 @@ pub trait Render: Send + Sync {
     fn render(&self, outputs: &[Tensor], rows: Range<usize>) -> Result<Vec<Image>, ModelError>;
 }
 
+/// A task's input images (img2img, inpainting) as stored, read at decode from the input store
+/// and checked against the hashes its record carries; empty for a text task.
+#[derive(Debug, Clone, Default)]
+pub struct InputImages {
+    pub init: Option<bytes::Bytes>,
+    pub mask: Option<bytes::Bytes>,
+}
+
 /// Turns tasks of one kind of model into inputs, and loads that kind of model.
 pub trait ModelAdapter: Send + Sync {
     /// The bucket of a task. Tasks with different buckets are never batched together.
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError>;
     /// The task's input rows. CPU work, run off the async runtime.
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError>;
+    fn prepare(&self, task: &TaskRecord, inputs: &InputImages) -> Result<Prepared, ModelError>;
     /// The file inside the model's directory that [`ModelAdapter::load`] gets; `None` when it
     /// gets the directory itself (a model of several files).
     fn entry(&self) -> Option<&'static str> {

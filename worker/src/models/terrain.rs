@@ -108,7 +108,7 @@ impl ModelAdapter for Terrain {
         })
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
+    fn prepare(&self, task: &TaskRecord, _inputs: &super::InputImages) -> Result<Prepared, ModelError> {
         let (layout, params) = layout_of(task).map_err(ModelError::InvalidInput)?;
         let rows = layout.rows();
         let mut noisy = vec![0f32; rows * N * N];

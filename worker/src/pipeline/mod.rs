@@ -96,6 +96,8 @@ pub(crate) struct FinishStage {
 /// the worker abandons what is in flight (shutdown grace over, fatal error).
 pub(crate) struct RetriedStore {
     pub images: ImageStore,
+    /// Where input images are read from (`SLUICE_INPUT_URL`), when configured.
+    pub inputs: Option<ImageStore>,
     pub retry: RetryPolicy,
     pub metrics: Metrics,
     pub abandon: CancellationToken,
@@ -306,6 +308,7 @@ mod tests {
         let crash_guard = Arc::new(CrashGuard::new(offsets.clone(), 0));
         let store = Arc::new(RetriedStore {
             images: sink,
+            inputs: None,
             retry: RetryPolicy {
                 max_attempts: 3,
                 max_elapsed: Duration::from_secs(5),

@@ -95,7 +95,7 @@ async fn prepare(stage: &EngineStage, bucket: &Bucket, jobs: Vec<Job>) -> Option
         jobs.into_iter()
             .map(|job| {
                 (
-                    panics::catch(|| adapter.prepare(&job.task))
+                    panics::catch(|| adapter.prepare(&job.task, &job.inputs))
                         .map_err(ModelError::Panicked)
                         .and_then(|r| r),
                     job,

@@ -63,6 +63,8 @@ pub struct Job {
     pub span: tracing::Span,
     /// This record's hold on its task id (see `running`): dropped with the job.
     pub(crate) claim: Option<crate::pipeline::running::Claim>,
+    /// Its input images, read at decode (empty for a text task).
+    pub inputs: crate::models::InputImages,
 }
 
 impl Job {

@@ -3,16 +3,13 @@
 //! small result manifest is written last: its presence means the task's results are complete.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use chrono::Utc;
-use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
-use object_store::local::LocalFileSystem;
 use object_store::path::Path;
-use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use sha2::{Digest, Sha256};
-use sluice_schemas::{OutputRef, RecordKind, ResultManifest, SCHEMA_VERSION};
+use sluice_schemas::{ImageRef, OutputRef, RecordKind, ResultManifest, SCHEMA_VERSION};
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -77,6 +74,9 @@ fn http_status(message: &str) -> Option<u16> {
 /// seconds in SYN retransmission); bounded, a small pool of kept-alive connections is reused.
 pub const DEFAULT_CONCURRENCY: usize = 32;
 
+/// The largest input image a worker reads: a 4096 × 4096 RGB PNG stored uncompressed, and some.
+pub const MAX_INPUT_BYTES: u64 = 64 << 20;
+
 /// The output location.
 #[derive(Clone)]
 pub struct ImageStore {
@@ -106,49 +106,11 @@ impl ImageStore {
     /// Like [`ImageStore::from_url`], with `AWS_*` settings given here taking precedence over the
     /// environment (tools that talk to several stacks).
     pub fn from_url_with(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> Result<ImageStore, StorageError> {
-        let config = |reason: &str| StorageError::Config {
+        let at = sluice_service::object_url::open(url, settings).map_err(|reason| StorageError::Config {
             url: url.to_owned(),
-            reason: reason.to_owned(),
-        };
-        if let Some(rest) = url.strip_prefix("s3://") {
-            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-            if bucket.is_empty() {
-                return Err(config("no bucket"));
-            }
-            // Our own retry loop (crate::retry) counts attempts and feeds the DLQ; the client
-            // retries only briefly underneath it.
-            let retry = RetryConfig {
-                max_retries: 2,
-                retry_timeout: Duration::from_secs(10),
-                ..Default::default()
-            };
-            // Timeouts go through config keys: replacing the client options would drop what
-            // `from_env` read (AWS_ALLOW_HTTP, proxies).
-            let mut builder = AmazonS3Builder::from_env();
-            for (key, value) in settings {
-                if let Ok(key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
-                    builder = builder.with_config(key, value);
-                }
-            }
-            let store = builder
-                .with_bucket_name(bucket)
-                .with_retry(retry)
-                .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), "30s")
-                .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout), "5s")
-                .build()
-                .map_err(|e| config(&e.to_string()))?;
-            Ok(ImageStore::new(Arc::new(store), Path::from(prefix), format!("s3://{bucket}")))
-        } else if let Some(path) = url.strip_prefix("file://") {
-            std::fs::create_dir_all(path).map_err(|e| config(&e.to_string()))?;
-            let store = LocalFileSystem::new_with_prefix(path).map_err(|e| config(&e.to_string()))?;
-            Ok(ImageStore::new(
-                Arc::new(store),
-                Path::default(),
-                format!("file://{}", path.trim_end_matches('/')),
-            ))
-        } else {
-            Err(config("expected s3://bucket/prefix or file:///path"))
-        }
+            reason,
+        })?;
+        Ok(ImageStore::new(at.store, at.prefix, at.url_base))
     }
 
     fn new(store: Arc<dyn ObjectStore>, prefix: Path, url_base: String) -> ImageStore {
@@ -177,6 +139,35 @@ impl ImageStore {
     /// The URL of a key in this store.
     pub(crate) fn url(&self, key: &Path) -> String {
         format!("{}/{}", self.url_base, key)
+    }
+
+    /// An input image (img2img, inpainting) the producer stored under its content address, its
+    /// bytes checked against the hash the record carries. A key that is not the hash's address,
+    /// an object over [`MAX_INPUT_BYTES`] or bytes of another hash are [`StorageError::Unreadable`]
+    /// (permanent); a missing object is `NotFound` (permanent too).
+    pub(crate) async fn input(&self, image: &ImageRef) -> Result<Bytes, StorageError> {
+        let bad = |reason: String| StorageError::Unreadable {
+            key: image.key.clone(),
+            reason,
+        };
+        if !image.is_content_addressed() {
+            return Err(bad(format!("not the content address of sha256 {}", image.sha256)));
+        }
+        let key = self.prefix.clone().join(image.key.as_str());
+        let _permit = self.permit().await;
+        let result = self.store.get(&key).await?;
+        if result.meta.size > MAX_INPUT_BYTES {
+            return Err(bad(format!(
+                "{} bytes; an input image may have {MAX_INPUT_BYTES}",
+                result.meta.size
+            )));
+        }
+        let bytes = result.bytes().await?;
+        let sha256 = hex::encode(Sha256::digest(&bytes));
+        if sha256 != image.sha256 {
+            return Err(bad(format!("its sha256 is {sha256}, the task record says {}", image.sha256)));
+        }
+        Ok(bytes)
     }
 
     /// The task's manifest, if its results are complete.
@@ -279,6 +270,30 @@ mod tests {
             height: 1,
             content_type: "image/png",
         }
+    }
+
+    #[tokio::test]
+    async fn an_input_image_is_read_only_with_the_bytes_of_its_hash() {
+        let dir = std::env::temp_dir().join(format!("sluice-inputs-{}", Uuid::new_v4()));
+        let inputs = ImageStore::from_url(&format!("file://{}", dir.display())).unwrap();
+        let good = ImageRef::of_sha256(hex::encode(Sha256::digest(b"pixels")));
+        std::fs::write(dir.join(&good.key), b"pixels").unwrap();
+        assert_eq!(inputs.input(&good).await.unwrap().as_ref(), b"pixels");
+        // Bytes under the key that are not the hash's: refused, permanently.
+        let altered = ImageRef::of_sha256(hex::encode(Sha256::digest(b"other")));
+        std::fs::write(dir.join(&altered.key), b"pixels").unwrap();
+        let e = inputs.input(&altered).await.unwrap_err();
+        assert!(matches!(e, StorageError::Unreadable { .. }) && !e.is_retriable(), "{e}");
+        // A key that is not the hash's address is never read.
+        let elsewhere = ImageRef {
+            key: "../outside.png".into(),
+            sha256: good.sha256.clone(),
+        };
+        assert!(matches!(inputs.input(&elsewhere).await, Err(StorageError::Unreadable { .. })));
+        // Missing: permanent too.
+        let missing = ImageRef::of_sha256("0".repeat(64));
+        assert!(!inputs.input(&missing).await.unwrap_err().is_retriable());
+        std::fs::remove_dir_all(dir).ok();
     }
 
     #[tokio::test]

@@ -83,7 +83,7 @@ impl ModelAdapter for FakeModel {
         })
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
+    fn prepare(&self, task: &TaskRecord, _inputs: &crate::models::InputImages) -> Result<Prepared, ModelError> {
         let rows = task.request.num_images as usize;
         Ok(Prepared {
             inputs: vec![Tensor::f32("x", vec![rows, 1], vec![task.request.seed as f32; rows])],

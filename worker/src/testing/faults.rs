@@ -85,7 +85,7 @@ impl ModelAdapter for Faulty {
         self.inner.bucket(task)
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
+    fn prepare(&self, task: &TaskRecord, inputs: &crate::models::InputImages) -> Result<Prepared, ModelError> {
         let seed = task.request.seed;
         if self.faults.prepare.contains(&seed) {
             panic!("injected fault: prepare of task {} (seed {seed})", task.task_id);
@@ -96,7 +96,7 @@ impl ModelAdapter for Faulty {
         if self.faults.abort.contains(&seed) {
             self.doomed.lock().expect("doomed").insert(task.task_id.to_string(), Doom::Abort);
         }
-        let mut prepared = self.inner.prepare(task)?;
+        let mut prepared = self.inner.prepare(task, inputs)?;
         if self.faults.render.contains(&seed) {
             prepared.render = Box::new(PanickingRender {
                 task: task.task_id.to_string(),

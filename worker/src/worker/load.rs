@@ -26,6 +26,8 @@ pub(super) struct Loaded {
     pub health: watch::Sender<Health>,
     /// Where images and result manifests go.
     pub images: ImageStore,
+    /// Where input images are read from, when configured.
+    pub inputs: Option<ImageStore>,
 }
 
 pub(super) async fn load(config: &Config, models: Models, metrics: &Metrics) -> Result<Loaded, StartError> {
@@ -65,12 +67,17 @@ pub(super) async fn load(config: &Config, models: Models, metrics: &Metrics) -> 
         .await?,
     );
     let images = ImageStore::from_url(&config.storage.output_url)?.with_concurrency(config.storage.storage_concurrency);
+    let inputs = match &config.storage.input_url {
+        Some(url) => Some(ImageStore::from_url(url)?.with_concurrency(config.storage.storage_concurrency)),
+        None => None,
+    };
     Ok(Loaded {
         catalog,
         engine,
         serving,
         health,
         images,
+        inputs,
     })
 }
 

@@ -220,6 +220,7 @@ fn retried_store(setup: &Setup<'_>, loaded: &Loaded, abandon: &CancellationToken
     let d = &setup.config.delivery;
     RetriedStore {
         images: loaded.images.clone(),
+        inputs: loaded.inputs.clone(),
         retry: RetryPolicy {
             max_attempts: d.retry_max_attempts,
             max_elapsed: Duration::from_millis(d.retry_max_elapsed_ms),

@@ -16,8 +16,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::image::{ImageCall, ImageLatents, distinct_rows};
 use super::layout::{Family, SdLayout};
-use super::request::SdBucket;
+use super::request::{Mode, SdBucket};
 use super::schedulers::{ImageState, Schedule};
 use crate::engine::{Backend, Call, ElementKind, EngineError, InputInfo, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
 
@@ -72,7 +73,12 @@ pub struct SdBackend {
     /// SDXL's second text encoder (with a projection: its `text_embeds` are the pooled input).
     text_encoder_2: Option<OrtBackend>,
     unet: OrtBackend,
+    /// Channels of the UNet's `sample`: the latent channels, or 9 for an inpainting UNet
+    /// (latents, mask, masked-image latents).
+    unet_channels: usize,
     vae_decoder: OrtBackend,
+    /// For img2img and inpainting; loaded when the export has one.
+    vae_encoder: Option<OrtBackend>,
     timestep: TimestepFeed,
     schedules: HashMap<SdBucket, Arc<Schedule>>,
 }
@@ -91,7 +97,25 @@ impl SdBackend {
         };
         let unet = OrtBackend::load(runtime, &dir.join("unet/model.onnx"), options)?;
         let vae_decoder = OrtBackend::load(runtime, &dir.join("vae_decoder/model.onnx"), options)?;
+        let encoder = dir.join("vae_encoder/model.onnx");
+        let vae_encoder = match encoder.is_file() {
+            true => Some(OrtBackend::load(runtime, &encoder, options)?),
+            false => None,
+        };
         let unet_inputs = unet.inputs();
+        let unet_channels = unet_inputs
+            .iter()
+            .find(|i| i.name == "sample")
+            .and_then(|i| i.shape.get(1).copied())
+            .and_then(|c| usize::try_from(c).ok())
+            .unwrap_or(layout.latent_channels);
+        if unet_channels != layout.latent_channels && unet_channels != 2 * layout.latent_channels + 1 {
+            return Err(EngineError::Load(format!(
+                "unet: `sample` has {unet_channels} channels; expected {} (the latents) or {} (an inpainting UNet)",
+                layout.latent_channels,
+                2 * layout.latent_channels + 1
+            )));
+        }
         let timestep = TimestepFeed::of(&unet_inputs)?;
         let has_cond = unet_inputs.iter().any(|i| i.name == "timestep_cond");
         if has_cond != layout.time_cond_dim.is_some() {
@@ -113,7 +137,9 @@ impl SdBackend {
             text_encoder,
             text_encoder_2,
             unet,
+            unet_channels,
             vae_decoder,
+            vae_encoder,
             timestep,
             schedules: HashMap::new(),
         })
@@ -123,8 +149,12 @@ impl SdBackend {
         if let Some(s) = self.schedules.get(bucket) {
             return Ok(s.clone());
         }
-        let schedule =
-            Arc::new(Schedule::new(bucket.sampler, &self.layout.scheduler, bucket.steps).map_err(|e| EngineError::Run(e.to_string()))?);
+        let run = |e: super::schedulers::ScheduleError| EngineError::Run(e.to_string());
+        let mut schedule = Schedule::new(bucket.sampler, &self.layout.scheduler, bucket.steps).map_err(run)?;
+        if bucket.mode != Mode::Text {
+            schedule = schedule.beginning_at(bucket.begin).map_err(run)?;
+        }
+        let schedule = Arc::new(schedule);
         self.schedules.insert(bucket.clone(), schedule.clone());
         Ok(schedule)
     }
@@ -178,19 +208,10 @@ enum Hidden {
 /// output).
 fn encode(encoder: &mut OrtBackend, ids: &Tensor, hidden: Hidden, pooled: bool) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
     let seq = ids.shape[1];
-    let rows = ids.rows();
-    let mut distinct: Vec<&[i64]> = Vec::new();
-    let mut index = Vec::with_capacity(rows);
-    for r in 0..rows {
-        let row = ids
-            .i64_rows(r, r + 1)
-            .ok_or_else(|| EngineError::Run("token ids must be int64".into()))?;
-        let at = distinct.iter().position(|d| *d == row).unwrap_or_else(|| {
-            distinct.push(row);
-            distinct.len() - 1
-        });
-        index.push(at);
-    }
+    let all = ids
+        .i64_rows(0, ids.rows())
+        .ok_or_else(|| EngineError::Run("token ids must be int64".into()))?;
+    let (distinct, index) = distinct_rows(all.chunks(seq.max(1)));
     let batch = Tensor::i64("input_ids", vec![distinct.len(), seq], distinct.concat());
     let out = encoder.run_tensors(&[batch])?;
     let name = match hidden {
@@ -246,7 +267,7 @@ fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, EngineError> {
         .ok_or_else(|| EngineError::Run(format!("stable diffusion call without `{name}`")))
 }
 
-fn floats(t: &Tensor) -> Result<&[f32], EngineError> {
+pub(super) fn floats(t: &Tensor) -> Result<&[f32], EngineError> {
     t.f32_rows(0, t.rows())
         .ok_or_else(|| EngineError::Run(format!("`{}` must be float32", t.name)))
 }
@@ -284,9 +305,16 @@ impl Backend for SdBackend {
             None
         };
         let draws = schedule.noise_draws();
-
+        let image = match bucket.mode {
+            Mode::Text => None,
+            mode => Some(self.image_latents(call, mode, bucket.begin, n, per_image)?),
+        };
+        let start = floats(latents_in)?;
         let mut rows = Rows {
-            latents: floats(latents_in)?.iter().map(|v| v * schedule.init_noise_sigma()).collect(),
+            latents: match &image {
+                Some(image) => image.initial(&schedule, start)?,
+                None => start.iter().map(|v| v * schedule.init_noise_sigma()).collect(),
+            },
             states: vec![ImageState::default(); n],
             per_image,
             noise,
@@ -295,16 +323,21 @@ impl Backend for SdBackend {
         };
         let owner = row_owners(call, n)?;
         let mut cancelled = vec![false; call.tasks.len()];
-        let steps = schedule.timesteps().len();
-        for (i, &t) in schedule.timesteps().iter().enumerate() {
+        let (begin, steps) = (schedule.begin(), schedule.timesteps().len());
+        let mut unet_shape = latent_shape.clone();
+        unet_shape[1] = self.unet_channels;
+        for (i, &t) in schedule.timesteps().iter().enumerate().skip(begin) {
             note_cancellations(call, &mut cancelled);
             let active: Vec<usize> = (0..n).filter(|&r| !cancelled[owner[r]]).collect();
             if active.is_empty() {
                 break;
             }
             let b = active.len();
-            let sample = rows.model_input(&schedule, i, &active)?;
-            let (inputs, unet_rows) = self.unet_inputs(&text, &active, sample, &latent_shape, t);
+            let mut sample = rows.model_input(&schedule, i, &active)?;
+            if let Some(image) = image.as_ref().filter(|_| self.unet_channels != latent_shape[1]) {
+                sample = image.with_mask_channels(&sample, &active, per_image);
+            }
+            let (inputs, unet_rows) = self.unet_inputs(&text, &active, sample, &unet_shape, t);
             let out = self.unet.run_tensors(&inputs)?;
             let pred = out
                 .iter()
@@ -321,7 +354,10 @@ impl Backend for SdBackend {
                     pred[k * per_image..(k + 1) * per_image].to_vec()
                 }
             })?;
-            report_progress(call, &cancelled, i + 1, steps);
+            if let Some(image) = image.as_ref().filter(|_| self.unet_channels == latent_shape[1]) {
+                image.blend_known_region(&schedule, i, &mut rows.latents, &active, start)?;
+            }
+            report_progress(call, &cancelled, i + 1 - begin, steps - begin);
         }
         let latents = rows.latents;
 
@@ -335,6 +371,9 @@ impl Backend for SdBackend {
     }
 
     fn release_memory(&mut self) {
+        if let Some(encoder) = self.vae_encoder.as_mut() {
+            encoder.release_memory();
+        }
         self.text_encoder.release_memory();
         if let Some(second) = self.text_encoder_2.as_mut() {
             second.release_memory();
@@ -478,6 +517,34 @@ impl SdBackend {
             inputs.push(Tensor::f32("time_ids", vec![rows, 6], added.time_ids.repeat(rows)));
         }
         (inputs, rows)
+    }
+
+    /// An img2img or inpainting call's image conditioning (`mode` is not text).
+    fn image_latents(&mut self, call: &Call, mode: Mode, begin: usize, rows: usize, per_image: usize) -> Result<ImageLatents, EngineError> {
+        let encoder = self
+            .vae_encoder
+            .as_mut()
+            .ok_or_else(|| EngineError::Run("img2img and inpainting need the export's vae_encoder/model.onnx".into()))?;
+        let draw = floats(input(call, "image_noise")?)?;
+        if draw.len() != rows * per_image {
+            return Err(EngineError::Run(format!(
+                "`image_noise` has {} values, expected {rows}x{per_image}",
+                draw.len()
+            )));
+        }
+        let call = ImageCall {
+            image: input(call, "init_image")?,
+            draw,
+            mask: match mode {
+                Mode::Inpaint => Some(input(call, "mask")?),
+                _ => None,
+            },
+            begin,
+            mask_channels: self.unet_channels != self.layout.latent_channels,
+            scaling_factor: self.layout.scaling_factor,
+            vae_scale: self.layout.vae_scale,
+        };
+        ImageLatents::encode(encoder, call)
     }
 
     /// The final latents through the VAE decoder, checked against the images' shape.

@@ -87,6 +87,11 @@ pub struct SdLayout {
     /// `time_cond_proj_dim` of a guidance-distilled (LCM) UNet: guidance goes in as an
     /// embedding and classifier-free guidance is off.
     pub time_cond_dim: Option<usize>,
+    /// `unet/config.json` `in_channels`: the latent channels, or 2 × them + 1 for an inpainting
+    /// UNet (latents, mask, masked-image latents), which serves inpainting alone.
+    pub unet_in_channels: usize,
+    /// Whether the export has `vae_encoder/` (img2img and inpainting need it).
+    pub has_vae_encoder: bool,
 }
 
 impl SdLayout {
@@ -138,7 +143,7 @@ impl SdLayout {
         let vae_blocks = vae["block_out_channels"].as_array().map_or(4, |b| b.len());
         let latent_channels = vae["latent_channels"]
             .as_u64()
-            .or_else(|| unet["in_channels"].as_u64())
+            .or_else(|| unet["in_channels"].as_u64().filter(|&c| c <= 4))
             .unwrap_or(4) as usize;
         let unet_blocks = unet["block_out_channels"].as_array().map_or(4, |b| b.len());
         let vae_scale = 1usize << vae_blocks.clamp(1, 8).saturating_sub(1);
@@ -158,6 +163,8 @@ impl SdLayout {
             size_multiple: vae_scale << unet_blocks.clamp(1, 8).saturating_sub(1),
             latent_channels,
             time_cond_dim,
+            unet_in_channels: unet["in_channels"].as_u64().map_or(latent_channels, |c| c as usize),
+            has_vae_encoder: dir.join("vae_encoder/model.onnx").is_file(),
         })
     }
 }

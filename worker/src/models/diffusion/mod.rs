@@ -5,6 +5,8 @@
 //! [`request`] turns a task into inputs and outputs into PNGs, [`backend`] runs the sessions.
 
 pub mod backend;
+mod image;
+pub mod input;
 pub mod layout;
 pub mod npy;
 mod python_json;
@@ -19,9 +21,9 @@ use sluice_schemas::TaskRecord;
 
 use self::backend::SdBackend;
 use self::layout::{LayoutError, SdLayout};
-use self::request::{SdRender, SdRequest};
+use self::request::{Draws, ImageInput, SdRender, SdRequest};
 use self::schedulers::Sampler;
-use super::{Bucket, ModelAdapter, ModelError, Prepared};
+use super::{Bucket, InputImages, ModelAdapter, ModelError, Prepared};
 use crate::engine::{Backend, EngineError, Runtime, SessionOptions};
 
 /// The `kind` of Stable Diffusion models in the catalog.
@@ -48,9 +50,24 @@ impl StableDiffusion {
         &self.layout
     }
 
-    /// The request a task record asks for.
-    pub fn request(task: &TaskRecord) -> Result<SdRequest, String> {
+    /// The request a task record asks for, with its input images decoded when `inputs` holds
+    /// them. Without them (at admission) an image task's request has the mode and strength its
+    /// bucket needs and no pixels.
+    pub fn request(task: &TaskRecord, inputs: Option<&InputImages>) -> Result<SdRequest, String> {
         let r = &task.request;
+        let image = match (r.strength, inputs) {
+            (None, _) => None,
+            (Some(strength), None) => Some(ImageInput::pending(strength, r.mask_image.is_some())),
+            (Some(strength), Some(inputs)) => {
+                let init = inputs.init.as_deref().ok_or("the task's init_image was not read")?;
+                let mask = match (&r.mask_image, &inputs.mask) {
+                    (None, _) => None,
+                    (Some(_), Some(bytes)) => Some(bytes.as_ref()),
+                    (Some(_), None) => return Err("the task's mask_image was not read".into()),
+                };
+                Some(input::image_input(init, mask, strength, r.width as usize, r.height as usize)?)
+            }
+        };
         Ok(SdRequest {
             prompt: r.prompt.clone(),
             negative_prompt: r.negative_prompt.clone(),
@@ -61,16 +78,17 @@ impl StableDiffusion {
             height: r.height as usize,
             num_images: r.num_images as usize,
             seed: r.seed,
+            image,
         })
     }
 
-    /// The inputs of `request` from the given standard-normal latents and noise (seeded ones
-    /// when `None`), and the call's bucket.
-    pub fn prepare_request(&self, request: &SdRequest, noise: Option<(Vec<f32>, Vec<f32>)>) -> Result<(Bucket, Prepared), String> {
+    /// The inputs of `request` from the given standard-normal draws (seeded ones when `None`),
+    /// and the call's bucket.
+    pub fn prepare_request(&self, request: &SdRequest, draws_of: Option<Draws>) -> Result<(Bucket, Prepared), String> {
         let schedule = request.check(&self.layout)?;
         let draws = schedule.noise_draws();
-        let (latents, noise) = noise.unwrap_or_else(|| request.seeded_noise(&self.layout, draws));
-        let inputs = request.inputs(&self.layout, latents, noise, draws)?;
+        let draws_of = draws_of.unwrap_or_else(|| request.seeded_draws(&self.layout, draws));
+        let inputs = request.inputs(&self.layout, draws_of, draws)?;
         let bucket = Bucket {
             model: self.name.clone(),
             key: request.bucket(&self.layout).key(),
@@ -96,9 +114,10 @@ pub fn sampler_names() -> String {
 
 impl ModelAdapter for StableDiffusion {
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
-        let request = Self::request(task).map_err(ModelError::InvalidInput)?;
+        let request = Self::request(task, None).map_err(ModelError::InvalidInput)?;
         // At admission: a request the model cannot run is a violation.
         request.check(&self.layout).map_err(ModelError::InvalidInput)?;
+        request.mode().servable_by(&self.layout).map_err(ModelError::InvalidInput)?;
         Ok(Bucket {
             model: self.name.clone(),
             key: request.bucket(&self.layout).key(),
@@ -107,8 +126,8 @@ impl ModelAdapter for StableDiffusion {
         })
     }
 
-    fn prepare(&self, task: &TaskRecord) -> Result<Prepared, ModelError> {
-        let request = Self::request(task).map_err(ModelError::InvalidInput)?;
+    fn prepare(&self, task: &TaskRecord, inputs: &InputImages) -> Result<Prepared, ModelError> {
+        let request = Self::request(task, Some(inputs)).map_err(ModelError::InvalidInput)?;
         Ok(self.prepare_request(&request, None).map_err(ModelError::InvalidInput)?.1)
     }
 

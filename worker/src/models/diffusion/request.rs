@@ -4,7 +4,10 @@
 //! drawn from stream `2i + 1` of `s` and takes its per-step noise (Euler a, LCM) from stream
 //! `2i + 2`, in step order ([`crate::models::noise::Gaussian`]: ChaCha8 and a fixed ziggurat).
 //! So the same record gives the same PNG bytes on the same machine and ONNX Runtime build, and
-//! image `i` does not depend on how many images the task asked for.
+//! image `i` does not depend on how many images the task asked for. An img2img or inpainting
+//! task's one VAE-encoder sampling draw (used for every encode of the task, as diffusers encodes
+//! the init image once) comes from stream 0; the initial latents' stream is then the noise that
+//! `add_noise` mixes into the encoded image.
 
 use std::ops::Range;
 
@@ -24,10 +27,43 @@ pub struct SdBucket {
     pub steps: usize,
     /// Classifier-free guidance: the UNet runs `[uncond, cond]`.
     pub cfg: bool,
+    pub mode: Mode,
+    /// The first step run (img2img and inpainting start later as strength is lower).
+    pub begin: usize,
+}
+
+/// What a task starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Noise.
+    Text,
+    /// An init image, noised to the first step run.
+    Img2Img,
+    /// An init image and a mask of what to repaint.
+    Inpaint,
+}
+
+impl Mode {
+    /// Whether the model at `layout` runs this mode: images need the export's VAE encoder, and
+    /// an inpainting UNet (9 channels) serves inpainting alone.
+    pub fn servable_by(self, layout: &SdLayout) -> Result<(), String> {
+        let inpainting_unet = layout.unet_in_channels != layout.latent_channels;
+        match self {
+            Mode::Text | Mode::Img2Img if inpainting_unet => Err(format!(
+                "this model's UNet takes {} channels (an inpainting UNet): it needs an init_image and a mask_image",
+                layout.unet_in_channels
+            )),
+            Mode::Img2Img | Mode::Inpaint if !layout.has_vae_encoder => {
+                Err("this model's export has no vae_encoder/: it takes no init_image".into())
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 impl SdBucket {
-    /// The bucket key of a call: this, named `512x512:euler:25:cfg`.
+    /// The bucket key of a call: this, named `512x512:euler:25:cfg` (then `:img2img@1` or
+    /// `:inpaint@0` with the first step run).
     pub fn key(self) -> CallKey {
         let pixels = (self.width * self.height) as u64;
         CallKey::new(self, Some(pixels))
@@ -44,8 +80,46 @@ impl std::fmt::Display for SdBucket {
             self.sampler.name(),
             self.steps,
             if self.cfg { "cfg" } else { "nocfg" }
-        )
+        )?;
+        match self.mode {
+            Mode::Text => Ok(()),
+            Mode::Img2Img => write!(f, ":img2img@{}", self.begin),
+            Mode::Inpaint => write!(f, ":inpaint@{}", self.begin),
+        }
     }
+}
+
+/// What an img2img or inpainting task starts from, as diffusers' image processor prepares it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageInput {
+    /// The init image, [3, height, width] in [-1, 1] (`x / 255 * 2 - 1`).
+    pub image: Vec<f32>,
+    /// Inpainting: [height, width], 1 where the model repaints (binarized at 0.5).
+    pub mask: Option<Vec<f32>>,
+    /// (0, 1]: the share of the schedule that runs.
+    pub strength: f64,
+}
+
+impl ImageInput {
+    /// The mode and strength of an image task whose pixels are not read yet (at admission,
+    /// where only its bucket is needed).
+    pub fn pending(strength: f64, masked: bool) -> ImageInput {
+        ImageInput {
+            image: Vec::new(),
+            mask: masked.then(Vec::new),
+            strength,
+        }
+    }
+}
+
+/// The draws of one task: initial latents [images, c, h, w], per-step noise
+/// [images, draws, c, h, w] (empty when the sampler draws none) and, with an init image, the
+/// VAE encoder's sampling draw [c, h, w].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Draws {
+    pub latents: Vec<f32>,
+    pub noise: Vec<f32>,
+    pub image_noise: Option<Vec<f32>>,
 }
 
 /// One text-to-image request.
@@ -63,6 +137,8 @@ pub struct SdRequest {
     pub height: usize,
     pub num_images: usize,
     pub seed: u64,
+    /// img2img and inpainting.
+    pub image: Option<ImageInput>,
 }
 
 impl SdRequest {
@@ -78,7 +154,34 @@ impl SdRequest {
             sampler: self.sampler,
             steps: self.steps,
             cfg: self.cfg(layout),
+            mode: self.mode(),
+            begin: self.begin().unwrap_or(0),
         }
+    }
+
+    pub fn mode(&self) -> Mode {
+        match &self.image {
+            None => Mode::Text,
+            Some(ImageInput { mask: None, .. }) => Mode::Img2Img,
+            Some(_) => Mode::Inpaint,
+        }
+    }
+
+    /// The first step run: `steps - min(int(steps × strength), steps)`, computed in f64 as
+    /// diffusers does (f32 can lose a step). 0 without an init image.
+    pub fn begin(&self) -> Result<usize, String> {
+        let Some(input) = &self.image else { return Ok(0) };
+        if !(input.strength > 0.0 && input.strength <= 1.0) {
+            return Err(format!("strength must be in (0, 1], got {}", input.strength));
+        }
+        let run = ((self.steps as f64 * input.strength) as usize).min(self.steps);
+        if run == 0 {
+            return Err(format!(
+                "strength {} of {} steps runs no step (steps × strength must be at least 1)",
+                input.strength, self.steps
+            ));
+        }
+        Ok(self.steps - run)
     }
 
     /// Shape of one image's latents.
@@ -102,11 +205,16 @@ impl SdRequest {
         if self.num_images == 0 {
             return Err("num_images must be at least 1".into());
         }
-        Schedule::new(self.sampler, &layout.scheduler, self.steps).map_err(|e| e.to_string())
+        let schedule = Schedule::new(self.sampler, &layout.scheduler, self.steps).map_err(|e| e.to_string())?;
+        match self.mode() {
+            Mode::Text => Ok(schedule),
+            _ => schedule.beginning_at(self.begin()?).map_err(|e| e.to_string()),
+        }
     }
 
-    /// The seeded initial latents and per-step noise of every image.
-    pub fn seeded_noise(&self, layout: &SdLayout, draws: usize) -> (Vec<f32>, Vec<f32>) {
+    /// The seeded draws of the task: every image's initial latents and per-step noise, and the
+    /// VAE encoder's draw when there is an init image.
+    pub fn seeded_draws(&self, layout: &SdLayout, draws: usize) -> Draws {
         let per: usize = self.latent_dims(layout).iter().product();
         let mut latents = vec![0f32; self.num_images * per];
         let mut noise = vec![0f32; self.num_images * draws * per];
@@ -114,7 +222,16 @@ impl SdRequest {
             Gaussian::stream(self.seed, 2 * i as u64 + 1).fill(&mut latents[i * per..(i + 1) * per], 1.0);
             Gaussian::stream(self.seed, 2 * i as u64 + 2).fill(&mut noise[i * draws * per..(i + 1) * draws * per], 1.0);
         }
-        (latents, noise)
+        let image_noise = self.image.as_ref().map(|_| {
+            let mut draw = vec![0f32; per];
+            Gaussian::stream(self.seed, 0).fill(&mut draw, 1.0);
+            draw
+        });
+        Draws {
+            latents,
+            noise,
+            image_noise,
+        }
     }
 
     /// The token ids of the prompt (`cond_ids`) and, with guidance, of the negative prompt
@@ -143,9 +260,13 @@ impl SdRequest {
         Ok(inputs)
     }
 
-    /// The model inputs, from standard-normal `latents` [images, c, h, w] and `noise`
-    /// [images, draws, c, h, w] (empty when the sampler draws none).
-    pub fn inputs(&self, layout: &SdLayout, latents: Vec<f32>, noise: Vec<f32>, draws: usize) -> Result<Vec<Tensor>, String> {
+    /// The model inputs, from the task's standard-normal draws.
+    pub fn inputs(&self, layout: &SdLayout, draws_of: Draws, draws: usize) -> Result<Vec<Tensor>, String> {
+        let Draws {
+            latents,
+            noise,
+            image_noise,
+        } = draws_of;
         let n = self.num_images;
         let dims = self.latent_dims(layout);
         let per: usize = dims.iter().product();
@@ -161,6 +282,31 @@ impl SdRequest {
             inputs.push(Tensor::f32("noise", vec![n, draws, dims[0], dims[1], dims[2]], noise));
         }
         inputs.push(Tensor::f32("guidance", vec![n], vec![self.guidance_scale; n]));
+        if let Some(input) = &self.image {
+            inputs.extend(self.image_inputs(input, image_noise, per)?);
+        }
+        Ok(inputs)
+    }
+
+    /// An image task's inputs, one row per image: `init_image` [n, 3, H, W], `image_noise`
+    /// [n, c, h, w] (the task's one VAE draw) and, inpainting, `mask` [n, 1, H, W].
+    fn image_inputs(&self, input: &ImageInput, image_noise: Option<Vec<f32>>, per: usize) -> Result<Vec<Tensor>, String> {
+        let (n, w, h) = (self.num_images, self.width, self.height);
+        if input.image.len() != 3 * h * w || input.mask.as_ref().is_some_and(|m| m.len() != h * w) {
+            return Err(format!("the init image and mask must be {w}x{h}"));
+        }
+        let draw = image_noise.ok_or("an image task needs its VAE-encoder draw")?;
+        if draw.len() != per {
+            return Err(format!("the VAE-encoder draw has {} values, expected {per}", draw.len()));
+        }
+        let dims = |per_row: usize| -> Vec<usize> { vec![n, per_row / (h * w).max(1), h, w] };
+        let mut inputs = vec![
+            Tensor::f32("init_image", dims(3 * h * w), input.image.repeat(n)),
+            Tensor::f32("image_noise", vec![n, per], draw.repeat(n)),
+        ];
+        if let Some(mask) = &input.mask {
+            inputs.push(Tensor::f32("mask", dims(h * w), mask.repeat(n)));
+        }
         Ok(inputs)
     }
 }

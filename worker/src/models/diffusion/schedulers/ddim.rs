@@ -65,6 +65,12 @@ impl Ddim {
             })
     }
 
+    /// `add_noise` at step `i`: `sqrt(ᾱ_t) x0 + sqrt(1 - ᾱ_t) noise` of the step's timestep.
+    pub(super) fn add_noise(&self, i: usize, x0: &[f32], noise: &[f32]) -> Result<Vec<f32>, ScheduleError> {
+        let alpha = self.alpha(at(&self.timesteps, i, Sampler::Ddim, self.steps)?)?;
+        Ok(super::add_noise_vp(alpha, x0, noise))
+    }
+
     pub(super) fn step(&self, i: usize, model_output: &[f32], sample: &mut [f32]) -> Result<(), ScheduleError> {
         let t = at(&self.timesteps, i, Sampler::Ddim, self.steps)?;
         let prev = t - self.stride;

@@ -137,6 +137,17 @@ impl Dpm {
         at(&self.sigmas, index, self.sampler, self.steps)
     }
 
+    /// Steps index the schedule directly (a begin index is set: img2img, inpainting).
+    pub(super) fn index_directly(&mut self) {
+        self.first = 0;
+    }
+
+    /// `add_noise` at step `i`: `alpha_t * x0 + sigma_t * noise` of the step's sigma.
+    pub(super) fn add_noise(&self, i: usize, x0: &[f32], noise: &[f32]) -> Result<Vec<f32>, ScheduleError> {
+        let (alpha, sigma) = alpha_sigma(self.sigma(self.first + i)?);
+        Ok(x0.iter().zip(noise).map(|(&x, &z)| alpha * x + sigma * z).collect())
+    }
+
     pub(super) fn step(&self, i: usize, model_output: &[f32], sample: &mut [f32], state: &mut ImageState) -> Result<(), ScheduleError> {
         let idx = self.first + i;
         let len = self.timesteps.len();

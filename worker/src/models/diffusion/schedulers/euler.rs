@@ -98,6 +98,17 @@ impl Euler {
         at(&self.sigmas, self.first + i, self.sampler, self.steps)
     }
 
+    /// Steps index the schedule directly (a begin index is set: img2img, inpainting).
+    pub(super) fn index_directly(&mut self) {
+        self.first = 0;
+    }
+
+    /// `add_noise` at step `i`: `x0 + noise * sigma`.
+    pub(super) fn add_noise(&self, i: usize, x0: &[f32], noise: &[f32]) -> Result<Vec<f32>, ScheduleError> {
+        let sigma = self.sigma(i)?;
+        Ok(x0.iter().zip(noise).map(|(&x, &z)| x + z * sigma).collect())
+    }
+
     pub(super) fn scale_model_input(&self, i: usize, sample: &mut [f32]) -> Result<(), ScheduleError> {
         let sigma = self.sigma(i)?;
         let scale = (sigma * sigma + 1.0).sqrt();

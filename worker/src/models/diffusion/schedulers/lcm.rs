@@ -83,6 +83,17 @@ impl Lcm {
         at(&self.alphas_cumprod, t as usize, Sampler::Lcm, self.steps)
     }
 
+    /// Steps index the schedule directly (a begin index is set: img2img, inpainting).
+    pub(super) fn index_directly(&mut self) {
+        self.first = 0;
+    }
+
+    /// `add_noise` at step `i`: `sqrt(ᾱ_t) x0 + sqrt(1 - ᾱ_t) noise` of the step's timestep.
+    pub(super) fn add_noise(&self, i: usize, x0: &[f32], noise: &[f32]) -> Result<Vec<f32>, ScheduleError> {
+        let alpha = self.alpha(at(&self.timesteps, self.first + i, Sampler::Lcm, self.steps)?)?;
+        Ok(super::add_noise_vp(alpha, x0, noise))
+    }
+
     pub(super) fn step(&self, i: usize, model_output: &[f32], sample: &mut [f32], noise: Option<&[f32]>) -> Result<(), ScheduleError> {
         let idx = self.first + i;
         let t = at(&self.timesteps, i, Sampler::Lcm, self.steps)?;

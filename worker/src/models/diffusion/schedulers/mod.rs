@@ -381,6 +381,8 @@ pub struct Schedule {
     timesteps: Vec<f32>,
     init_noise_sigma: f32,
     plan: Plan,
+    /// The first step run: 0, or later for img2img and inpainting (see [`Schedule::beginning_at`]).
+    begin: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -430,7 +432,46 @@ impl Schedule {
             timesteps,
             init_noise_sigma,
             plan,
+            begin: 0,
         })
+    }
+
+    /// The schedule as diffusers' img2img and inpainting pipelines run it: they set the begin
+    /// index (`set_begin_index(t_start)`), so the steps run are `begin..` and each indexes the
+    /// sigmas directly (text-to-image's rule for a repeated first timestep does not apply).
+    pub fn beginning_at(mut self, begin: usize) -> Result<Schedule, ScheduleError> {
+        if begin >= self.timesteps.len() {
+            return Err(ScheduleError::Steps {
+                sampler: self.sampler.name(),
+                steps: self.timesteps.len(),
+                reason: format!("no step left to run from step {begin}"),
+            });
+        }
+        match &mut self.plan {
+            Plan::Euler(e) => e.index_directly(),
+            Plan::Dpm(d) => d.index_directly(),
+            Plan::Lcm(l) => l.index_directly(),
+            Plan::Ddim(_) => {}
+        }
+        self.begin = begin;
+        Ok(self)
+    }
+
+    /// The first step run.
+    pub fn begin(&self) -> usize {
+        self.begin
+    }
+
+    /// Clean latents `x0` noised with `noise` to the level of step `i` (diffusers' `add_noise`
+    /// with the step index it uses there: the begin index before the first step, the current
+    /// one after).
+    pub fn add_noise(&self, i: usize, x0: &[f32], noise: &[f32]) -> Result<Vec<f32>, ScheduleError> {
+        match &self.plan {
+            Plan::Euler(e) => e.add_noise(i, x0, noise),
+            Plan::Ddim(d) => d.add_noise(i, x0, noise),
+            Plan::Dpm(d) => d.add_noise(i, x0, noise),
+            Plan::Lcm(l) => l.add_noise(i, x0, noise),
+        }
     }
 
     pub fn sampler(&self) -> Sampler {
@@ -450,9 +491,10 @@ impl Schedule {
     /// How many noise draws the sampler makes (each the size of one image's latents), in order:
     /// one per step for Euler a, one per step but the last for LCM, none for the others.
     pub fn noise_draws(&self) -> usize {
+        let run = self.timesteps.len() - self.begin;
         match &self.plan {
-            Plan::Euler(e) if e.ancestral() => self.timesteps.len(),
-            Plan::Lcm(_) => self.timesteps.len() - 1,
+            Plan::Euler(e) if e.ancestral() => run,
+            Plan::Lcm(_) => run - 1,
             _ => 0,
         }
     }
@@ -491,6 +533,12 @@ impl Schedule {
             Plan::Lcm(l) => l.step(i, model_output, sample, noise),
         }
     }
+}
+
+/// `sqrt(ᾱ) x0 + sqrt(1 - ᾱ) noise`, in float32 as DDPM-style schedulers' `add_noise`.
+fn add_noise_vp(alpha_cumprod: f32, x0: &[f32], noise: &[f32]) -> Vec<f32> {
+    let (a, b) = (alpha_cumprod.sqrt(), (1.0 - alpha_cumprod).sqrt());
+    x0.iter().zip(noise).map(|(&x, &z)| a * x + b * z).collect()
 }
 
 /// `index` or an error naming the step: diffusers' index arithmetic can run past its arrays.
