@@ -3,6 +3,7 @@
 use anyhow::Context;
 
 /// An RGB image.
+#[derive(Clone)]
 pub struct Rgb {
     pub width: usize,
     pub height: usize,
@@ -38,7 +39,8 @@ impl Rgb {
         })
     }
 
-    fn put(&mut self, x: usize, y: usize, c: [u8; 3]) {
+    /// Sets one pixel (nothing outside the image).
+    pub fn put(&mut self, x: usize, y: usize, c: [u8; 3]) {
         if x < self.width && y < self.height {
             let i = (y * self.width + x) * 3;
             self.pixels[i..i + 3].copy_from_slice(&c);

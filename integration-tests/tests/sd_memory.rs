@@ -27,8 +27,13 @@ async fn stack() -> &'static Stack {
 
 /// A worker serving only `sd-tiny`, in a group of its own on its own topics.
 async fn worker(stack: &Stack, scenario: &str, topics: &Topics, extra: &[(&str, &str)]) -> Worker {
+    worker_of(stack, "sd-tiny", scenario, topics, extra).await
+}
+
+/// A worker serving only `model`, in a group of its own on its own topics.
+async fn worker_of(stack: &Stack, model: &str, scenario: &str, topics: &Topics, extra: &[(&str, &str)]) -> Worker {
     let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
-    let mut env = vec![("SLUICE_MODEL_CATALOG", catalog.as_str()), ("SLUICE_MODELS", "sd-tiny")];
+    let mut env = vec![("SLUICE_MODEL_CATALOG", catalog.as_str()), ("SLUICE_MODELS", model)];
     env.extend_from_slice(extra);
     Worker::on_topics(stack, scenario, &format!("sd-memory-{scenario}"), topics, &env)
         .await
@@ -116,9 +121,21 @@ const RSS_BOUND_BYTES: u64 = 100 << 20;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes_back() {
+    twenty_reloads_under_load("sd-tiny", "reload").await;
+}
+
+/// The same for SDXL, whose backend holds two text encoders and the VAE encoder too.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_reloads_of_the_sdxl_model_under_load_lose_nothing_and_memory_comes_back() {
+    twenty_reloads_under_load("sdxl-tiny", "reload-xl").await;
+}
+
+/// 20 reloads of `model`, each while two tasks are queued or running: every task completes, and
+/// RSS after reloads 6..20 stays within [`RSS_BOUND_BYTES`] of the warm baseline.
+async fn twenty_reloads_under_load(model: &str, scenario: &str) {
     let stack = stack().await;
-    let topics = stack.topics("sd-reload", 4).unwrap();
-    let mut worker = worker(stack, "reload", &topics, &[("SLUICE_MAX_WAIT_MS", "20")]).await;
+    let topics = stack.topics(&format!("sd-{scenario}"), 4).unwrap();
+    let mut worker = worker_of(stack, model, scenario, &topics, &[("SLUICE_MAX_WAIT_MS", "20")]).await;
     // Reloads under load: the worker owns its partitions before the first reload (joining the
     // group takes ~3 s on the broker; reloads before it measure an idle worker's baseline).
     worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
@@ -127,10 +144,16 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
     let mut rss = Vec::new();
     let mut device_free = Vec::new();
     for i in 0..20u64 {
-        let wave: Vec<_> = (0..2).map(|j| sd_task(i * 2 + j, 64, 4, 1 + (j as u32))).collect();
+        let wave: Vec<_> = (0..2)
+            .map(|j| {
+                let (id, mut record) = sd_task(i * 2 + j, 64, 4, 1 + (j as u32));
+                record["model"] = model.into();
+                (id, record)
+            })
+            .collect();
         publish_tasks(&kafka, &topics.tasks, &wave).await.unwrap();
         tasks.extend(wave);
-        let (status, report) = worker.reload(&serde_json::json!({"model": "sd-tiny"})).await;
+        let (status, report) = worker.reload(&serde_json::json!({ "model": model })).await;
         assert_eq!(status, 200, "{report}");
         let report = &report["reloads"][0];
         assert_eq!(report["result"], "reloaded", "{report}");
@@ -149,7 +172,7 @@ async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes
     let baseline = rss[4].1;
     let worst = rss[5..].iter().map(|r| r.1).max().unwrap();
     eprintln!(
-        "SD reload RSS: first {} MB, warm baseline (after reload 5) {} MB, worst after reload 6..20 {} MB, last {} MB, lowest after an unload {} MB; bound baseline + {} MB",
+        "{model} reload RSS: first {} MB, warm baseline (after reload 5) {} MB, worst after reload 6..20 {} MB, last {} MB, lowest after an unload {} MB; bound baseline + {} MB",
         rss[0].1 >> 20,
         baseline >> 20,
         worst >> 20,

@@ -35,21 +35,42 @@ pub(crate) struct InlineImages {
     pub mask: Option<String>,
 }
 
-/// The record of `tenant`'s request (`headers` and `body`), or a 400 naming what is wrong:
-/// `webhooks` is what a submitted webhook must satisfy (`None`: no webhooks on this deployment);
-/// `images_accepted`, whether an input store is configured for input images.
-pub(crate) fn record(
-    catalog: &Catalog,
-    webhooks: Option<&Policy>,
-    images_accepted: bool,
-    tenant: &str,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<Admitted, ApiError> {
+/// What a deployment admits beyond the catalog and the schemas.
+pub(crate) struct Limits<'a> {
+    /// What a submitted webhook must satisfy (`None`: no webhooks on this deployment).
+    pub webhooks: Option<&'a Policy>,
+    /// Whether an input store is configured for input images.
+    pub images_accepted: bool,
+    /// The body limit without its data URLs (`SLUICE_MAX_BODY_BYTES`): the HTTP layer lets a
+    /// body through with room for two images when input images are accepted.
+    pub max_body_bytes: usize,
+}
+
+/// The record of `tenant`'s request (`headers` and `body`), or a 400 naming what is wrong (a 413
+/// for a body over the limit once its input images are left out).
+pub(crate) fn record(catalog: &Catalog, limits: &Limits<'_>, tenant: &str, headers: &HeaderMap, body: &[u8]) -> Result<Admitted, ApiError> {
     let user = user_of(headers).map_err(|message| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("X-Sluice-User", message)])
     })?;
-    let request: Value = serde_json::from_slice(body).map_err(|e| {
+    let parsed = serde_json::from_slice::<Value>(body);
+    let text = |name: &str| parsed.as_ref().ok()?.get(name)?.as_str().map(str::to_owned);
+    let images = InlineImages {
+        init: text("init_image"),
+        mask: text("mask_image"),
+    };
+    let rest = body.len()
+        - [&images.init, &images.mask]
+            .iter()
+            .map(|i| i.as_ref().map_or(0, String::len))
+            .sum::<usize>();
+    if rest > limits.max_body_bytes {
+        let message = format!(
+            "the body is {rest} bytes without its images; the limit is {}",
+            limits.max_body_bytes
+        );
+        return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message));
+    }
+    let request = parsed.map_err(|e| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not JSON: {e}")).with_fields([field("", e.to_string())])
     })?;
     let key = idempotency_key(headers)?;
@@ -59,14 +80,9 @@ pub(crate) fn record(
     };
     let record = TaskPublisher::record_with_key(catalog, &request, &submitter, key.as_deref()).map_err(invalid)?;
     if let Some(webhook) = &record.webhook {
-        check_webhook(webhooks, tenant, &webhook.url)?;
+        check_webhook(limits.webhooks, tenant, &webhook.url)?;
     }
-    let text = |name: &str| request.get(name).and_then(Value::as_str).map(str::to_owned);
-    let images = InlineImages {
-        init: text("init_image"),
-        mask: text("mask_image"),
-    };
-    if images.init.is_some() && !images_accepted {
+    if images.init.is_some() && !limits.images_accepted {
         let message = "this deployment takes no input images (SLUICE_INPUT_URL is not set)";
         return Err(
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "invalid field(s): init_image")
@@ -160,5 +176,56 @@ pub(crate) fn repeat(idempotency: &Idempotency, known: Option<Option<String>>) -
             )
         }
         None => Ok(Repeat::Unknown),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog() -> Catalog {
+        Catalog::parse("[[model]]\nname = \"sd\"\nkind = \"stable-diffusion\"\nwidth = { min = 64, max = 256, default = 64 }\nheight = { min = 64, max = 256, default = 64 }\nsize_multiple = 16\n").unwrap()
+    }
+
+    fn admit(images_accepted: bool, body: serde_json::Value) -> Result<Admitted, ApiError> {
+        let limits = Limits {
+            webhooks: None,
+            images_accepted,
+            max_body_bytes: 64 * 1024,
+        };
+        record(&catalog(), &limits, "acme", &HeaderMap::new(), body.to_string().as_bytes())
+    }
+
+    #[test]
+    fn input_images_are_refused_where_no_input_store_is_configured() {
+        let body = serde_json::json!({"model": "sd", "prompt": "p", "init_image": "data:image/png;base64,iVBORw0KGgo="});
+        let refused = admit(false, body.clone()).err().expect("refused");
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+        assert_eq!(refused.fields[0].field, "init_image");
+        assert!(refused.fields[0].message.contains("SLUICE_INPUT_URL"));
+        // Configured: admitted with the data URL kept for storing, strength defaulted as diffusers.
+        let admitted = admit(true, body).ok().expect("admitted");
+        assert_eq!(admitted.images.init.as_deref(), Some("data:image/png;base64,iVBORw0KGgo="));
+        assert_eq!(admitted.record.request.strength, Some(0.8));
+        assert_eq!(admitted.record.request.init_image, None, "set once the image is stored");
+        // Inpainting defaults to strength 1.
+        let inpaint = serde_json::json!({"model": "sd", "prompt": "p", "init_image": "data:image/png;base64,iVBORw0KGgo=",
+            "mask_image": "data:image/png;base64,iVBORw0KGgo="});
+        assert_eq!(admit(true, inpaint).ok().expect("admitted").record.request.strength, Some(1.0));
+    }
+
+    #[test]
+    fn the_body_limit_leaves_the_images_out() {
+        let image = format!("data:image/png;base64,{}", "A".repeat(200_000));
+        let ok = serde_json::json!({"model": "sd", "prompt": "p", "init_image": image});
+        // Over the limit as a whole, under it without the image: judged on its fields (the
+        // image itself is decoded later).
+        assert!(admit(true, ok).is_ok());
+        let padded = serde_json::json!({"model": "sd", "prompt": "p", "init_image": image, "negative_prompt": "x".repeat(70_000)});
+        let refused = admit(true, padded).err().expect("refused");
+        assert_eq!(
+            (refused.status, refused.error.as_str()),
+            (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
+        );
     }
 }

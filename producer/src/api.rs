@@ -45,6 +45,8 @@ pub struct AppState {
     pub webhooks: Option<crate::webhook::Policy>,
     /// Where input images are stored (`None`: requests with images are refused).
     pub inputs: Option<crate::input_images::InputImages>,
+    /// The body limit, input images left out (`SLUICE_MAX_BODY_BYTES`).
+    pub max_body_bytes: usize,
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
@@ -139,8 +141,12 @@ async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes)
 /// first time, and publishes anything else.
 async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let tenant = tenant_of(s, headers)?;
-    let admission::Admitted { mut record, images } =
-        admission::record(&s.catalog, s.webhooks.as_ref(), s.inputs.is_some(), &tenant, headers, body)?;
+    let limits = admission::Limits {
+        webhooks: s.webhooks.as_ref(),
+        images_accepted: s.inputs.is_some(),
+        max_body_bytes: s.max_body_bytes,
+    };
+    let admission::Admitted { mut record, images } = admission::record(&s.catalog, &limits, &tenant, headers, body)?;
     if let (Some(_), Some(idem)) = (&s.status, &record.idempotency) {
         let (who, task_id) = (tenant.clone(), record.task_id);
         let known = on_store(s, move |store| store.request_hash(&who, task_id)).await?;

@@ -1148,19 +1148,32 @@ def rerun_check(out_root: Path, work: Path) -> dict:
     other = work / "rerun-out"
     if other.exists():
         shutil.rmtree(other)
+    return rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
+
+
+def rerun_and_compare(script: str, out_root: Path, other: Path, work: Path, output_paths: list[str],
+                      logger: logging.Logger) -> dict:
+    """`script` run again in a fresh process into `other`; every file under `output_paths` (README.md
+    aside) compared with this run's: identical bytes, or how far apart (.npy, .png), or missing on a side.
+    Shared by generate.py, sdxl.py and images.py."""
     t0 = time.time()
-    subprocess.run([sys.executable, __file__, "--out", str(other), "--work", str(work / "rerun-work")], check=True,
+    subprocess.run([sys.executable, script, "--out", str(other), "--work", str(work / "rerun-work")], check=True,
                    env={**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")})
-    files_a = {}
-    for rel in OUTPUT_PATHS:
-        p = out_root / rel
-        for f in ([p] if p.is_file() else sorted(p.rglob("*"))):
-            if f.is_file() and f.name != "README.md":
-                files_a[f.relative_to(out_root).as_posix()] = f
+
+    def files(root: Path) -> dict:
+        found = {}
+        for rel in output_paths:
+            p = root / rel
+            for f in ([p] if p.is_file() else sorted(p.rglob("*"))):
+                if f.is_file() and f.name != "README.md":
+                    found[f.relative_to(root).as_posix()] = f
+        return found
+
+    files_a, files_b = files(out_root), files(other)
     identical, differing = [], {}
     for rel, fa in files_a.items():
-        fb = other / rel
-        if not fb.exists():
+        fb = files_b.get(rel)
+        if fb is None:
             differing[rel] = "missing in rerun"
         elif fa.read_bytes() == fb.read_bytes():
             identical.append(rel)
@@ -1173,9 +1186,11 @@ def rerun_check(out_root: Path, work: Path) -> dict:
             differing[rel] = f"max |diff| {int(np.abs(a - b).max())} levels"
         else:
             differing[rel] = "bytes differ"
-    log.info("E. rerun in %.0f s: %d identical files, %d differing", time.time() - t0, len(identical), len(differing))
+    for rel in sorted(set(files_b) - set(files_a)):
+        differing[rel] = "only in rerun"
+    logger.info("E. rerun in %.0f s: %d identical files, %d differing", time.time() - t0, len(identical), len(differing))
     for rel, why in differing.items():
-        log.info("E.   %s: %s", rel, why)
+        logger.info("E.   %s: %s", rel, why)
     return {"identical": len(identical), "differing": differing, "seconds": round(time.time() - t0)}
 
 

@@ -1040,7 +1040,7 @@ def build_manifest(models_root: Path, out_root: Path, tar_listing: list[dict], p
 
 
 def rerun_check(out_root: Path, work: Path) -> dict:
-    """The whole script again in a fresh process; sdxl.rerun_check's comparison on this script's outputs.
+    """The whole script again in a fresh process (generate.rerun_and_compare) on this script's outputs.
     The rerun reads the committed sd-tiny / sdxl-tiny tarballs from this output root's copies."""
     other = work / "rerun-out"
     if other.exists():
@@ -1048,41 +1048,7 @@ def rerun_check(out_root: Path, work: Path) -> dict:
     for rel in (SD_TARBALL, SDXL_TARBALL):
         (other / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out_root / rel, other / rel)
-    t0 = time.time()
-    subprocess.run([sys.executable, __file__, "--out", str(other), "--work", str(work / "rerun-work")], check=True,
-                   env={**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")})
-    files_a = {}
-    for rel in OUTPUT_PATHS:
-        p = out_root / rel
-        for f in ([p] if p.is_file() else sorted(p.rglob("*"))):
-            if f.is_file() and f.name != "README.md":
-                files_a[f.relative_to(out_root).as_posix()] = f
-    identical, differing = [], {}
-    for rel, fa in files_a.items():
-        fb = other / rel
-        if not fb.exists():
-            differing[rel] = "missing in rerun"
-        elif fa.read_bytes() == fb.read_bytes():
-            identical.append(rel)
-        elif rel.endswith(".npy"):
-            a, b = np.load(fa), np.load(fb)
-            differing[rel] = f"max |diff| {float(np.abs(a.astype(np.float64) - b).max()):.3g}"
-        elif rel.endswith(".png"):
-            a = np.asarray(Image.open(fa)).astype(int)
-            b = np.asarray(Image.open(fb)).astype(int)
-            differing[rel] = f"max |diff| {int(np.abs(a - b).max())} levels"
-        else:
-            differing[rel] = "bytes differ"
-    for rel in OUTPUT_PATHS:
-        q = other / rel
-        for f in ([q] if q.is_file() else sorted(q.rglob("*"))):
-            r = f.relative_to(other).as_posix()
-            if f.is_file() and f.name != "README.md" and r not in files_a:
-                differing[r] = "only in rerun"
-    log.info("E. rerun in %.0f s: %d identical files, %d differing", time.time() - t0, len(identical), len(differing))
-    for rel, why in differing.items():
-        log.info("E.   %s: %s", rel, why)
-    return {"identical": len(identical), "differing": differing, "seconds": round(time.time() - t0)}
+    return g.rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
 
 
 def write_readme(path: Path, info: dict) -> None:

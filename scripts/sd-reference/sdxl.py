@@ -769,40 +769,7 @@ def rerun_check(out_root: Path, work: Path) -> dict:
     other = work / "rerun-out"
     if other.exists():
         shutil.rmtree(other)
-    t0 = time.time()
-    subprocess.run([sys.executable, __file__, "--out", str(other), "--work", str(work / "rerun-work")], check=True,
-                   env={**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")})
-    files_a = {}
-    for rel in OUTPUT_PATHS:
-        p = out_root / rel
-        for f in ([p] if p.is_file() else sorted(p.rglob("*"))):
-            if f.is_file() and f.name != "README.md":
-                files_a[f.relative_to(out_root).as_posix()] = f
-    identical, differing = [], {}
-    for rel, fa in files_a.items():
-        fb = other / rel
-        if not fb.exists():
-            differing[rel] = "missing in rerun"
-        elif fa.read_bytes() == fb.read_bytes():
-            identical.append(rel)
-        elif rel.endswith(".npy"):
-            a, b = np.load(fa), np.load(fb)
-            differing[rel] = f"max |diff| {float(np.abs(a.astype(np.float64) - b).max()):.3g}"
-        elif rel.endswith(".png"):
-            a = np.asarray(Image.open(fa)).astype(int)
-            b = np.asarray(Image.open(fb)).astype(int)
-            differing[rel] = f"max |diff| {int(np.abs(a - b).max())} levels"
-        else:
-            differing[rel] = "bytes differ"
-    extra = sorted(f.relative_to(other).as_posix() for rel in OUTPUT_PATHS for f in
-                   ([other / rel] if (other / rel).is_file() else sorted((other / rel).rglob("*")))
-                   if f.is_file() and f.name != "README.md" and f.relative_to(other).as_posix() not in files_a)
-    for rel in extra:
-        differing[rel] = "only in rerun"
-    log.info("E. rerun in %.0f s: %d identical files, %d differing", time.time() - t0, len(identical), len(differing))
-    for rel, why in differing.items():
-        log.info("E.   %s: %s", rel, why)
-    return {"identical": len(identical), "differing": differing, "seconds": round(time.time() - t0)}
+    return g.rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
 
 
 def io_table(sessions: dict) -> list[str]:

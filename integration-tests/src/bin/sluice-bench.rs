@@ -46,7 +46,15 @@ async fn main() -> anyhow::Result<()> {
     if which == "all" {
         // One process per benchmark: ONNX Runtime has one environment per process, and the
         // adaptive benchmark caps its CPU arena.
-        for which in ["pipeline", "delivery", "group", "adaptive", "adaptive-sd", "status-view"] {
+        for which in [
+            "pipeline",
+            "delivery",
+            "group",
+            "adaptive",
+            "adaptive-sd",
+            "adaptive-sdxl",
+            "status-view",
+        ] {
             let status = std::process::Command::new(std::env::current_exe()?).arg(which).status()?;
             anyhow::ensure!(status.success(), "benchmark {which} failed");
         }
@@ -60,7 +68,10 @@ async fn main() -> anyhow::Result<()> {
         return adaptive::run(&stack).await;
     }
     if which == "adaptive-sd" {
-        return adaptive::run_sd(&stack).await;
+        return adaptive::run_sd(&stack, "sd-tiny").await;
+    }
+    if which == "adaptive-sdxl" {
+        return adaptive::run_sd(&stack, "sdxl-tiny").await;
     }
     if which == "delivery" {
         return delivery::run(&stack).await;
@@ -70,9 +81,9 @@ async fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(
         which == "pipeline",
-        "unknown benchmark {which:?}: all, pipeline, delivery, group, adaptive, adaptive-sd or status-view"
+        "unknown benchmark {which:?}: all, pipeline, delivery, group, adaptive, adaptive-sd, adaptive-sdxl or status-view"
     );
-    // `sluice-bench pipeline [terrain|tiny|sd]`: one model only.
+    // `sluice-bench pipeline [terrain|tiny|sd|sdxl]`: one model only.
     let only = std::env::args().nth(2);
     let mut rows = Vec::new();
     if only.as_deref().is_none_or(|o| o == "terrain") {
@@ -84,8 +95,12 @@ async fn main() -> anyhow::Result<()> {
         rows.push(pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 2_000).await?);
     }
     if only.as_deref().is_none_or(|o| o == "sd") {
-        rows.push(sd_pipeline(&stack, 64, 4, 8, 400).await?);
-        rows.push(sd_pipeline(&stack, 256, 20, 2, 16).await?);
+        rows.push(sd_pipeline(&stack, "sd-tiny", 64, 4, 8, 400).await?);
+        rows.push(sd_pipeline(&stack, "sd-tiny", 256, 20, 2, 16).await?);
+    }
+    if only.as_deref().is_none_or(|o| o == "sdxl") {
+        rows.push(sd_pipeline(&stack, "sdxl-tiny", 64, 4, 8, 200).await?);
+        rows.push(sd_pipeline(&stack, "sdxl-tiny", 256, 20, 2, 16).await?);
     }
     println!();
     println!(
@@ -232,24 +247,27 @@ async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize,
     end_to_end(stack, scenario, model_dir, batch, tasks, raw, &make, &[]).await
 }
 
-/// The tiny Stable Diffusion model: raw in-process calls of the SD backend at `batch`, against
-/// the same tasks end to end (`size`×`size`, `steps` euler steps with guidance).
-async fn sd_pipeline(stack: &Stack, size: u32, steps: u32, batch: usize, tasks: usize) -> anyhow::Result<Row> {
+/// A tiny Stable Diffusion model of the demo catalog (`sd-tiny`, `sdxl-tiny`): raw in-process
+/// calls of the SD backend at `batch`, against the same tasks end to end (`size`×`size`,
+/// `steps` euler steps with guidance).
+async fn sd_pipeline(stack: &Stack, model: &'static str, size: u32, steps: u32, batch: usize, tasks: usize) -> anyhow::Result<Row> {
     use sluice_worker::models::diffusion::StableDiffusion;
-    let scenario = format!("sd-tiny {size}x{size}, {steps} steps");
-    let dir = stack.dir.join("models/sd-tiny");
-    let make = move |i: usize| sd_task(i as u64, size, steps, 1);
+    let scenario = format!("{model} {size}x{size}, {steps} steps");
+    let dir = stack.dir.join("models").join(model);
+    let make = move |i: usize| {
+        let (id, mut record) = sd_task(i as u64, size, steps, 1);
+        record["model"] = model.into();
+        (id, record)
+    };
     eprintln!("== {scenario}: raw ({} images at batch {batch})", tasks);
     let runtime = runtime(stack)?;
-    let adapter = Arc::new(StableDiffusion::open(runtime, "sd-tiny", &dir)?);
+    let adapter = Arc::new(StableDiffusion::open(runtime, model, &dir)?);
     let engine = Engine::start(1);
     let (a, d) = (adapter.clone(), dir.clone());
-    engine
-        .load("sd-tiny", Arc::new(move || a.load(&d, &SessionOptions::default())))
-        .await?;
+    engine.load(model, Arc::new(move || a.load(&d, &SessionOptions::default()))).await?;
     let records: Vec<TaskRecord> = (0..batch).map(|i| serde_json::from_value(make(i).1).unwrap()).collect();
-    let raw = images_per_second(&engine, "sd-tiny", adapter.as_ref(), &records, tasks.div_ceil(batch)).await?;
-    engine.unload("sd-tiny").await;
+    let raw = images_per_second(&engine, model, adapter.as_ref(), &records, tasks.div_ceil(batch)).await?;
+    engine.unload(model).await;
     let catalog = sluice_integration_tests::stack::repo_root()
         .join("deploy/models.demo.toml")
         .display()
@@ -263,7 +281,7 @@ async fn sd_pipeline(stack: &Stack, size: u32, steps: u32, batch: usize, tasks: 
         tasks,
         raw,
         &make,
-        &[("SLUICE_MODEL_CATALOG", &catalog), ("SLUICE_MODELS", "sd-tiny")],
+        &[("SLUICE_MODEL_CATALOG", &catalog), ("SLUICE_MODELS", model)],
     )
     .await
 }
@@ -866,10 +884,10 @@ mod adaptive {
         table(&subject, &sizes, tasks, cap, &title).await
     }
 
-    /// The tiny Stable Diffusion model, 256x256 at 2 euler steps with guidance, under a 400 MB
-    /// CPU arena cap (two images fit in one call, four do not); with `SLUICE_DEVICE=cuda`, the
-    /// same cap as the CUDA arena's `gpu_mem_limit`.
-    pub async fn run_sd(stack: &Stack) -> anyhow::Result<()> {
+    /// A tiny Stable Diffusion model (`sd-tiny` or `sdxl-tiny`), 256x256 at 2 euler steps with
+    /// guidance, under a 400 MB CPU arena cap (sd-tiny: two images fit in one call, four do not);
+    /// with `SLUICE_DEVICE=cuda`, the same cap as the CUDA arena's `gpu_mem_limit`.
+    pub async fn run_sd(stack: &Stack, model: &'static str) -> anyhow::Result<()> {
         use sluice_worker::engine::{ArenaExtend, ConvSearch, Device};
         let cap = env_or("SLUICE_BENCH_SD_ARENA_BYTES", 400_000_000);
         let tasks = env_or("SLUICE_BENCH_SD_ADAPTIVE_TASKS", 48);
@@ -889,24 +907,28 @@ mod adaptive {
         } else {
             (runtime_with(stack, Some(cap))?, SessionOptions::default(), "CPU arena")
         };
-        let dir = stack.dir.join("models/sd-tiny");
+        let dir = stack.dir.join("models").join(model);
         let adapter = Arc::new(sluice_worker::models::diffusion::StableDiffusion::open(
             runtime.clone(),
-            "sd-tiny",
+            model,
             &dir,
         )?);
         let (a, d) = (adapter.clone(), dir.clone());
-        let task = |i: usize| -> TaskRecord { serde_json::from_value(sd_task(i as u64, 256, 2, 1).1).expect("task") };
+        let task = |i: usize| -> TaskRecord {
+            let mut record = sd_task(i as u64, 256, 2, 1).1;
+            record["model"] = model.into();
+            serde_json::from_value(record).expect("task")
+        };
         let subject = Subject {
             runtime,
-            model: "sd-tiny",
+            model,
             loader: Arc::new(move || a.load(&d, &options)),
             adapter: adapter.as_ref(),
             task: &task,
         };
         let sizes = [16, 1, 2, 4, 8, 16];
         let title = format!(
-            "sd-tiny, {arena} capped at {} MB, {tasks} tasks of 256x256 at 2 steps, one engine thread",
+            "{model}, {arena} capped at {} MB, {tasks} tasks of 256x256 at 2 steps, one engine thread",
             cap / 1_000_000
         );
         table(&subject, &sizes, tasks, cap, &title).await

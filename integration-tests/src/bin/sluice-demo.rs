@@ -1,8 +1,9 @@
 //! `make demo`: the main job end to end on the local stack. Starts the producer and two workers
 //! on the stack in `.stack` (which `make demo` brings up) serving the demo catalog
-//! (`deploy/models.demo.toml`: terrain and the tiny random-weight Stable Diffusion model), submits
-//! terrain tasks across difficulties and text-to-image prompts over HTTP, waits for each
-//! completion on the completion topic, prints a table and writes a contact sheet of the results.
+//! (`deploy/models.demo.toml`: terrain and the tiny random-weight SD, SDXL and SD inpainting
+//! models), submits terrain tasks across difficulties, text-to-image prompts, img2img and
+//! inpainting tasks (input images as data URLs) over HTTP, waits for each completion on the
+//! completion topic, prints a table and writes a contact sheet of the results beside the inputs.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -85,6 +86,25 @@ async fn main() -> anyhow::Result<()> {
             "steps": 8, "width": 128, "height": 128, "seed": 2000 + i});
         bodies.push((body, format!("{model} {sampler}")));
     }
+    // img2img and inpainting: the inputs go in as data URLs, and into the contact sheet beside
+    // their results.
+    let (init, mask) = (input_image(false), input_image(true));
+    for (model, extra, label) in [
+        ("sd-tiny", json!({"strength": 0.6}), "sd-tiny img2img"),
+        ("sdxl-tiny", json!({"strength": 0.6}), "sdxl-tiny img2img"),
+        (
+            "sd-tiny-inpaint",
+            json!({"mask_image": data_url(&mask)?}),
+            "sd-tiny-inpaint inpaint",
+        ),
+    ] {
+        let mut body = json!({"model": model, "prompt": "a lighthouse on a cliff at dusk", "steps": 8,
+            "width": 128, "height": 128, "seed": 3000, "init_image": data_url(&init)?});
+        body.as_object_mut()
+            .context("object")?
+            .extend(extra.as_object().context("object")?.clone());
+        bodies.push((body, label.to_owned()));
+    }
     for (body, label) in bodies {
         let reply: serde_json::Value = client
             .post(format!("{url}/v1/tasks"))
@@ -98,7 +118,8 @@ async fn main() -> anyhow::Result<()> {
         submitted.push((reply["task_id"].as_str().context("task_id")?.to_owned(), label));
     }
     println!(
-        "submitted {} terrain tasks ({SIZE}x{SIZE}, {} tiles each) and {} text-to-image tasks (SD and SDXL, 128x128, 8 steps) over HTTP; waiting for completions…",
+        "submitted {} terrain tasks ({SIZE}x{SIZE}, {} tiles each), {} text-to-image tasks (SD and SDXL, 128x128, 8 steps) and 3 \
+         from an input image (img2img on SD and SDXL, inpainting) over HTTP; waiting for completions…",
         DIFFICULTIES.len(),
         tiles(SIZE),
         PROMPTS.len()
@@ -134,6 +155,20 @@ async fn main() -> anyhow::Result<()> {
         let cell = label.strip_prefix("terrain ").unwrap_or_default().to_owned();
         images.push((cell, Rgb::decode(&sink.read(&output.key).await?)?));
     }
+    // The image tasks get rows of their own, each result beside its inputs: the init image, then
+    // img2img on SD and SDXL; the init image and the mask, then the inpainted result.
+    let mut image_tasks = images.split_off(images.len() - 3).into_iter();
+    let blank = || (String::new(), Rgb::new(128, 128, [24, 24, 28]));
+    while images.len() % 4 != 0 {
+        images.push(blank());
+    }
+    let copy = |i: &Rgb| (String::new(), i.clone());
+    images.push(copy(&init));
+    images.extend(image_tasks.by_ref().take(2));
+    images.push(blank());
+    images.push(copy(&init));
+    images.push(copy(&mask));
+    images.extend(image_tasks);
     let sheet_path = stack.dir.join("demo").join("contact-sheet.png");
     std::fs::write(&sheet_path, sheet(&images, 4).encode()?)?;
     let batches: f64 = {
@@ -173,6 +208,36 @@ async fn main() -> anyhow::Result<()> {
         stack.dir.display()
     );
     Ok(())
+}
+
+/// The demo's input image (a gradient with a disc and a bar) or its mask (white where the disc is:
+/// repaint it), 128 × 128.
+fn input_image(mask: bool) -> Rgb {
+    let mut image = Rgb::new(128, 128, [0, 0, 0]);
+    for y in 0..128 {
+        for x in 0..128 {
+            let disc = (x as i32 - 80).pow(2) + (y as i32 - 56).pow(2) < 28 * 28;
+            let bar = (16..112).contains(&x) && (92..104).contains(&y);
+            let pixel = match (mask, disc, bar) {
+                (true, true, _) => [255; 3],
+                (true, false, _) => [0; 3],
+                (false, true, _) => [230, 200, 60],
+                (false, _, true) => [40, 40, 48],
+                (false, false, false) => [(60 + y) as u8, (90 + y / 2) as u8, (200 - y / 2) as u8],
+            };
+            image.put(x, y, pixel);
+        }
+    }
+    image
+}
+
+/// An image as a PNG data URL.
+fn data_url(image: &Rgb) -> anyhow::Result<String> {
+    use base64::Engine as _;
+    Ok(format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(image.encode()?)
+    ))
 }
 
 fn tiles(size: u32) -> usize {

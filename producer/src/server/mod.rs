@@ -106,6 +106,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
     let max_body_bytes = args.max_body_bytes + inputs.as_ref().map_or(0, InputImages::body_allowance);
     let state = Arc::new(AppState {
         inputs,
+        max_body_bytes: args.max_body_bytes,
         webhooks: Some(policy),
         catalog,
         status: Some(view.store),
