@@ -91,6 +91,10 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ .Values.kafka.topics.dlq | quote }}
 - name: SLUICE_OUTPUT_URL
   value: {{ required "s3.outputUrl is required" .Values.s3.outputUrl | quote }}
+{{- with .Values.s3.inputUrl }}
+- name: SLUICE_INPUT_URL
+  value: {{ . | quote }}
+{{- end }}
 - name: SLUICE_MODEL_CATALOG
   value: /etc/sluice/catalog/models.toml
 - name: SLUICE_LOG_FORMAT
