@@ -313,6 +313,22 @@ async fn bad_input_images_are_refused_naming_the_field() {
             "runs no step",
         ),
         (json!({"model": "terrain", "init_image": init}), "init_image", ""),
+        // The catalog's modes: the 9-channel inpainting model takes an image and a mask.
+        (
+            json!({"model": "sd-tiny-inpaint", "prompt": "x"}),
+            "init_image",
+            "takes inpaint tasks, not text",
+        ),
+        (
+            json!({"model": "sd-tiny-inpaint", "prompt": "x", "init_image": init}),
+            "mask_image",
+            "not img2img",
+        ),
+        (
+            json!({"model": "sd-tiny", "prompt": "x", "init_image": init, "sampler": "lcm"}),
+            "sampler",
+            "lcm",
+        ),
     ] {
         let (status, reply) = c.submit(&body).await.unwrap();
         assert_eq!(status, 400, "{field} {says}: {reply}");

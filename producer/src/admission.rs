@@ -58,11 +58,9 @@ pub(crate) fn record(catalog: &Catalog, limits: &Limits<'_>, tenant: &str, heade
         init: text("init_image"),
         mask: text("mask_image"),
     };
-    let rest = body.len()
-        - [&images.init, &images.mask]
-            .iter()
-            .map(|i| i.as_ref().map_or(0, String::len))
-            .sum::<usize>();
+    // A decoded string is never longer than its JSON text, so this does not saturate in fact.
+    let images_len: usize = [&images.init, &images.mask].iter().map(|i| i.as_ref().map_or(0, String::len)).sum();
+    let rest = body.len().saturating_sub(images_len);
     if rest > limits.max_body_bytes {
         let message = format!(
             "the body is {rest} bytes without its images; the limit is {}",

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -47,6 +46,9 @@ pub struct AppState {
     pub inputs: Option<crate::input_images::InputImages>,
     /// The body limit, input images left out (`SLUICE_MAX_BODY_BYTES`).
     pub max_body_bytes: usize,
+    /// The most a submission's body may be, input images included: read only once the caller
+    /// is authenticated.
+    pub body_limit: usize,
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
@@ -122,14 +124,15 @@ pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
                 "max_ttl_seconds": m.max_ttl_seconds,
                 "max_task_pixels": m.max_task_pixels(),
                 "max_task_rows": m.max_task_rows(),
+                "modes": m.modes,
             })
         })
         .collect();
     json!({ "models": models })
 }
 
-async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let response = submit_inner(&s, &headers, &body).await.unwrap_or_else(IntoResponse::into_response);
+async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: axum::body::Body) -> Response {
+    let response = submit_inner(&s, &headers, body).await.unwrap_or_else(IntoResponse::into_response);
     RequestAnswered {
         status: response.status().as_u16(),
     }
@@ -139,8 +142,14 @@ async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes)
 
 /// Admits the request ([`crate::admission`]), answers a retry of a task the view knows as the
 /// first time, and publishes anything else.
-async fn submit_inner(s: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
+async fn submit_inner(s: &AppState, headers: &HeaderMap, body: axum::body::Body) -> Result<Response, ApiError> {
     let tenant = tenant_of(s, headers)?;
+    // Read only for a caller with a key, and at most the limit with room for input images.
+    let body = axum::body::to_bytes(body, s.body_limit).await.map_err(|_| {
+        let message = format!("the body is over the {} bytes this endpoint reads", s.body_limit);
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message)
+    })?;
+    let body = &body[..];
     let limits = admission::Limits {
         webhooks: s.webhooks.as_ref(),
         images_accepted: s.inputs.is_some(),

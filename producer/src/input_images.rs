@@ -44,11 +44,14 @@ fn invalid(field: &'static str, message: impl Into<String>) -> InputImageError {
     }
 }
 
-/// The input store and its bound.
+/// The input store and its bounds.
 pub struct InputImages {
     store: Arc<dyn ObjectStore>,
     prefix: Path,
     max_bytes: usize,
+    /// Images decoded at once: one per core, so a burst of image requests queues here instead
+    /// of holding a decoded image per request in memory.
+    decodes: tokio::sync::Semaphore,
 }
 
 impl InputImages {
@@ -56,10 +59,12 @@ impl InputImages {
     /// `max_bytes` decoded are refused.
     pub fn open(url: &str, max_bytes: usize) -> Result<InputImages, String> {
         let at = sluice_service::object_url::open(url, std::iter::empty::<(String, String)>())?;
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
         Ok(InputImages {
             store: at.store,
             prefix: at.prefix,
             max_bytes,
+            decodes: tokio::sync::Semaphore::new(cores),
         })
     }
 
@@ -73,6 +78,7 @@ impl InputImages {
     /// and gives its reference.
     pub async fn store(&self, field: &'static str, data_url: String, width: u32, height: u32) -> Result<ImageRef, InputImageError> {
         let max_bytes = self.max_bytes;
+        let _decoding = self.decodes.acquire().await.expect("never closed");
         let png = tokio::task::spawn_blocking(move || canonical_png(field, &data_url, width, height, max_bytes))
             .await
             .map_err(|e| invalid(field, format!("decoding failed: {e}")))??;
@@ -148,6 +154,8 @@ pub(crate) fn canonical_png(
     let bad = |e: image::ImageError| invalid(field, format!("not a readable {}: {e}", mime.trim_start_matches("image/")));
     let decoder = reader.into_decoder().map_err(bad)?;
     let (w, h) = decoder.dimensions();
+    // This check is what bounds the decoded image: `from_decoder` allocates the header's size
+    // without applying `max_alloc` (image 0.25), so it must stay before the decode.
     if (w, h) != (width, height) {
         return Err(invalid(
             field,

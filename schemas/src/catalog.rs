@@ -24,6 +24,7 @@
 //! max_ttl_seconds = 86400  # the furthest deadline a task may ask for (default 30 days)
 //! max_task_pixels = 2097152  # width × height × num_images of one task (default: the kind's)
 //! max_task_rows = 8          # model rows of one task (terrain: tiles; SD: images)
+//! modes = ["text", "img2img", "inpaint"]  # what a task may start from (an inpainting model: ["inpaint"])
 //! ```
 //!
 //! Without a file the catalog is the built-in terrain model alone, as before catalogs existed.
@@ -51,6 +52,39 @@ impl ModelKind {
             ModelKind::StableDiffusion => "stable-diffusion",
         }
     }
+}
+
+/// What a task starts from: noise (`text`), an init image (`img2img`), or an init image and a
+/// mask (`inpaint`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskMode {
+    Text,
+    Img2img,
+    Inpaint,
+}
+
+impl TaskMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskMode::Text => "text",
+            TaskMode::Img2img => "img2img",
+            TaskMode::Inpaint => "inpaint",
+        }
+    }
+
+    /// The mode a request asks for, from the images it sends.
+    pub fn of(init_image: bool, mask_image: bool) -> TaskMode {
+        match (init_image, mask_image) {
+            (false, _) => TaskMode::Text,
+            (true, false) => TaskMode::Img2img,
+            (true, true) => TaskMode::Inpaint,
+        }
+    }
+}
+
+fn sd_modes() -> Vec<TaskMode> {
+    vec![TaskMode::Text, TaskMode::Img2img, TaskMode::Inpaint]
 }
 
 /// An inclusive range with a default inside it.
@@ -148,6 +182,11 @@ pub struct CatalogModel {
     /// Diffusion: images); default: the kind's, [`CatalogModel::max_task_rows`].
     #[serde(default, rename = "max_task_rows", skip_serializing_if = "Option::is_none")]
     pub task_rows: Option<u64>,
+    /// What its tasks may start from (default: all three for Stable Diffusion; an inpainting
+    /// model, whose UNet takes 9 channels, is `["inpaint"]`; the export needs `vae_encoder/`
+    /// for the image modes).
+    #[serde(default = "sd_modes")]
+    pub modes: Vec<TaskMode>,
 }
 
 /// Default bounds of one task's work, by kind: two full-size terrain maps (2 × 2048²) in at
@@ -192,6 +231,7 @@ impl CatalogModel {
             max_ttl_seconds: DEFAULT_MAX_TTL_SECONDS,
             task_pixels: None,
             task_rows: None,
+            modes: vec![TaskMode::Text],
         }
     }
 
@@ -286,6 +326,9 @@ impl CatalogModel {
         let bad = |what: String| Err(format!("model {:?}: {what}", self.name));
         if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
             return bad("the name must be letters, digits, '.', '_' or '-'".into());
+        }
+        if self.modes.is_empty() {
+            return bad("modes must name at least one of text, img2img, inpaint".into());
         }
         if !(1..=DEFAULT_MAX_TTL_SECONDS).contains(&self.max_ttl_seconds) {
             return bad(format!("max_ttl_seconds must be 1 to {DEFAULT_MAX_TTL_SECONDS} (30 days)"));
@@ -508,6 +551,27 @@ impl Catalog {
             (None, _) => None,
             (Some(_), mask) => Some(request.strength.unwrap_or(if mask.is_some() { 1.0 } else { 0.8 })),
         };
+        let mode = TaskMode::of(request.init_image.is_some(), request.mask_image.is_some());
+        if !model.modes.contains(&mode) {
+            // The field that is missing or too much.
+            let images = model.modes.iter().any(|m| *m != TaskMode::Text);
+            let field = if mode != TaskMode::Text && images {
+                "mask_image"
+            } else {
+                "init_image"
+            };
+            let modes: Vec<&str> = model.modes.iter().map(|m| m.as_str()).collect();
+            v.push(violation(
+                field,
+                format!("model {} takes {} tasks, not {}", model.name, modes.join(", "), mode.as_str()),
+            ));
+        }
+        if strength.is_some() && sampler == "lcm" {
+            v.push(violation(
+                "sampler",
+                "the lcm sampler takes no init_image (img2img and inpainting run the other samplers)".into(),
+            ));
+        }
         if let Some(s) = strength.filter(|s| (f64::from(steps) * s) < 1.0) {
             v.push(violation(
                 "strength",

@@ -892,7 +892,10 @@ mod adaptive {
         use sluice_worker::engine::{ArenaExtend, ConvSearch, Device};
         // sdxl-tiny's UNet has no attention at full resolution: 16 images of 256x256 fit in
         // 100 MB, four do not in 30 MB.
-        let cap = env_or("SLUICE_BENCH_SD_ARENA_BYTES", if model == "sdxl-tiny" { 30_000_000 } else { 400_000_000 });
+        let cap = env_or(
+            "SLUICE_BENCH_SD_ARENA_BYTES",
+            if model == "sdxl-tiny" { 30_000_000 } else { 400_000_000 },
+        );
         let tasks = env_or("SLUICE_BENCH_SD_ADAPTIVE_TASKS", 48);
         let (runtime, options, arena) = if on_cuda() {
             let device = Device::Cuda {

@@ -107,6 +107,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
     let state = Arc::new(AppState {
         inputs,
         max_body_bytes: args.max_body_bytes,
+        body_limit: max_body_bytes,
         webhooks: Some(policy),
         catalog,
         status: Some(view.store),
@@ -121,7 +122,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
         streams: Streams::new(args.events_max_streams, args.events_max_streams_per_tenant),
     });
     let listener = http::listen(&args, &state.metrics).await?;
-    drain::serve(listener, crate::api::router(state, max_body_bytes), shutdown, stop).await
+    drain::serve(listener, crate::api::router(state, args.max_body_bytes), shutdown, stop).await
 }
 
 /// The API keys; none at all only when anonymous access was asked for by name.

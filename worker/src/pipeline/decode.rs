@@ -42,8 +42,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
             }
             Err(_) => true, // another record of this task is in flight here
         };
-        let has_inputs = job.task.request.init_image.is_some();
-        if !check && !earlier && !has_inputs {
+        if !check && !earlier {
             // No earlier delivery can have started it: no results to look for.
             if let Some((bucket, job)) = guard(&stage, bucket, job) {
                 let _ = to_batcher.send((bucket, job)).await;
@@ -63,12 +62,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
                         .await,
                 );
             }
-            let job = match check || earlier {
-                true => announce_if_done(&stage2, job).await,
-                false => Some(job),
-            };
-            let Some(job) = job else { return };
-            if let Some((bucket, job)) = read_inputs(&stage2, job).await.and_then(|job| guard(&stage2, bucket, job)) {
+            if let Some((bucket, job)) = announce_if_done(&stage2, job).await.and_then(|job| guard(&stage2, bucket, job)) {
                 let _ = to_batcher.send((bucket, job)).await;
             }
         });
@@ -190,34 +184,6 @@ fn bucket_of(stage: &DecodeStage, job: Job) -> Option<(Bucket, Job)> {
             None
         }
     }
-}
-
-/// The job with its input images read from the input store and checked against their hashes,
-/// or `None` after failing it (no input store here, a missing or altered image, the store
-/// unreachable past the retry policy).
-async fn read_inputs(stage: &DecodeStage, mut job: Job) -> Option<Job> {
-    let request = &job.task.request;
-    let Some(init) = request.init_image.clone() else {
-        return Some(job);
-    };
-    let Some(inputs) = &stage.store.inputs else {
-        let message = "the task has input images and this worker reads none (SLUICE_INPUT_URL is not set)";
-        stage.outcomes.fail(job, Failure::new(DlqReason::StorageRejected, message));
-        return None;
-    };
-    let mask = request.mask_image.clone();
-    for (field, image) in [("init_image", Some(init)), ("mask_image", mask)] {
-        let Some(image) = image else { continue };
-        match stage.store.run("input_read", || inputs.input(&image)).await {
-            Ok(bytes) if field == "init_image" => job.inputs.init = Some(bytes),
-            Ok(bytes) => job.inputs.mask = Some(bytes),
-            Err(gave_up) => {
-                stage.outcomes.gave_up(job, &format!("reading the {field} {}", image.key), gave_up);
-                return None;
-            }
-        }
-    }
-    Some(job)
 }
 
 /// If an earlier attempt finished the task (its manifest exists), announces it again from the

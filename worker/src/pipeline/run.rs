@@ -85,10 +85,48 @@ fn still_wanted(stage: &EngineStage, jobs: Vec<Job>) -> Vec<Job> {
     wanted
 }
 
+/// The job with its input images read from the input store and checked against their hashes,
+/// or `None` after failing it (no input store here, a missing or altered image, the store
+/// unreachable past the retry policy). Read here, just before the task runs, so that tasks
+/// waiting in the batcher hold only their records.
+async fn read_inputs(stage: &EngineStage, mut job: Job) -> Option<Job> {
+    let request = &job.task.request;
+    let Some(init) = request.init_image.clone() else {
+        return Some(job);
+    };
+    let Some(inputs) = &stage.finish.store.inputs else {
+        let message = "the task has input images and this worker reads none (SLUICE_INPUT_URL is not set)";
+        stage.outcomes.fail(job, Failure::new(DlqReason::StorageRejected, message));
+        return None;
+    };
+    let mask = request.mask_image.clone();
+    for (field, image) in [("init_image", Some(init)), ("mask_image", mask)] {
+        let Some(image) = image else { continue };
+        match stage.finish.store.run("input_read", || inputs.input(&image)).await {
+            Ok(bytes) if field == "init_image" => job.inputs.init = Some(bytes),
+            Ok(bytes) => job.inputs.mask = Some(bytes),
+            Err(gave_up) => {
+                stage.outcomes.gave_up(job, &format!("reading the {field} {}", image.key), gave_up);
+                return None;
+            }
+        }
+    }
+    Some(job)
+}
+
 /// The jobs' model inputs, made on the blocking pool (noise and tiling are CPU work), each task
 /// on its own: one that fails (or panics) goes to the DLQ and the others run. `None` when the
-/// model is gone or the runtime is shutting down: the tasks stay unacknowledged.
+/// model is gone or the runtime is shutting down: the tasks stay unacknowledged (also when no
+/// task is left once the input images are read).
 async fn prepare(stage: &EngineStage, bucket: &Bucket, jobs: Vec<Job>) -> Option<Vec<Item>> {
+    let jobs: Vec<Job> = futures::future::join_all(jobs.into_iter().map(|job| read_inputs(stage, job)))
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    if jobs.is_empty() {
+        return None;
+    }
     let adapter = stage.serving.adapter(&bucket.model)?;
     let steps: Vec<Option<u32>> = jobs.iter().map(|j| adapter.steps(&j.task)).collect();
     let prepared = tokio::task::spawn_blocking(move || {

@@ -63,7 +63,7 @@ pub struct Job {
     pub span: tracing::Span,
     /// This record's hold on its task id (see `running`): dropped with the job.
     pub(crate) claim: Option<crate::pipeline::running::Claim>,
-    /// Its input images, read at decode (empty for a text task).
+    /// Its input images, read just before it runs (empty for a text task, and until then).
     pub inputs: crate::models::InputImages,
 }
 

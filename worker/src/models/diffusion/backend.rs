@@ -103,15 +103,19 @@ impl SdBackend {
             false => None,
         };
         let unet_inputs = unet.inputs();
-        let unet_channels = unet_inputs
+        // unet/config.json's in_channels, which admission judges by, and the export's `sample`
+        // (when its channel dimension is fixed) must agree.
+        let unet_channels = layout.unet_in_channels;
+        let exported = unet_inputs
             .iter()
             .find(|i| i.name == "sample")
             .and_then(|i| i.shape.get(1).copied())
-            .and_then(|c| usize::try_from(c).ok())
-            .unwrap_or(layout.latent_channels);
-        if unet_channels != layout.latent_channels && unet_channels != 2 * layout.latent_channels + 1 {
+            .and_then(|c| usize::try_from(c).ok());
+        if exported.is_some_and(|c| c != unet_channels)
+            || (unet_channels != layout.latent_channels && unet_channels != 2 * layout.latent_channels + 1)
+        {
             return Err(EngineError::Load(format!(
-                "unet: `sample` has {unet_channels} channels; expected {} (the latents) or {} (an inpainting UNet)",
+                "unet: in_channels {unet_channels} (config.json), `sample` channels {exported:?} (model.onnx); expected {} (the latents) or {} (an inpainting UNet), the same in both",
                 layout.latent_channels,
                 2 * layout.latent_channels + 1
             )));
