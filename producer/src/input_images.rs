@@ -57,7 +57,7 @@ pub struct InputImages {
 impl InputImages {
     /// Opens the input store at `url` (`s3://bucket/prefix` or `file:///path`); images over
     /// `max_bytes` decoded are refused.
-    pub fn open(url: &str, max_bytes: usize) -> Result<InputImages, String> {
+    pub fn open(url: &str, max_bytes: usize) -> Result<InputImages, sluice_service::object_url::ObjectUrlError> {
         let at = sluice_service::object_url::open(url, std::iter::empty::<(String, String)>())?;
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         Ok(InputImages {

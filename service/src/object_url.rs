@@ -9,6 +9,20 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::{ClientConfigKey, ObjectStore, RetryConfig};
+use thiserror::Error;
+
+/// Why a URL names no store this can open.
+#[derive(Debug, Error)]
+pub enum ObjectUrlError {
+    #[error("expected s3://bucket/prefix or file:///path")]
+    Scheme,
+    #[error("no bucket")]
+    NoBucket,
+    #[error("{0}")]
+    Store(#[from] object_store::Error),
+    #[error("{0}")]
+    Directory(#[from] std::io::Error),
+}
 
 /// An opened store and where under it the URL points.
 pub struct StoreAt {
@@ -20,12 +34,12 @@ pub struct StoreAt {
 }
 
 /// Opens `url`; `settings` (`AWS_*` names) take precedence over the environment, for tools that
-/// talk to several stacks. The error is the reason the URL can't be used.
-pub fn open(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> Result<StoreAt, String> {
+/// talk to several stacks.
+pub fn open(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> Result<StoreAt, ObjectUrlError> {
     if let Some(rest) = url.strip_prefix("s3://") {
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
         if bucket.is_empty() {
-            return Err("no bucket".into());
+            return Err(ObjectUrlError::NoBucket);
         }
         // The callers' own retry loops count attempts (and feed the DLQ); the client retries
         // only briefly underneath them.
@@ -47,22 +61,21 @@ pub fn open(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> 
             .with_retry(retry)
             .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), "30s")
             .with_config(AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout), "5s")
-            .build()
-            .map_err(|e| e.to_string())?;
+            .build()?;
         Ok(StoreAt {
             store: Arc::new(store),
             prefix: Path::from(prefix),
             url_base: format!("s3://{bucket}"),
         })
     } else if let Some(path) = url.strip_prefix("file://") {
-        std::fs::create_dir_all(path).map_err(|e| e.to_string())?;
-        let store = LocalFileSystem::new_with_prefix(path).map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(path)?;
+        let store = LocalFileSystem::new_with_prefix(path)?;
         Ok(StoreAt {
             store: Arc::new(store),
             prefix: Path::default(),
             url_base: format!("file://{}", path.trim_end_matches('/')),
         })
     } else {
-        Err("expected s3://bucket/prefix or file:///path".into())
+        Err(ObjectUrlError::Scheme)
     }
 }

@@ -63,8 +63,12 @@ pub enum ServeError {
     Notifier(#[from] NotifierError),
     #[error("creating the Kafka producer")]
     Publisher(#[source] KafkaError),
-    #[error("invalid input store URL {url}: {reason}")]
-    InputStore { url: String, reason: String },
+    #[error("invalid input store URL {url}")]
+    InputStore {
+        url: String,
+        #[source]
+        source: sluice_service::object_url::ObjectUrlError,
+    },
     #[error("binding the metrics listener {addr}")]
     MetricsListener {
         addr: SocketAddr,
@@ -99,7 +103,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
     }
     let inputs = match &args.input_url {
         Some(url) => {
-            Some(InputImages::open(url, args.max_input_image_bytes).map_err(|reason| ServeError::InputStore { url: url.clone(), reason })?)
+            Some(InputImages::open(url, args.max_input_image_bytes).map_err(|source| ServeError::InputStore { url: url.clone(), source })?)
         }
         None => None,
     };

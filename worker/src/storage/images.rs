@@ -106,9 +106,9 @@ impl ImageStore {
     /// Like [`ImageStore::from_url`], with `AWS_*` settings given here taking precedence over the
     /// environment (tools that talk to several stacks).
     pub fn from_url_with(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> Result<ImageStore, StorageError> {
-        let at = sluice_service::object_url::open(url, settings).map_err(|reason| StorageError::Config {
+        let at = sluice_service::object_url::open(url, settings).map_err(|e| StorageError::Config {
             url: url.to_owned(),
-            reason,
+            reason: e.to_string(),
         })?;
         Ok(ImageStore::new(at.store, at.prefix, at.url_base))
     }
