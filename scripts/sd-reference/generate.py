@@ -594,11 +594,12 @@ def make_external(src: Path, dst: Path) -> None:
     log.info("B. external-data unet: identical output to the inline one")
 
 
-def pack_tarball(models_dir: Path, tar_path: Path) -> list[dict]:
-    """tar of the three model directories, identical files next to each other, fixed metadata,
-    compressed like `xz -9e` (single-threaded, so the bytes are reproducible)."""
+def pack_tarball(models_dir: Path, tar_path: Path, names: list[str] = MODEL_NAMES) -> list[dict]:
+    """tar of the model directories `names` (generate.py's three by default; sdxl.py and images.py
+    pack theirs), identical files next to each other, fixed metadata, compressed like `xz -9e`
+    (single-threaded, so the bytes are reproducible)."""
     entries = []  # (sort key, arcname, path)
-    for variant, name in enumerate(MODEL_NAMES):
+    for variant, name in enumerate(names):
         root = models_dir / name
         entries.append(((0, "", variant), name, root))
         for p in sorted(root.rglob("*")):

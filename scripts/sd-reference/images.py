@@ -240,16 +240,6 @@ def export_inpainting(diffusers_dir: Path, out_dir: Path) -> None:
     log.info("B. exported %s in %.1f s", out_dir.name, time.time() - t0)
 
 
-def pack_tarball(models_dir: Path, tar_path: Path) -> list[dict]:
-    """generate.pack_tarball (same order, metadata and compression) on sd-tiny-inpaint only."""
-    saved = g.MODEL_NAMES
-    g.MODEL_NAMES = [INPAINT_MODEL]
-    try:
-        return g.pack_tarball(models_dir, tar_path)
-    finally:
-        g.MODEL_NAMES = saved
-
-
 def unpack(tar_path: Path, dest: Path) -> None:
     with tarfile.open(tar_path, "r:xz") as tar:
         tar.extractall(dest, filter="data")
@@ -299,7 +289,7 @@ def build_models(work: Path, out_root: Path) -> dict:
     for part in PARTS + ("tokenizer", "scheduler"):
         assert (onnx_root / INPAINT_MODEL / part).is_dir(), part
     tar_path = out_root / TARBALL
-    listing = pack_tarball(onnx_root, tar_path)
+    listing = g.pack_tarball(onnx_root, tar_path, [INPAINT_MODEL])
 
     # everything downstream runs on the unpacked tarballs, i.e. on exactly what is committed
     unpacked = work / "unpacked"

@@ -165,16 +165,6 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
             zf.writestr(info, buf.getvalue())
 
 
-def pack_tarball(models_dir: Path, tar_path: Path) -> list[dict]:
-    """generate.pack_tarball (same order, metadata and compression) on the SDXL model directory only."""
-    saved = g.MODEL_NAMES
-    g.MODEL_NAMES = [MODEL_NAME]
-    try:
-        return g.pack_tarball(models_dir, tar_path)
-    finally:
-        g.MODEL_NAMES = saved
-
-
 def session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), g.cpu_session_options(), providers=["CPUExecutionProvider"])
 
@@ -367,7 +357,7 @@ def build_models(work: Path, tar_path: Path) -> dict:
     onnx_root = work / "onnx"
     g.export_onnx(diff_dir, onnx_root / MODEL_NAME)
     finish_layout(onnx_root / MODEL_NAME, tok_dirs)
-    listing = pack_tarball(onnx_root, tar_path)
+    listing = g.pack_tarball(onnx_root, tar_path, [MODEL_NAME])
 
     unpacked = work / "unpacked"
     if unpacked.exists():
