@@ -194,6 +194,10 @@ mod tests {
         record(&catalog(), &limits, "acme", &HeaderMap::new(), body.to_string().as_bytes())
     }
 
+    fn accepted(result: Result<Admitted, ApiError>) -> Admitted {
+        result.unwrap_or_else(|e| panic!("refused: {}", e.message))
+    }
+
     #[test]
     fn input_images_are_refused_where_no_input_store_is_configured() {
         let body = serde_json::json!({"model": "sd", "prompt": "p", "init_image": "data:image/png;base64,iVBORw0KGgo="});
@@ -202,14 +206,14 @@ mod tests {
         assert_eq!(refused.fields[0].field, "init_image");
         assert!(refused.fields[0].message.contains("SLUICE_INPUT_URL"));
         // Configured: admitted with the data URL kept for storing, strength defaulted as diffusers.
-        let admitted = admit(true, body).ok().expect("admitted");
+        let admitted = accepted(admit(true, body));
         assert_eq!(admitted.images.init.as_deref(), Some("data:image/png;base64,iVBORw0KGgo="));
         assert_eq!(admitted.record.request.strength, Some(0.8));
         assert_eq!(admitted.record.request.init_image, None, "set once the image is stored");
         // Inpainting defaults to strength 1.
         let inpaint = serde_json::json!({"model": "sd", "prompt": "p", "init_image": "data:image/png;base64,iVBORw0KGgo=",
             "mask_image": "data:image/png;base64,iVBORw0KGgo="});
-        assert_eq!(admit(true, inpaint).ok().expect("admitted").record.request.strength, Some(1.0));
+        assert_eq!(accepted(admit(true, inpaint)).record.request.strength, Some(1.0));
     }
 
     #[test]

@@ -193,10 +193,7 @@ fn sample_latents(
 }
 
 /// The distinct rows of `rows` in first-seen order, and the index of each row among them.
-pub(super) fn distinct_rows<'a, T: PartialEq>(rows: impl Iterator<Item = &'a [T]>) -> (Vec<&'a [T]>, Vec<usize>)
-where
-    T: 'a,
-{
+pub(super) fn distinct_rows<'a, T: PartialEq + 'a>(rows: impl Iterator<Item = &'a [T]>) -> (Vec<&'a [T]>, Vec<usize>) {
     let mut distinct: Vec<&[T]> = Vec::new();
     let index = rows
         .map(|row| {
