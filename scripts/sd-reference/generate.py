@@ -849,18 +849,23 @@ class SessionRecorder:
             del session.run
 
 
+def with_scheduler_override(model_dir: Path, override: dict | None) -> Path | None:
+    """A temporary copy (by symlinks) of `model_dir` with `override` as its scheduler_config.json, or
+    None without one; the caller removes it. Shared by generate.py and sdxl.py."""
+    if override is None:
+        return None
+    tmp = Path(tempfile.mkdtemp(prefix="sd-ref-"))
+    for item in model_dir.iterdir():
+        (tmp / item.name).symlink_to(item.resolve())
+    (tmp / "scheduler").unlink()
+    write_json(tmp / "scheduler" / "scheduler_config.json", override)
+    return tmp
+
+
 def run_case(models_root: Path, case: dict) -> dict:
     """Runs one case twice (output_type "latent" and "np") and returns arrays + observations."""
-    model_dir = models_root / case["model"]
-    tmp = None
-    if case["scheduler_config_override"] is not None:
-        # a copy of the model directory with scheduler_config.json replaced
-        tmp = Path(tempfile.mkdtemp(prefix="sd-ref-"))
-        for item in model_dir.iterdir():
-            (tmp / item.name).symlink_to(item.resolve())
-        (tmp / "scheduler").unlink()
-        write_json(tmp / "scheduler" / "scheduler_config.json", case["scheduler_config_override"])
-        model_dir = tmp
+    tmp = with_scheduler_override(models_root / case["model"], case["scheduler_config_override"])
+    model_dir = tmp or models_root / case["model"]
     try:
         pipe = load_pipeline(model_dir)
         cls, extra, _ = SAMPLERS[case["sampler"]]

@@ -421,15 +421,8 @@ class Recorder:
 
 def run_case(models_root: Path, case: dict) -> dict:
     """Runs one case twice (output_type "latent" and "np") and returns arrays + observations."""
-    model_dir = models_root / case["model"]
-    tmp = None
-    if case["scheduler_config_override"] is not None:
-        tmp = Path(tempfile.mkdtemp(prefix="sdxl-ref-"))
-        for item in model_dir.iterdir():
-            (tmp / item.name).symlink_to(item.resolve())
-        (tmp / "scheduler").unlink()
-        g.write_json(tmp / "scheduler" / "scheduler_config.json", case["scheduler_config_override"])
-        model_dir = tmp
+    tmp = g.with_scheduler_override(models_root / case["model"], case["scheduler_config_override"])
+    model_dir = tmp or models_root / case["model"]
     try:
         pipe = load_pipeline(model_dir)
         cls, extra, _ = g.SAMPLERS[case["sampler"]]
