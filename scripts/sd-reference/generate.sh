@@ -25,12 +25,19 @@
 #   integration-tests/fixtures/image-reference/             inputs/*.png, cases.json, per-case .npy/.npz/.png,
 #                                                           manifest.json, README.md
 #
+# With --flow it runs flow.py instead (tiny FLUX.1 schnell-/dev-like and SD3.5-like models with CLIP + T5 text
+# encoders, a locally trained T5 SentencePiece tokenizer; ~2.5 minutes with its rerun check) and writes only:
+#   integration-tests/fixtures/flow-tiny.tar.xz             flux-schnell-tiny/, flux-dev-tiny/, sd3-tiny/
+#   integration-tests/fixtures/flow-reference/              cases.json, per-case .npy/.npz/.png, tokens.json,
+#                                                           manifest.json, README.md
+#
 # The venv lives at ${SLUICE_CACHE:-$HOME/.cache/sluice}/venv-sd-reference and is reused: the install
 # is skipped when a marker holds requirements.txt's sha256, or when `pip freeze` already has every pin.
 #
-# Usage: bash scripts/sd-reference/generate.sh [--sdxl | --images] [--no-rerun-check] [--work DIR]
+# Usage: bash scripts/sd-reference/generate.sh [--sdxl | --images | --flow] [--no-rerun-check] [--work DIR]
 #   --sdxl             run sdxl.py (SDXL fixture) instead of generate.py (SD 1.x fixtures)
 #   --images           run images.py (img2img / inpainting fixture) instead of generate.py
+#   --flow             run flow.py (FLUX / SD3 fixture) instead of generate.py
 #   --no-rerun-check   skip the second, independent run that checks the outputs are reproducible
 #   --work DIR         scratch directory (the exported models, unpacked tarball, rerun outputs), emptied
 #                      at the start and kept afterwards (default: a temporary directory, removed at exit)
@@ -52,8 +59,9 @@ while [ $# -gt 0 ]; do
     --no-rerun-check) rerun=() ;;
     --sdxl) script=sdxl.py ;;
     --images) script=images.py ;;
+    --flow) script=flow.py ;;
     --work) [ $# -ge 2 ] || { echo "--work needs a directory" >&2; exit 2; }; keep_work="$2"; shift ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
