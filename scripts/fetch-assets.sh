@@ -91,16 +91,18 @@ fi
 # The tiny random-weight Stable Diffusion models, made by scripts/sd-reference/generate.sh:
 # integration-tests/fixtures/sd-tiny.tar.xz (sd-tiny, sd-tiny-lcm, sd-tiny-external) and
 # sdxl-tiny.tar.xz (sdxl-tiny; generate.sh --sdxl) and inpaint-tiny.tar.xz (sd-tiny-inpaint, a
-# 9-channel inpainting UNet; generate.sh --images), unpacked side by side into one directory (one
-# SLUICE_MODEL_DIR serves them all) once per version of the three fixtures.
+# 9-channel inpainting UNet; generate.sh --images) and flow-tiny.tar.xz (flux-schnell-tiny,
+# flux-dev-tiny, sd3-tiny; generate.sh --flow), unpacked side by side into one directory (one
+# SLUICE_MODEL_DIR serves them all) once per version of the four fixtures.
 FIXTURES="$(cd "$(dirname "$0")/.." && pwd)/integration-tests/fixtures"
-SD_SHA=$( [ "$WHAT" = all ] && cat "$FIXTURES/sd-tiny.tar.xz" "$FIXTURES/sdxl-tiny.tar.xz" "$FIXTURES/inpaint-tiny.tar.xz" | sha256sum | cut -c1-16 || echo none)
+SD_SHA=$( [ "$WHAT" = all ] && cat "$FIXTURES/sd-tiny.tar.xz" "$FIXTURES/sdxl-tiny.tar.xz" "$FIXTURES/inpaint-tiny.tar.xz" "$FIXTURES/flow-tiny.tar.xz" | sha256sum | cut -c1-16 || echo none)
 SD_DIR="$CACHE/models/sd-tiny-$SD_SHA"
-if [ "$WHAT" = all ] && [ ! -f "$SD_DIR/sd-tiny-inpaint/unet/model.onnx" ]; then
+if [ "$WHAT" = all ] && [ ! -f "$SD_DIR/sd3-tiny/transformer/model.onnx" ]; then
   rm -rf "$SD_DIR.partial" && mkdir -p "$SD_DIR.partial"
   tar -xJf "$FIXTURES/sd-tiny.tar.xz" -C "$SD_DIR.partial"
   tar -xJf "$FIXTURES/sdxl-tiny.tar.xz" -C "$SD_DIR.partial"
   tar -xJf "$FIXTURES/inpaint-tiny.tar.xz" -C "$SD_DIR.partial"
+  tar -xJf "$FIXTURES/flow-tiny.tar.xz" -C "$SD_DIR.partial"
   rm -rf "$SD_DIR" && mv "$SD_DIR.partial" "$SD_DIR"
 fi
 

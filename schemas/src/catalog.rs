@@ -25,6 +25,16 @@
 //! max_task_pixels = 2097152  # width × height × num_images of one task (default: the kind's)
 //! max_task_rows = 8          # model rows of one task (terrain: tiles; SD: images)
 //! modes = ["text", "img2img", "inpaint"]  # what a task may start from (an inpainting model: ["inpaint"])
+//!
+//! [[model]]
+//! name = "flux-schnell"
+//! kind = "stable-diffusion"    # the family (SD, SDXL, FLUX.1, SD3) is read from model_index.json
+//! size_multiple = 16
+//! samplers = ["flow_euler"]    # FLUX.1 and SD3 run flow_euler alone
+//! default_sampler = "flow_euler"
+//! modes = ["text"]
+//! text_encoders = "cpu"        # FLUX/SD3: "device" (default), "cpu" or "on_demand"
+//! t5_max_length = 256          # FLUX/SD3: T5's window (default: the pipeline's, 512 / 256)
 //! ```
 //!
 //! Without a file the catalog is the built-in terrain model alone, as before catalogs existed.
@@ -98,6 +108,21 @@ pub struct Bounded<T> {
 
 /// Every sampler a Stable Diffusion model can run.
 pub const SD_SAMPLERS: [&str; 6] = ["euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_karras", "lcm"];
+
+/// The samplers of flow-matching transformers (FLUX.1, SD3), which a catalog lists for them.
+pub const FLOW_SAMPLERS: [&str; 1] = ["flow_euler"];
+
+/// Where a flow transformer's text encoders live (FLUX's T5-XXL is 4.7 B parameters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextEncoders {
+    /// On the worker's device, beside the transformer.
+    Device,
+    /// On the CPU: no device memory.
+    Cpu,
+    /// On the worker's device, loaded for each batch's encoding and released after it.
+    OnDemand,
+}
 
 fn sd_width() -> Bounded<u32> {
     Bounded {
@@ -187,6 +212,12 @@ pub struct CatalogModel {
     /// for the image modes).
     #[serde(default = "sd_modes")]
     pub modes: Vec<TaskMode>,
+    /// FLUX.1 / SD3: where the text encoders' sessions live (default: the device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_encoders: Option<TextEncoders>,
+    /// FLUX.1 / SD3: T5's sequence length (default: the pipeline's, 512 for FLUX, 256 for SD3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub t5_max_length: Option<u32>,
 }
 
 /// Default bounds of one task's work, by kind: two full-size terrain maps (2 × 2048²) in at
@@ -232,6 +263,8 @@ impl CatalogModel {
             task_pixels: None,
             task_rows: None,
             modes: vec![TaskMode::Text],
+            text_encoders: None,
+            t5_max_length: None,
         }
     }
 
@@ -343,8 +376,15 @@ impl CatalogModel {
             return bad(format!("guidance_scale: need min <= default <= max, got {g:?}"));
         }
         if self.kind == ModelKind::StableDiffusion {
-            if let Some(s) = self.samplers.iter().find(|s| !SD_SAMPLERS.contains(&s.as_str())) {
-                return bad(format!("sampler {s:?} is not one of {}", SD_SAMPLERS.join(", ")));
+            let known = || SD_SAMPLERS.iter().chain(&FLOW_SAMPLERS);
+            if let Some(s) = self.samplers.iter().find(|s| !known().any(|k| k == s)) {
+                return bad(format!(
+                    "sampler {s:?} is not one of {}",
+                    known().copied().collect::<Vec<_>>().join(", ")
+                ));
+            }
+            if self.t5_max_length.is_some_and(|l| !(2..=4096).contains(&l)) {
+                return bad(format!("t5_max_length must be in 2..=4096, got {:?}", self.t5_max_length));
             }
             if self.size_multiple == 0 || !self.size_multiple.is_multiple_of(8) {
                 return bad(format!(

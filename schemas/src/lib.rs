@@ -11,7 +11,7 @@ pub mod normalize;
 pub mod records;
 pub mod validate;
 
-pub use catalog::{Catalog, CatalogError, CatalogModel, ModelKind, TaskMode};
+pub use catalog::{Catalog, CatalogError, CatalogModel, ModelKind, TaskMode, TextEncoders};
 pub use decode::{DecodeError, decode_task};
 pub use records::*;
 pub use validate::{RecordKind, Violation, validate};

@@ -1,4 +1,5 @@
-//! `sluice-worker generate`: one Stable Diffusion run from the command line — no Kafka, no S3.
+//! `sluice-worker generate`: one diffusion run (SD, SDXL, FLUX.1, SD3) from the command line —
+//! no Kafka, no S3.
 //! What an operator uses to check a model before serving it, and what reproduces a reference
 //! run from its initial latents and noise.
 
@@ -10,34 +11,40 @@ use clap::Parser;
 use sluice_worker::config::DeviceArgs;
 use sluice_worker::engine::{Call, CallTask, Runtime};
 use sluice_worker::models::ModelAdapter;
+use sluice_worker::models::diffusion::flow::backend::EncoderPlacement;
 use sluice_worker::models::diffusion::input;
-use sluice_worker::models::diffusion::layout::SdLayout;
 use sluice_worker::models::diffusion::npy::{self, Array};
 use sluice_worker::models::diffusion::request::{Draws, ImageInput, SdRequest};
-use sluice_worker::models::diffusion::schedulers::{Sampler, Schedule};
-use sluice_worker::models::diffusion::{StableDiffusion, sampler_names};
+use sluice_worker::models::diffusion::schedulers::Sampler;
+use sluice_worker::models::diffusion::{FlowSettings, Pipeline, StableDiffusion, sampler_names};
 
-/// Generates images with a Stable Diffusion model in the Optimum ONNX layout.
+/// Generates images with a diffusion model in the Optimum ONNX layout (Stable Diffusion
+/// 1.x/2.x, SDXL, FLUX.1, SD3; the family is read from model_index.json).
 #[derive(Debug, Parser)]
 #[command(name = "sluice-worker generate")]
 pub struct GenerateArgs {
     /// The model directory (model_index.json, tokenizer/, text_encoder/, unet/, vae_decoder/,
-    /// scheduler/; SDXL also tokenizer_2/, text_encoder_2/). The family is read from it.
+    /// scheduler/; SDXL also tokenizer_2/, text_encoder_2/; FLUX.1 and SD3 a transformer/ and
+    /// their T5). The family is read from it.
     #[arg(long, env = "SLUICE_GENERATE_MODEL_PATH")]
     model_path: PathBuf,
     #[arg(long, env = "SLUICE_GENERATE_PROMPT")]
     prompt: String,
     /// Absent is not empty: for SDXL (force_zeros_for_empty_prompt) an absent negative prompt
     /// gives all-zero unconditional embeddings and `""` encodes the empty string, as diffusers.
+    /// FLUX.1 takes none.
     #[arg(long, env = "SLUICE_GENERATE_NEGATIVE_PROMPT")]
     negative_prompt: Option<String>,
     #[arg(long, env = "SLUICE_GENERATE_STEPS", default_value_t = 4)]
     steps: usize,
+    /// Classifier-free guidance scale; for FLUX.1-dev the guidance embedding's value (schnell
+    /// has none and ignores it).
     #[arg(long, env = "SLUICE_GENERATE_GUIDANCE_SCALE", default_value_t = 7.5)]
     guidance_scale: f32,
-    /// euler, euler_a, ddim, dpmpp_2m, dpmpp_2m_karras or lcm.
-    #[arg(long, env = "SLUICE_GENERATE_SAMPLER", default_value = "euler")]
-    sampler: String,
+    /// euler, euler_a, ddim, dpmpp_2m, dpmpp_2m_karras, lcm (UNet models) or flow_euler (FLUX.1,
+    /// SD3); default: flow_euler for a flow model, euler otherwise.
+    #[arg(long, env = "SLUICE_GENERATE_SAMPLER")]
+    sampler: Option<String>,
     #[arg(long, env = "SLUICE_GENERATE_WIDTH", default_value_t = 64)]
     width: usize,
     #[arg(long, env = "SLUICE_GENERATE_HEIGHT", default_value_t = 64)]
@@ -47,9 +54,10 @@ pub struct GenerateArgs {
     /// Seed of the worker's own noise (drawn and printed when absent).
     #[arg(long, env = "SLUICE_GENERATE_SEED")]
     seed: Option<u64>,
-    /// Standard-normal initial latents [num_images, 4, h/8, w/8] (.npy, float32), scaled by the
-    /// scheduler's initial sigma as diffusers' `latents=`. With --init-image: the noise diffusers'
-    /// `prepare_latents` draws (added to the encoded image at the first step run).
+    /// Standard-normal initial latents [num_images, c, h/8, w/8] (.npy, float32; c = 4, 16 for
+    /// FLUX.1 and SD3), scaled by the scheduler's initial sigma as diffusers' `latents=`; for
+    /// FLUX.1 the draw *before* packing (as `prepare_latents` draws it). With --init-image: the
+    /// noise diffusers' `prepare_latents` draws (added to the encoded image at the first step run).
     #[arg(long, env = "SLUICE_GENERATE_LATENTS_IN")]
     latents_in: Option<PathBuf>,
     /// Per-step noise of ancestral and LCM samplers, draws stacked on axis 0:
@@ -59,7 +67,7 @@ pub struct GenerateArgs {
     /// The PNG to write; with --num-images N, `x.png` becomes `x_0.png` … `x_{N-1}.png`.
     #[arg(long, env = "SLUICE_GENERATE_OUT")]
     out: PathBuf,
-    /// Writes the final latents (unscaled, before the VAE) as .npy.
+    /// Writes the final latents (unscaled, before the VAE; FLUX.1's unpacked) as .npy.
     #[arg(long, env = "SLUICE_GENERATE_LATENTS_OUT")]
     latents_out: Option<PathBuf>,
     /// img2img: the image to start from (PNG of exactly --width × --height); with --mask-image,
@@ -77,8 +85,21 @@ pub struct GenerateArgs {
     /// VAE-encoder sample of the run (seed stream 0 when absent).
     #[arg(long, env = "SLUICE_GENERATE_IMAGE_NOISE_IN", requires = "init_image")]
     image_noise_in: Option<PathBuf>,
+    /// FLUX.1 / SD3: T5's sequence length (default: the pipeline's, 512 for FLUX, 256 for SD3).
+    #[arg(long, env = "SLUICE_GENERATE_T5_MAX_LENGTH")]
+    t5_max_length: Option<usize>,
+    /// FLUX.1 / SD3: where the text encoders run: device (default), cpu or on_demand.
+    #[arg(long, env = "SLUICE_GENERATE_TEXT_ENCODERS", value_enum, default_value_t = TextEncodersArg::Device)]
+    text_encoders: TextEncodersArg,
     #[command(flatten)]
     device: DeviceArgs,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TextEncodersArg {
+    Device,
+    Cpu,
+    OnDemand,
 }
 
 /// The file of image `i` of `n`.
@@ -92,7 +113,22 @@ fn image_path(out: &Path, i: usize, n: usize) -> PathBuf {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let sampler = Sampler::parse(&args.sampler).with_context(|| format!("--sampler {:?}: one of {}", args.sampler, sampler_names()))?;
+    let runtime = Arc::new(Runtime::init(&args.device.runtime_options())?);
+    let settings = FlowSettings {
+        text_encoders: match args.text_encoders {
+            TextEncodersArg::Device => EncoderPlacement::Device,
+            TextEncodersArg::Cpu => EncoderPlacement::Cpu,
+            TextEncodersArg::OnDemand => EncoderPlacement::OnDemand,
+        },
+        t5_max_length: args.t5_max_length,
+    };
+    let model = StableDiffusion::open_with(runtime, "generate", &args.model_path, settings)?;
+    let default_sampler = match model.pipeline() {
+        Pipeline::Flow(..) => "flow_euler",
+        Pipeline::Unet(_) => "euler",
+    };
+    let name = args.sampler.as_deref().unwrap_or(default_sampler);
+    let sampler = Sampler::parse(name).with_context(|| format!("--sampler {name:?}: one of {}", sampler_names()))?;
     let seed = args.seed.unwrap_or_else(|| fastrand::u64(0..(1 << 53)));
     let request = SdRequest {
         prompt: args.prompt.clone(),
@@ -106,12 +142,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         seed,
         image: image_input(&args)?,
     };
-    let runtime = Arc::new(Runtime::init(&args.device.runtime_options())?);
-    let model = StableDiffusion::open(runtime, "generate", &args.model_path)?;
-    let layout = model.layout();
-    let schedule: Schedule = request.check(layout).map_err(anyhow::Error::msg)?;
+    let noise_draws = model.check(&request).map_err(anyhow::Error::msg)?;
     let n = request.num_images;
-    let given = draws(&args, &request, layout, schedule.noise_draws())?;
+    let given = draws(&args, &request, model.latent_dims(&request), noise_draws)?;
     let (bucket, prepared) = model.prepare_request(&request, Some(given)).map_err(anyhow::Error::msg)?;
     let mut backend = model.load(&args.model_path, &args.device.session_options())?;
     let call = Call {
@@ -150,9 +183,8 @@ fn image_input(args: &GenerateArgs) -> anyhow::Result<Option<ImageInput>> {
 }
 
 /// The run's draws: seeded, with --latents-in, --noise-in and --image-noise-in in their place.
-fn draws(args: &GenerateArgs, request: &SdRequest, layout: &SdLayout, draws: usize) -> anyhow::Result<Draws> {
-    let mut given = request.seeded_draws(layout, draws);
-    let dims = request.latent_dims(layout);
+fn draws(args: &GenerateArgs, request: &SdRequest, dims: [usize; 3], draws: usize) -> anyhow::Result<Draws> {
+    let mut given = request.seeded_draws(dims, draws);
     let n = request.num_images;
     if let Some(path) = &args.latents_in {
         given.latents = read_npy(path, &[n, dims[0], dims[1], dims[2]], "--latents-in")?;

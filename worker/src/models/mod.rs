@@ -178,8 +178,10 @@ impl Registry {
             let adapter: Arc<dyn ModelAdapter> = match entry.kind {
                 sluice_schemas::ModelKind::Terrain => Arc::new(terrain::Terrain::new(runtime.clone())),
                 sluice_schemas::ModelKind::StableDiffusion => {
-                    let sd = diffusion::StableDiffusion::open(runtime.clone(), name, dir).map_err(|e| format!("model {name}: {e}"))?;
-                    let needed = sd.layout().size_multiple as u32;
+                    let settings = diffusion::FlowSettings::of(entry);
+                    let sd = diffusion::StableDiffusion::open_with(runtime.clone(), name, dir, settings)
+                        .map_err(|e| format!("model {name}: {e}"))?;
+                    let needed = sd.size_multiple() as u32;
                     if !entry.size_multiple.is_multiple_of(needed) {
                         tracing::warn!(
                             model = %name,

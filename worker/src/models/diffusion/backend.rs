@@ -163,44 +163,56 @@ impl SdBackend {
         Ok(schedule)
     }
 
-    /// Decodes unscaled latents [n, ...] to images in [0, 1]; one image at a time when the
-    /// whole batch runs out of memory.
+    /// Decodes unscaled latents [n, ...] to images in [0, 1].
     fn decode(&mut self, latents: &[f32], shape: &[usize]) -> Result<Vec<f32>, EngineError> {
-        let scale = 1.0 / self.layout.scaling_factor;
-        let scaled: Vec<f32> = latents.iter().map(|v| v * scale).collect();
-        let n = shape[0];
-        let run = |vae: &mut OrtBackend, data: Vec<f32>, rows: usize| -> Result<Vec<f32>, EngineError> {
-            let mut s = shape.to_vec();
-            s[0] = rows;
-            let out = vae.run_tensors(&[Tensor::f32("latent_sample", s, data)])?;
-            let sample = out
-                .into_iter()
-                .next()
-                .ok_or_else(|| EngineError::Run("vae_decoder has no output".into()))?;
-            match sample.data {
-                crate::engine::TensorData::F32(v) => Ok(v.into_iter().map(|x| (x / 2.0 + 0.5).clamp(0.0, 1.0)).collect()),
-                crate::engine::TensorData::I64(_) => Err(EngineError::Run("vae_decoder output is not float32".into())),
-            }
-        };
-        match run(&mut self.vae_decoder, scaled.clone(), n) {
-            Err(EngineError::OutOfMemory(message)) if n > 1 => {
-                tracing::warn!(images = n, error = %message, "VAE decode ran out of memory; decoding one image at a time");
-                self.vae_decoder.release_memory();
-                let per = scaled.len() / n;
-                let mut images = Vec::new();
-                for chunk in scaled.chunks(per) {
-                    images.extend(run(&mut self.vae_decoder, chunk.to_vec(), 1)?);
-                }
-                Ok(images)
-            }
-            other => other,
+        vae_decode(&mut self.vae_decoder, latents, shape, self.layout.scaling_factor, 0.0)
+    }
+}
+
+/// Decodes unscaled latents [n, ...] to images in [0, 1] with `vae_decoder`: `latent_sample` =
+/// `latents / scaling + shift`, `sample / 2 + 0.5` clamped. One image at a time when the whole
+/// batch runs out of memory (the classic high-resolution OOM), so a batch whose denoising fit is
+/// not thrown away for its decode.
+pub(super) fn vae_decode(
+    vae: &mut OrtBackend,
+    latents: &[f32],
+    shape: &[usize],
+    scaling: f32,
+    shift: f32,
+) -> Result<Vec<f32>, EngineError> {
+    let scaled: Vec<f32> = latents.iter().map(|v| v / scaling + shift).collect();
+    let n = shape[0];
+    let run = |vae: &mut OrtBackend, data: Vec<f32>, rows: usize| -> Result<Vec<f32>, EngineError> {
+        let mut s = shape.to_vec();
+        s[0] = rows;
+        let out = vae.run_tensors(&[Tensor::f32("latent_sample", s, data)])?;
+        let sample = out
+            .into_iter()
+            .next()
+            .ok_or_else(|| EngineError::Run("vae_decoder has no output".into()))?;
+        match sample.data {
+            crate::engine::TensorData::F32(v) => Ok(v.into_iter().map(|x| (x / 2.0 + 0.5).clamp(0.0, 1.0)).collect()),
+            crate::engine::TensorData::I64(_) => Err(EngineError::Run("vae_decoder output is not float32".into())),
         }
+    };
+    match run(vae, scaled.clone(), n) {
+        Err(EngineError::OutOfMemory(message)) if n > 1 => {
+            tracing::warn!(images = n, error = %message, "VAE decode ran out of memory; decoding one image at a time");
+            vae.release_memory();
+            let per = scaled.len() / n;
+            let mut images = Vec::new();
+            for chunk in scaled.chunks(per) {
+                images.extend(run(vae, chunk.to_vec(), 1)?);
+            }
+            Ok(images)
+        }
+        other => other,
     }
 }
 
 /// Which hidden states of a text encoder a pipeline reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hidden {
+pub(super) enum Hidden {
     /// `last_hidden_state` (SD 1.x/2.x).
     Last,
     /// `hidden_states[-2]`, the penultimate layer's (SDXL, both encoders).
@@ -208,9 +220,14 @@ enum Hidden {
 }
 
 /// Runs `encoder` on the token ids `ids` [n, seq], each distinct row once. Returns, per row, the
-/// `hidden` states [seq, d], and with `pooled` the `text_embeds` [p] (a projection's pooled
-/// output).
-fn encode(encoder: &mut OrtBackend, ids: &Tensor, hidden: Hidden, pooled: bool) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
+/// `hidden` states [seq, d], and the output named `pooled` [p] if asked for (`text_embeds`, a
+/// projection's pooled output; `pooler_output`, CLIP's own).
+pub(super) fn encode(
+    encoder: &mut OrtBackend,
+    ids: &Tensor,
+    hidden: Hidden,
+    pooled: Option<&str>,
+) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
     let seq = ids.shape[1];
     let all = ids
         .i64_rows(0, ids.rows())
@@ -244,12 +261,12 @@ fn encode(encoder: &mut OrtBackend, ids: &Tensor, hidden: Hidden, pooled: bool) 
             .collect::<Result<_, _>>()?;
         Ok(rows.concat())
     };
-    Ok((per_row(&name)?, if pooled { Some(per_row("text_embeds")?) } else { None }))
+    Ok((per_row(&name)?, pooled.map(per_row).transpose()?))
 }
 
 /// Two encoders' hidden states joined along the features of each of `tokens` tokens, as SDXL's
 /// `torch.concat(prompt_embeds_list, dim=-1)`.
-fn join_features(a: &[f32], b: &[f32], tokens: usize) -> Result<Vec<f32>, EngineError> {
+pub(super) fn join_features(a: &[f32], b: &[f32], tokens: usize) -> Result<Vec<f32>, EngineError> {
     if tokens == 0 || !a.len().is_multiple_of(tokens) || !b.len().is_multiple_of(tokens) {
         return Err(EngineError::Run(format!(
             "text encoders gave {} and {} values for {tokens} tokens",
@@ -264,7 +281,7 @@ fn join_features(a: &[f32], b: &[f32], tokens: usize) -> Result<Vec<f32>, Engine
         .collect())
 }
 
-fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, EngineError> {
+pub(super) fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, EngineError> {
     call.inputs
         .iter()
         .find(|t| t.name == name)
@@ -465,10 +482,15 @@ impl SdBackend {
     fn encode_prompts(&mut self, call: &Call, which: &str, tokens: usize) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
         let ids = input(call, &format!("{which}_ids"))?;
         match &mut self.text_encoder_2 {
-            None => encode(&mut self.text_encoder, ids, Hidden::Last, false),
+            None => encode(&mut self.text_encoder, ids, Hidden::Last, None),
             Some(second) => {
-                let (first_hidden, _) = encode(&mut self.text_encoder, ids, Hidden::Penultimate, false)?;
-                let (second_hidden, pooled) = encode(second, input(call, &format!("{which}_ids_2"))?, Hidden::Penultimate, true)?;
+                let (first_hidden, _) = encode(&mut self.text_encoder, ids, Hidden::Penultimate, None)?;
+                let (second_hidden, pooled) = encode(
+                    second,
+                    input(call, &format!("{which}_ids_2"))?,
+                    Hidden::Penultimate,
+                    Some("text_embeds"),
+                )?;
                 Ok((join_features(&first_hidden, &second_hidden, tokens)?, pooled))
             }
         }
@@ -635,7 +657,7 @@ impl Rows<'_> {
 }
 
 /// Which task owns each of the call's `n` image rows.
-fn row_owners(call: &Call, n: usize) -> Result<Vec<usize>, EngineError> {
+pub(super) fn row_owners(call: &Call, n: usize) -> Result<Vec<usize>, EngineError> {
     let owner: Vec<usize> = call
         .tasks
         .iter()
@@ -663,12 +685,12 @@ fn zero_rows(values: &mut [f32], zero: &[f32]) {
 
 /// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two
 /// predictions.
-fn guided(uncond: &[f32], cond: &[f32], g: f32) -> Vec<f32> {
+pub(super) fn guided(uncond: &[f32], cond: &[f32], g: f32) -> Vec<f32> {
     uncond.iter().zip(cond).map(|(u, c)| u + g * (c - u)).collect()
 }
 
 /// Marks the tasks whose clients cancelled them since the last step.
-fn note_cancellations(call: &Call, cancelled: &mut [bool]) {
+pub(super) fn note_cancellations(call: &Call, cancelled: &mut [bool]) {
     for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
         if !cancelled[task] && hooks.cancelled() {
             cancelled[task] = true;
@@ -677,7 +699,7 @@ fn note_cancellations(call: &Call, cancelled: &mut [bool]) {
 }
 
 /// Tells each task still running that it finished step `step` of `steps`.
-fn report_progress(call: &Call, cancelled: &[bool], step: usize, steps: usize) {
+pub(super) fn report_progress(call: &Call, cancelled: &[bool], step: usize, steps: usize) {
     for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
         if !cancelled[task] {
             hooks.progress(step, steps);

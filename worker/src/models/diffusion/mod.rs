@@ -1,10 +1,13 @@
-//! Stable Diffusion (1.x, 2.x, SD-Turbo, LCM) from an Optimum ONNX export: CLIP tokenizer and
-//! text encoder, a UNet loop under one of the [`schedulers`], the VAE decoder.
+//! Diffusion models from an Optimum ONNX export, the family read from `model_index.json`:
+//! Stable Diffusion 1.x/2.x, SD-Turbo, LCM and SDXL (CLIP text encoders, a UNet loop under one
+//! of the [`schedulers`], the VAE decoder) and the flow-matching transformers FLUX.1 and SD3
+//! ([`flow`]).
 //!
-//! The pieces are split so that SDXL can reuse them: [`layout`] reads a model directory,
-//! [`request`] turns a task into inputs and outputs into PNGs, [`backend`] runs the sessions.
+//! [`layout`] reads a UNet model's directory, [`request`] turns a task into inputs and outputs
+//! into PNGs, [`backend`] runs the sessions.
 
 pub mod backend;
+pub mod flow;
 mod image;
 pub mod input;
 pub mod layout;
@@ -20,8 +23,10 @@ use std::sync::Arc;
 use sluice_schemas::TaskRecord;
 
 use self::backend::SdBackend;
+use self::flow::backend::{EncoderPlacement, FlowBackend};
+use self::flow::layout::{FlowFamily, FlowLayout};
 use self::layout::{LayoutError, SdLayout};
-use self::request::{Draws, ImageInput, SdRender, SdRequest};
+use self::request::{Draws, ImageInput, Mode, SdBucket, SdRender, SdRequest};
 use self::schedulers::Sampler;
 use super::{Bucket, InputImages, ModelAdapter, ModelError, Prepared};
 use crate::engine::{Backend, EngineError, Runtime, SessionOptions};
@@ -29,25 +34,103 @@ use crate::engine::{Backend, EngineError, Runtime, SessionOptions};
 /// The `kind` of Stable Diffusion models in the catalog.
 pub const KIND: &str = "stable-diffusion";
 
-/// A Stable Diffusion model served under `name`.
+/// A diffusion model served under `name`.
 pub struct StableDiffusion {
     name: String,
     runtime: Arc<Runtime>,
-    layout: Arc<SdLayout>,
+    pipeline: Pipeline,
+}
+
+/// Which pipeline runs the model, with what the CPU side read from its directory.
+pub enum Pipeline {
+    /// SD 1.x/2.x, SD-Turbo, LCM, SDXL.
+    Unet(Arc<SdLayout>),
+    /// FLUX.1, SD3.
+    Flow(Arc<FlowLayout>, FlowSettings),
+}
+
+/// The catalog's settings of a flow transformer (ignored for the UNet families).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FlowSettings {
+    pub text_encoders: EncoderPlacement,
+    /// T5's window; the pipeline's default when `None`.
+    pub t5_max_length: Option<usize>,
+}
+
+impl FlowSettings {
+    /// A catalog entry's settings.
+    pub fn of(entry: &sluice_schemas::CatalogModel) -> FlowSettings {
+        FlowSettings {
+            text_encoders: match entry.text_encoders {
+                None | Some(sluice_schemas::TextEncoders::Device) => EncoderPlacement::Device,
+                Some(sluice_schemas::TextEncoders::Cpu) => EncoderPlacement::Cpu,
+                Some(sluice_schemas::TextEncoders::OnDemand) => EncoderPlacement::OnDemand,
+            },
+            t5_max_length: entry.t5_max_length.map(|l| l as usize),
+        }
+    }
 }
 
 impl StableDiffusion {
-    /// Reads the model directory (configs and tokenizer; sessions load on the engine threads).
+    /// Reads the model directory (configs and tokenizers; sessions load on the engine threads)
+    /// with the default settings.
     pub fn open(runtime: Arc<Runtime>, name: &str, dir: &Path) -> Result<StableDiffusion, LayoutError> {
+        Self::open_with(runtime, name, dir, FlowSettings::default())
+    }
+
+    pub fn open_with(runtime: Arc<Runtime>, name: &str, dir: &Path, settings: FlowSettings) -> Result<StableDiffusion, LayoutError> {
+        let pipeline = match FlowFamily::detect(dir) {
+            Some(family) => Pipeline::Flow(Arc::new(FlowLayout::open(dir, family, settings.t5_max_length)?), settings),
+            None => Pipeline::Unet(Arc::new(SdLayout::open(dir)?)),
+        };
         Ok(StableDiffusion {
             name: name.to_owned(),
             runtime,
-            layout: Arc::new(SdLayout::open(dir)?),
+            pipeline,
         })
     }
 
-    pub fn layout(&self) -> &SdLayout {
-        &self.layout
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.pipeline
+    }
+
+    /// What a width or height must be a multiple of.
+    pub fn size_multiple(&self) -> usize {
+        match &self.pipeline {
+            Pipeline::Unet(l) => l.size_multiple,
+            Pipeline::Flow(l, _) => l.size_multiple(),
+        }
+    }
+
+    /// The family, for messages.
+    pub fn family(&self) -> String {
+        match &self.pipeline {
+            Pipeline::Unet(l) => format!("{:?}", l.family),
+            Pipeline::Flow(l, _) => l.family.name().to_owned(),
+        }
+    }
+
+    /// Checks a request against the model; the number of per-step noise draws it makes.
+    pub fn check(&self, request: &SdRequest) -> Result<usize, String> {
+        match &self.pipeline {
+            Pipeline::Unet(l) => Ok(request.check(l)?.noise_draws()),
+            Pipeline::Flow(l, _) => flow::request::check(request, l).map(|_| 0),
+        }
+    }
+
+    /// One image's latent shape.
+    pub fn latent_dims(&self, request: &SdRequest) -> [usize; 3] {
+        match &self.pipeline {
+            Pipeline::Unet(l) => request.latent_dims(l),
+            Pipeline::Flow(l, _) => flow::request::latent_dims(request, l),
+        }
+    }
+
+    fn bucket_of(&self, request: &SdRequest) -> SdBucket {
+        match &self.pipeline {
+            Pipeline::Unet(l) => request.bucket(l),
+            Pipeline::Flow(l, _) => flow::request::bucket(request, l),
+        }
     }
 
     /// The request a task record asks for, with its input images decoded when `inputs` holds
@@ -85,13 +168,15 @@ impl StableDiffusion {
     /// The inputs of `request` from the given standard-normal draws (seeded ones when `None`),
     /// and the call's bucket.
     pub fn prepare_request(&self, request: &SdRequest, draws_of: Option<Draws>) -> Result<(Bucket, Prepared), String> {
-        let schedule = request.check(&self.layout)?;
-        let draws = schedule.noise_draws();
-        let draws_of = draws_of.unwrap_or_else(|| request.seeded_draws(&self.layout, draws));
-        let inputs = request.inputs(&self.layout, draws_of, draws)?;
+        let draws = self.check(request)?;
+        let draws_of = draws_of.unwrap_or_else(|| request.seeded_draws(self.latent_dims(request), draws));
+        let inputs = match &self.pipeline {
+            Pipeline::Unet(l) => request.inputs(l, draws_of, draws)?,
+            Pipeline::Flow(l, _) => flow::request::inputs(request, l, draws_of)?,
+        };
         let bucket = Bucket {
             model: self.name.clone(),
-            key: request.bucket(&self.layout).key(),
+            key: self.bucket_of(request).key(),
             rows_per_task: request.num_images,
             alone: None,
         };
@@ -116,11 +201,17 @@ impl ModelAdapter for StableDiffusion {
     fn bucket(&self, task: &TaskRecord) -> Result<Bucket, ModelError> {
         let request = Self::request(task, None).map_err(ModelError::InvalidInput)?;
         // At admission: a request the model cannot run is a violation.
-        request.check(&self.layout).map_err(ModelError::InvalidInput)?;
-        request.mode().servable_by(&self.layout).map_err(ModelError::InvalidInput)?;
+        self.check(&request).map_err(ModelError::InvalidInput)?;
+        match &self.pipeline {
+            Pipeline::Unet(l) => request.mode().servable_by(l).map_err(ModelError::InvalidInput)?,
+            Pipeline::Flow(..) if request.mode() != Mode::Text => {
+                return Err(ModelError::InvalidInput("init_image: flow transformers take no input image".into()));
+            }
+            Pipeline::Flow(..) => {}
+        }
         Ok(Bucket {
             model: self.name.clone(),
-            key: request.bucket(&self.layout).key(),
+            key: self.bucket_of(&request).key(),
             rows_per_task: request.num_images,
             alone: None,
         })
@@ -141,8 +232,22 @@ impl ModelAdapter for StableDiffusion {
 
     fn load(&self, path: &Path, options: &SessionOptions) -> Result<Box<dyn Backend>, EngineError> {
         // Read the directory again: a reload may bring a new scheduler config or VAE factor.
-        let layout = SdLayout::open(path).map_err(|e| EngineError::Load(e.to_string()))?;
-        Ok(Box::new(SdBackend::load(&self.runtime, Arc::new(layout), path, options)?))
+        let load = |e: LayoutError| EngineError::Load(e.to_string());
+        match &self.pipeline {
+            Pipeline::Unet(_) => {
+                let layout = SdLayout::open(path).map_err(load)?;
+                Ok(Box::new(SdBackend::load(&self.runtime, Arc::new(layout), path, options)?))
+            }
+            Pipeline::Flow(l, settings) => {
+                let layout = FlowLayout::open(path, l.family, settings.t5_max_length).map_err(load)?;
+                Ok(Box::new(FlowBackend::load(
+                    self.runtime.clone(),
+                    Arc::new(layout),
+                    options,
+                    settings.text_encoders,
+                )?))
+            }
+        }
     }
 
     fn describe(&self, task: &TaskRecord) -> serde_json::Map<String, serde_json::Value> {

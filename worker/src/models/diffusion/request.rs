@@ -218,8 +218,9 @@ impl SdRequest {
 
     /// The seeded draws of the task: every image's initial latents and per-step noise, and the
     /// VAE encoder's draw when there is an init image.
-    pub fn seeded_draws(&self, layout: &SdLayout, draws: usize) -> Draws {
-        let per: usize = self.latent_dims(layout).iter().product();
+    /// `dims` is one image's latent shape.
+    pub fn seeded_draws(&self, dims: [usize; 3], draws: usize) -> Draws {
+        let per: usize = dims.iter().product();
         let mut latents = vec![0f32; self.num_images * per];
         let mut noise = vec![0f32; self.num_images * draws * per];
         for i in 0..self.num_images {

@@ -1,4 +1,4 @@
-//! CLIP tokenization of prompts, as diffusers' pipelines call `CLIPTokenizer`:
+//! CLIP (and, below, T5) tokenization of prompts, as diffusers' pipelines call `CLIPTokenizer`:
 //! `padding="max_length", max_length=77, truncation=True`.
 //!
 //! Built from the Optimum layout's `tokenizer/` directory (`vocab.json`, `merges.txt`,
@@ -145,5 +145,57 @@ impl ClipTokenizer {
             })?
             .len();
         Ok(n.saturating_sub(self.max_length - 2))
+    }
+}
+
+/// T5's tokenizer (FLUX's `tokenizer_2/`, SD3's `tokenizer_3/`), from the `tokenizer.json` the
+/// model ships (SentencePiece Unigram with its own normalizer), as the pipelines call it:
+/// `padding="max_length", max_length=L, truncation=True`: at most `L − 1` tokens, `</s>`, then
+/// padding.
+pub struct T5Tokenizer {
+    tokenizer: Tokenizer,
+    eos: u32,
+    pad: u32,
+}
+
+impl T5Tokenizer {
+    /// Loads `dir/tokenizer.json`.
+    pub fn load(dir: &Path) -> Result<T5Tokenizer, TokenizerError> {
+        let file = dir.join("tokenizer.json");
+        let file_error = |reason: String| TokenizerError::File {
+            file: file.display().to_string(),
+            reason,
+        };
+        let tokenizer = Tokenizer::from_file(&file).map_err(|e| file_error(e.to_string()))?;
+        let id = |token: &str| tokenizer.token_to_id(token).ok_or_else(|| file_error(format!("has no {token:?}")));
+        Ok(T5Tokenizer {
+            eos: id("</s>")?,
+            pad: id("<pad>")?,
+            tokenizer,
+        })
+    }
+
+    /// Ids of `prompt` in a window of `max_length` (at least 2).
+    pub fn encode(&self, prompt: &str, max_length: usize) -> Result<Vec<u32>, TokenizerError> {
+        let words = self.words(prompt)?;
+        let kept = words.len().min(max_length.saturating_sub(1));
+        let mut ids = Vec::with_capacity(max_length);
+        ids.extend_from_slice(&words[..kept]);
+        ids.push(self.eos);
+        ids.resize(max_length.max(1), self.pad);
+        Ok(ids)
+    }
+
+    /// How many tokens of `prompt` do not fit a window of `max_length` (0 when it fits).
+    pub fn overflow(&self, prompt: &str, max_length: usize) -> Result<usize, TokenizerError> {
+        Ok(self.words(prompt)?.len().saturating_sub(max_length.saturating_sub(1)))
+    }
+
+    fn words(&self, prompt: &str) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = self.tokenizer.encode(prompt, false).map_err(|e| TokenizerError::Encode {
+            prompt: prompt.chars().take(80).collect(),
+            reason: e.to_string(),
+        })?;
+        Ok(encoding.get_ids().to_vec())
     }
 }

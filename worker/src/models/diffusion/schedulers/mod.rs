@@ -9,6 +9,7 @@
 //! | `dpmpp_2m` | DPMSolverMultistepScheduler | `algorithm_type="dpmsolver++", solver_order=2` |
 //! | `dpmpp_2m_karras` | DPMSolverMultistepScheduler | the same, `use_karras_sigmas=True` |
 //! | `lcm` | LCMScheduler | |
+//! | `flow_euler` | FlowMatchEulerDiscreteScheduler (FLUX.1, SD3; [`flow_euler`]) | |
 //!
 //! Keys the file lacks take each class's own default (so `timestep_spacing` is `linspace` for
 //! Euler and DPM, `leading` for DDIM); keys a class does not know are ignored, as `from_config`
@@ -22,6 +23,7 @@
 mod ddim;
 mod dpm;
 mod euler;
+pub mod flow_euler;
 mod lcm;
 
 use serde::Deserialize;
@@ -38,16 +40,19 @@ pub enum Sampler {
     DpmPp2m,
     DpmPp2mKarras,
     Lcm,
+    /// Flow matching (FLUX.1, SD3): runs on the flow transformers only, as they run it alone.
+    FlowEuler,
 }
 
 impl Sampler {
-    pub const ALL: [Sampler; 6] = [
+    pub const ALL: [Sampler; 7] = [
         Sampler::Euler,
         Sampler::EulerAncestral,
         Sampler::Ddim,
         Sampler::DpmPp2m,
         Sampler::DpmPp2mKarras,
         Sampler::Lcm,
+        Sampler::FlowEuler,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +63,7 @@ impl Sampler {
             Sampler::DpmPp2m => "dpmpp_2m",
             Sampler::DpmPp2mKarras => "dpmpp_2m_karras",
             Sampler::Lcm => "lcm",
+            Sampler::FlowEuler => "flow_euler",
         }
     }
 
@@ -121,6 +127,21 @@ pub struct SchedulerConfig {
     pub original_inference_steps: Option<usize>,
     #[serde(default, deserialize_with = "python_json::float")]
     pub timestep_scaling: Option<f64>,
+    // FlowMatchEulerDiscreteScheduler's.
+    #[serde(default, deserialize_with = "python_json::float")]
+    pub shift: Option<f64>,
+    pub use_dynamic_shifting: Option<bool>,
+    #[serde(default, deserialize_with = "python_json::float")]
+    pub base_shift: Option<f64>,
+    #[serde(default, deserialize_with = "python_json::float")]
+    pub max_shift: Option<f64>,
+    pub base_image_seq_len: Option<usize>,
+    pub max_image_seq_len: Option<usize>,
+    pub time_shift_type: Option<String>,
+    #[serde(default, deserialize_with = "python_json::float")]
+    pub shift_terminal: Option<f64>,
+    pub invert_sigmas: Option<bool>,
+    pub stochastic_sampling: Option<bool>,
 }
 
 impl SchedulerConfig {
@@ -425,6 +446,12 @@ impl Schedule {
             Sampler::Lcm => {
                 let l = lcm::Lcm::new(config, steps)?;
                 (l.timesteps(), 1.0, Plan::Lcm(l))
+            }
+            Sampler::FlowEuler => {
+                return Err(ScheduleError::Unsupported {
+                    sampler: sampler.name(),
+                    what: "a UNet model (flow_euler runs the flow-matching transformers: FLUX.1, SD3)".into(),
+                });
             }
         };
         Ok(Schedule {

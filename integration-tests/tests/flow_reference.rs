@@ -1,0 +1,424 @@
+//! FLUX.1 and SD3 against the reference implementation: every case recorded by
+//! `scripts/sd-reference/generate.sh --flow` (Optimum's `ORTFluxPipeline` /
+//! `ORTStableDiffusion3Pipeline`, diffusers 0.39, on the tiny random-weight models in
+//! `fixtures/flow-tiny.tar.xz`), run by Sluice from the same initial latents. Final latents
+//! within 1e-3, PNGs within ±1 level, token ids and sigmas identical; and the step-level loop:
+//! rows at different steps in one transformer call give what each gives alone.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use serde_json::Value;
+use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
+use sluice_worker::engine::{Call, CallTask, Runtime, RuntimeOptions, SessionOptions, Tensor};
+use sluice_worker::models::ModelAdapter;
+use sluice_worker::models::diffusion::flow::backend::EncoderPlacement;
+use sluice_worker::models::diffusion::flow::request::sigmas;
+use sluice_worker::models::diffusion::npy;
+use sluice_worker::models::diffusion::request::{Draws, SdRequest};
+use sluice_worker::models::diffusion::schedulers::flow_euler::FlowSchedule;
+use sluice_worker::models::diffusion::schedulers::{Sampler, SchedulerConfig};
+use sluice_worker::models::diffusion::{FlowSettings, Pipeline, StableDiffusion};
+
+/// How many cases `generate.sh --flow` records.
+const FLOW_CASES: usize = 13;
+
+fn fixtures() -> PathBuf {
+    repo_root().join("integration-tests/fixtures/flow-reference")
+}
+
+fn cases() -> Vec<Value> {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json")).unwrap()).unwrap()
+}
+
+fn case(name: &str) -> Value {
+    cases().into_iter().find(|c| c["name"] == name).unwrap()
+}
+
+fn runtime() -> Arc<Runtime> {
+    static RUNTIME: OnceLock<Arc<Runtime>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            let a = assets().unwrap();
+            Arc::new(
+                Runtime::init(&RuntimeOptions {
+                    dylib_path: Some(a["ORT_DYLIB_PATH"].clone().into()),
+                    cpu_arena_max_bytes: None,
+                })
+                .unwrap(),
+            )
+        })
+        .clone()
+}
+
+fn model_dir(case: &Value) -> PathBuf {
+    PathBuf::from(&assets().unwrap()["SLUICE_SD_TINY"]).join(case["model"].as_str().unwrap())
+}
+
+fn settings(case: &Value, text_encoders: EncoderPlacement) -> FlowSettings {
+    FlowSettings {
+        text_encoders,
+        t5_max_length: case["max_sequence_length"].as_u64().map(|l| l as usize),
+    }
+}
+
+fn request(case: &Value) -> SdRequest {
+    SdRequest {
+        prompt: case["prompt"].as_str().unwrap().to_owned(),
+        negative_prompt: case["negative_prompt"].as_str().map(str::to_owned),
+        steps: case["steps"].as_u64().unwrap() as usize,
+        guidance_scale: case["guidance_scale"].as_f64().unwrap() as f32,
+        sampler: Sampler::FlowEuler,
+        width: case["width"].as_u64().unwrap() as usize,
+        height: case["height"].as_u64().unwrap() as usize,
+        num_images: case["num_images"].as_u64().unwrap() as usize,
+        seed: 0,
+        image: None,
+    }
+}
+
+fn latents_in(case: &Value) -> Vec<f32> {
+    npy::read(&fixtures().join(case["latents_in"].as_str().unwrap())).unwrap().data
+}
+
+/// Runs a prepared call on a fresh backend; returns (final latents, PNG bytes per image).
+fn run(model: &StableDiffusion, dir: &Path, request: &SdRequest, latents: Vec<f32>, extra: Vec<Tensor>) -> (Vec<f32>, Vec<Vec<u8>>) {
+    let n = request.num_images;
+    let draws = Draws {
+        latents,
+        noise: Vec::new(),
+        image_noise: None,
+    };
+    let (bucket, prepared) = model.prepare_request(request, Some(draws)).unwrap();
+    let mut backend = model
+        .load(
+            dir,
+            &SessionOptions {
+                intra_threads: 1,
+                ..SessionOptions::default()
+            },
+        )
+        .unwrap();
+    let mut inputs = prepared.inputs.clone();
+    inputs.extend(extra);
+    let call = Call {
+        key: bucket.key.clone(),
+        inputs,
+        tasks: vec![CallTask {
+            id: "case".into(),
+            rows: n,
+            hooks: None,
+        }],
+    };
+    let outputs = backend.run(&call).unwrap();
+    let latents = outputs
+        .iter()
+        .find(|t| t.name == "latents")
+        .unwrap()
+        .f32_rows(0, n)
+        .unwrap()
+        .to_vec();
+    let images = prepared
+        .render
+        .render(&outputs, 0..n)
+        .unwrap()
+        .into_iter()
+        .map(|i| i.bytes)
+        .collect();
+    (latents, images)
+}
+
+fn run_case(case: &Value, text_encoders: EncoderPlacement) -> (Vec<f32>, Vec<Vec<u8>>) {
+    let dir = model_dir(case);
+    let model = StableDiffusion::open_with(runtime(), "flow", &dir, settings(case, text_encoders)).unwrap();
+    run(&model, &dir, &request(case), latents_in(case), Vec::new())
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
+/// Max level difference between two PNGs of the same size.
+fn png_levels(a: &[u8], b: &[u8]) -> i32 {
+    let (w, h, a) = png_pixels(a).unwrap();
+    let (ew, eh, b) = png_pixels(b).unwrap();
+    assert_eq!((w, h), (ew, eh));
+    a.iter().zip(&b).map(|(x, y)| (*x as i32 - *y as i32).abs()).max().unwrap()
+}
+
+#[test]
+fn every_flow_reference_case_matches_diffusers() {
+    let mut report = Vec::new();
+    for case in cases() {
+        let name = case["name"].as_str().unwrap().to_owned();
+        let (latents, images) = run_case(&case, EncoderPlacement::Device);
+        let expected = npy::read(&fixtures().join(case["expected_latents"].as_str().unwrap())).unwrap();
+        let latent_err = max_diff(&latents, &expected.data);
+        assert!(latent_err <= 1e-3, "{name}: final latents differ by {latent_err} (tolerance 1e-3)");
+        let want = case["expected_images"].as_array().unwrap();
+        assert_eq!(images.len(), want.len(), "{name}");
+        let mut level_err = 0;
+        for (i, (png, want)) in images.iter().zip(want).enumerate() {
+            let e = png_levels(png, &std::fs::read(fixtures().join(want.as_str().unwrap())).unwrap());
+            assert!(e <= 1, "{name}: image {i} differs by {e} levels (tolerance 1)");
+            level_err = level_err.max(e);
+        }
+        report.push(format!("{name}: max |Δ latents| {latent_err:.2e}, max |Δ PNG| {level_err}"));
+    }
+    assert_eq!(report.len(), FLOW_CASES, "every recorded case");
+    eprintln!("{}", report.join("\n"));
+}
+
+#[test]
+fn every_case_tokenizes_and_schedules_as_the_pipeline() {
+    for case in cases() {
+        let name = case["name"].as_str().unwrap();
+        let dir = model_dir(&case);
+        let model = StableDiffusion::open_with(runtime(), "flow", &dir, settings(&case, EncoderPlacement::Device)).unwrap();
+        let Pipeline::Flow(layout, _) = model.pipeline() else {
+            panic!("{name}: not a flow model")
+        };
+        let texts = [("prompt", ""), ("negative_prompt", "negative_")];
+        for (text, prefix) in texts {
+            let Some(text) = case[text]
+                .as_str()
+                .or((prefix == "negative_" && case["negative_t5_ids"].is_array()).then_some(""))
+            else {
+                continue;
+            };
+            if !case[format!("{prefix}t5_ids")].is_array() {
+                continue;
+            }
+            assert_eq!(
+                layout.clip.encode(text).unwrap(),
+                ids(&case[format!("{prefix}clip_ids")]),
+                "{name}: {prefix}clip_ids"
+            );
+            if let Some(clip_2) = &layout.clip_2 {
+                assert_eq!(
+                    clip_2.encode(text).unwrap(),
+                    ids(&case[format!("{prefix}clip_g_ids")]),
+                    "{name}: {prefix}clip_g_ids"
+                );
+            }
+            let t5 = layout.t5.encode(text, layout.t5_length).unwrap();
+            assert_eq!(t5, ids(&case[format!("{prefix}t5_ids")]), "{name}: {prefix}t5_ids");
+        }
+        let config = SchedulerConfig::from_json(&case["scheduler_config"].to_string()).unwrap();
+        let r = request(&case);
+        let schedule = FlowSchedule::new(&config, r.steps, sigmas(layout.family), layout.image_seq_len(r.width, r.height)).unwrap();
+        let want: Vec<f32> = case["sigmas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        assert_eq!(schedule.sigmas(), want.as_slice(), "{name}: sigmas");
+        let want: Vec<f32> = case["timesteps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        assert_eq!(schedule.timesteps(), want.as_slice(), "{name}: timesteps");
+        if let (Some(mu), Some(want)) = (schedule.mu(), case["mu"].as_f64()) {
+            assert!((mu - want).abs() < 1e-12, "{name}: mu {mu} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn t5_prompts_tokenize_as_the_reference_tokenizer() {
+    let tokens: Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("tokens.json")).unwrap()).unwrap();
+    let dir = model_dir(&case("sd3_1step"));
+    let model = StableDiffusion::open(runtime(), "flow", &dir).unwrap();
+    let Pipeline::Flow(layout, _) = model.pipeline() else {
+        panic!("not a flow model")
+    };
+    let mut checked = 0;
+    for p in tokens["prompts"].as_array().unwrap() {
+        let text = p["text"].as_str().unwrap();
+        assert_eq!(layout.t5.encode(text, 512).unwrap(), ids(&p["t5_ids"]), "{text:?} (512)");
+        assert_eq!(layout.t5.encode(text, 256).unwrap(), ids(&p["t5_ids_256"]), "{text:?} (256)");
+        checked += 1;
+    }
+    assert!(checked >= 30, "only {checked} prompts checked");
+}
+
+/// Concatenates two prepared calls' inputs row-wise (the same names, in order).
+fn rows_of(a: &[Tensor], b: &[Tensor]) -> Vec<Tensor> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            assert_eq!(x.name, y.name);
+            Tensor::concat(&[x, y])
+        })
+        .collect()
+}
+
+/// Step-level batching: task A runs the first half of its steps alone; then A (from those
+/// latents, the rest of its steps) and B (from noise, every step) share transformer calls, A at
+/// step `half` while B is at step 0. Each ends where it ends alone.
+fn rows_at_different_steps_match(case_name: &str) {
+    let case = case(case_name);
+    let dir = model_dir(&case);
+    let model = StableDiffusion::open_with(runtime(), "flow", &dir, settings(&case, EncoderPlacement::Device)).unwrap();
+    let mut a = request(&case);
+    a.num_images = 1;
+    let mut b = a.clone();
+    b.prompt = "a watercolor of a lighthouse at dusk".into();
+    let noise = latents_in(&case);
+    let per = noise.len() / case["num_images"].as_u64().unwrap() as usize;
+    let (a_noise, b_noise) = (noise[..per].to_vec(), noise[per..].to_vec());
+    assert!(!b_noise.is_empty(), "{case_name}: two images' draws");
+    let steps = a.steps as i64;
+    let half = steps / 2;
+    assert!(half >= 1, "{case_name}: at least two steps");
+    let range = |begin: i64, end: i64| {
+        vec![
+            Tensor::i64("step_begin", vec![1], vec![begin]),
+            Tensor::i64("step_end", vec![1], vec![end]),
+        ]
+    };
+    let (a_alone, a_png) = run(&model, &dir, &a, a_noise.clone(), Vec::new());
+    let (b_alone, b_png) = run(&model, &dir, &b, b_noise.clone(), Vec::new());
+    let (a_half, _) = run(&model, &dir, &a, a_noise, range(0, half));
+    assert!(max_diff(&a_half, &a_alone) > 1e-2, "half the steps are not all of them");
+
+    let draws = |latents| Draws {
+        latents,
+        noise: Vec::new(),
+        image_noise: None,
+    };
+    let (bucket, pa) = model.prepare_request(&a, Some(draws(a_half))).unwrap();
+    let (_, pb) = model.prepare_request(&b, Some(draws(b_noise))).unwrap();
+    let mut inputs = rows_of(&pa.inputs, &pb.inputs);
+    inputs.push(Tensor::i64("step_begin", vec![2], vec![half, 0]));
+    inputs.push(Tensor::i64("step_end", vec![2], vec![steps, steps]));
+    let task = |id: &str| CallTask {
+        id: id.into(),
+        rows: 1,
+        hooks: None,
+    };
+    let call = Call {
+        key: bucket.key,
+        inputs,
+        tasks: vec![task("a"), task("b")],
+    };
+    let mut backend = model.load(&dir, &SessionOptions::default()).unwrap();
+    let outputs = backend.run(&call).unwrap();
+    let latents = outputs.iter().find(|t| t.name == "latents").unwrap();
+    let (a_mixed, b_mixed) = (latents.f32_rows(0, 1).unwrap(), latents.f32_rows(1, 2).unwrap());
+    let (ea, eb) = (max_diff(a_mixed, &a_alone), max_diff(b_mixed, &b_alone));
+    assert!(
+        ea <= 1e-4 && eb <= 1e-4,
+        "{case_name}: rows at different steps moved: A {ea}, B {eb}"
+    );
+    let pngs_a = pa.render.render(&outputs, 0..1).unwrap();
+    let pngs_b = pb.render.render(&outputs, 1..2).unwrap();
+    assert!(png_levels(&pngs_a[0].bytes, &a_png[0]) <= 1);
+    assert!(png_levels(&pngs_b[0].bytes, &b_png[0]) <= 1);
+    eprintln!("{case_name}: mixed-step call vs alone: A {ea:.2e}, B {eb:.2e}");
+}
+
+#[test]
+fn flux_rows_at_different_steps_in_one_call_give_the_images_of_each_alone() {
+    rows_at_different_steps_match("schnell_96x64_4step_batch2");
+    rows_at_different_steps_match("dev_96x64_2step_g5_batch2");
+}
+
+#[test]
+fn sd3_rows_at_different_steps_in_one_call_give_the_images_of_each_alone() {
+    rows_at_different_steps_match("sd3_96x64_batch2");
+}
+
+#[test]
+fn every_text_encoder_placement_gives_the_same_images() {
+    for name in ["dev_64_4step_g35", "sd3_64_4step_cfg5_neg"] {
+        let case = case(name);
+        let (device, _) = run_case(&case, EncoderPlacement::Device);
+        for placement in [EncoderPlacement::Cpu, EncoderPlacement::OnDemand] {
+            let (latents, _) = run_case(&case, placement);
+            assert_eq!(latents, device, "{name}: {placement:?}");
+        }
+    }
+}
+
+#[test]
+fn flow_models_refuse_what_their_pipelines_do_not_run() {
+    let flux = case("schnell_64_1step");
+    let dir = model_dir(&flux);
+    let model = StableDiffusion::open(runtime(), "flow", &dir).unwrap();
+    let base = request(&flux);
+    let refused = |change: &dyn Fn(&mut SdRequest), field: &str| {
+        let mut r = base.clone();
+        change(&mut r);
+        let e = model.check(&r).unwrap_err();
+        assert!(e.contains(field), "{e:?} should name {field}");
+    };
+    refused(&|r| r.width = 72, "multiples of 16");
+    refused(&|r| r.sampler = Sampler::Euler, "flow_euler");
+    refused(&|r| r.negative_prompt = Some("blurry".into()), "negative_prompt");
+    assert_eq!(model.check(&base), Ok(0));
+    // And a UNet model refuses the flow sampler.
+    let sd = StableDiffusion::open(runtime(), "sd", &model_dir(&flux).with_file_name("sd-tiny")).unwrap();
+    let mut r = base.clone();
+    r.sampler = Sampler::FlowEuler;
+    assert!(sd.check(&r).unwrap_err().contains("flow"));
+}
+
+/// `sluice-worker generate` on a recorded case: the family from `model_index.json`,
+/// `--latents-in` unpacked [n, 16, h/8, w/8], `--latents-out` the same layout.
+fn generate_matches(case: &Value, out: &Path) {
+    let f = |p: &str| fixtures().join(case[p].as_str().unwrap()).display().to_string();
+    let number = |p: &str| case[p].to_string();
+    let mut command = std::process::Command::new(sluice_integration_tests::bin("sluice-worker"));
+    command
+        .args(["generate", "--model-path", &model_dir(case).display().to_string()])
+        .args(["--prompt", case["prompt"].as_str().unwrap()])
+        .args(["--steps", &number("steps"), "--guidance-scale", &number("guidance_scale")])
+        .args(["--sampler", "flow_euler"])
+        .args(["--width", &number("width"), "--height", &number("height")])
+        .args(["--num-images", &number("num_images"), "--latents-in", &f("latents_in")])
+        .args(["--t5-max-length", &number("max_sequence_length")])
+        .args(["--out", &out.join("x.png").display().to_string()])
+        .args(["--latents-out", &out.join("x.npy").display().to_string()])
+        .env("ORT_DYLIB_PATH", &assets().unwrap()["ORT_DYLIB_PATH"]);
+    if let Some(negative) = case["negative_prompt"].as_str() {
+        command.args(["--negative-prompt", negative]);
+    }
+    assert!(command.status().unwrap().success());
+    let got = npy::read(&out.join("x.npy")).unwrap();
+    let want = npy::read(&fixtures().join(case["expected_latents"].as_str().unwrap())).unwrap();
+    assert_eq!(got.shape, want.shape);
+    let err = max_diff(&got.data, &want.data);
+    assert!(err <= 1e-3, "latents differ by {err}");
+    let n = case["num_images"].as_u64().unwrap() as usize;
+    for (i, png) in case["expected_images"].as_array().unwrap().iter().enumerate() {
+        let file = if n == 1 { "x.png".to_owned() } else { format!("x_{i}.png") };
+        let levels = png_levels(
+            &std::fs::read(out.join(file)).unwrap(),
+            &std::fs::read(fixtures().join(png.as_str().unwrap())).unwrap(),
+        );
+        assert!(levels <= 1, "PNG {i} differs by {levels} levels");
+    }
+}
+
+#[test]
+fn generate_cli_runs_flux_and_sd3_cases() {
+    let out = std::env::temp_dir().join(format!("sluice-generate-flow-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for name in [
+        "dev_96x64_2step_g5_batch2",
+        "schnell_long_prompt_t5_truncated",
+        "sd3_64_4step_cfg5_neg",
+    ] {
+        generate_matches(&case(name), &out);
+    }
+    std::fs::remove_dir_all(out).ok();
+}
