@@ -247,6 +247,9 @@ write_env() {
   ln -sfn "$sd/sd-tiny" "$dir/models/sd-tiny"
   ln -sfn "$sd/sdxl-tiny" "$dir/models/sdxl-tiny"
   ln -sfn "$sd/sd-tiny-inpaint" "$dir/models/sd-tiny-inpaint"
+  ln -sfn "$sd/flux-schnell-tiny" "$dir/models/flux-schnell-tiny"
+  ln -sfn "$sd/flux-dev-tiny" "$dir/models/flux-dev-tiny"
+  ln -sfn "$sd/sd3-tiny" "$dir/models/sd3-tiny"
   cat >"$dir/env.tmp" <<ENV
 # Written by scripts/stack.sh; source it: . $dir/env
 export SLUICE_STACK_DIR=$dir

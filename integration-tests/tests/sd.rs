@@ -136,6 +136,98 @@ async fn sdxl_prompts_become_pngs_and_an_absent_negative_prompt_is_not_an_empty_
     assert_ne!(first["empty"], first["negative"]);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn flux_and_sd3_prompts_become_pngs_and_what_they_do_not_run_is_refused() {
+    let c = cluster().await;
+    let mut requested = HashMap::new();
+    for (name, body, size) in [
+        (
+            "schnell",
+            json!({"model": "flux-schnell-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
+            (64u32, 64u32, 1u32),
+        ),
+        (
+            "schnell again",
+            json!({"model": "flux-schnell-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
+            (64, 64, 1),
+        ),
+        (
+            "schnell, 1 step, 96x64 x2",
+            json!({"model": "flux-schnell-tiny", "prompt": "a red bicycle", "steps": 1, "width": 96, "height": 64, "num_images": 2}),
+            (96, 64, 2),
+        ),
+        (
+            "dev",
+            json!({"model": "flux-dev-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
+            (64, 64, 1),
+        ),
+        (
+            "dev, guidance 7",
+            json!({"model": "flux-dev-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "guidance_scale": 7.0}),
+            (64, 64, 1),
+        ),
+        (
+            "sd3",
+            json!({"model": "sd3-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "negative_prompt": "blurry"}),
+            (64, 64, 1),
+        ),
+        (
+            "sd3, no guidance",
+            json!({"model": "sd3-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "guidance_scale": 1.0}),
+            (64, 64, 1),
+        ),
+        (
+            "sd3, 128x64 x2",
+            json!({"model": "sd3-tiny", "prompt": "a harbour", "width": 128, "height": 64, "num_images": 2}),
+            (128, 64, 2),
+        ),
+    ] {
+        requested.insert(name, (c.submit_ok(&body).await.unwrap(), size));
+    }
+    let ids: BTreeSet<String> = requested.values().map(|(id, _)| id.clone()).collect();
+    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
+    let sink = c.stack.sink().unwrap();
+    let mut first = HashMap::new();
+    for (name, (id, (w, h, n))) in &requested {
+        let event = &completions[id];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{name}: {event:?}");
+        assert_eq!(event.outputs.len(), *n as usize, "{name}");
+        for output in &event.outputs {
+            let (pw, ph, ..) = png_info(&sink.read(&output.key).await.unwrap()).unwrap();
+            assert_eq!((pw, ph), (*w, *h), "PNG size of {name}");
+        }
+        first.insert(*name, event.outputs[0].sha256.clone());
+    }
+    assert_eq!(first["schnell"], first["schnell again"], "same record, same bytes");
+    assert_ne!(first["schnell"], first["dev"], "another model");
+    assert_ne!(first["dev"], first["dev, guidance 7"], "dev's guidance embedding changes the image");
+    assert_ne!(first["sd3"], first["sd3, no guidance"]);
+
+    for (body, field) in [
+        (
+            json!({"model": "flux-schnell-tiny", "prompt": "x", "negative_prompt": "blurry"}),
+            "negative_prompt",
+        ),
+        (json!({"model": "flux-dev-tiny", "prompt": "x", "sampler": "euler"}), "sampler"),
+        (json!({"model": "sd3-tiny", "prompt": "x", "width": 72}), "width"),
+        (
+            json!({"model": "flux-schnell-tiny", "prompt": "x", "guidance_scale": 3.5}),
+            "guidance_scale",
+        ),
+        (
+            json!({"model": "sd3-tiny", "prompt": "x", "init_image": image_url(64, 64, false, false)}),
+            "init_image",
+        ),
+    ] {
+        let (status, reply) = c.submit(&body).await.unwrap();
+        assert_eq!(status, 400, "{body}: {reply}");
+        assert!(
+            reply["fields"].as_array().unwrap().iter().any(|f| f["field"] == field),
+            "{body}: {reply}"
+        );
+    }
+}
+
 /// An RGB image of `w` × `h` as a data URL: a gradient, or (`mask`) black with a white square in
 /// the middle; PNG, or JPEG where `jpeg`.
 fn image_url(w: u32, h: u32, mask: bool, jpeg: bool) -> String {
@@ -356,7 +448,18 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
         .iter()
         .map(|m| m["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["terrain", "sd-tiny", "sdxl-tiny", "sd-tiny-inpaint"]);
+    assert_eq!(
+        names,
+        [
+            "terrain",
+            "sd-tiny",
+            "sdxl-tiny",
+            "sd-tiny-inpaint",
+            "flux-schnell-tiny",
+            "flux-dev-tiny",
+            "sd3-tiny"
+        ]
+    );
     let sd = &models["models"][1];
     assert_eq!(sd["kind"], "stable-diffusion");
     assert_eq!(sd["width"], json!({"min": 64, "max": 256, "default": 64}));
@@ -383,7 +486,9 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
         assert!(fields.contains(&field), "{body}: {reply}");
         if field == "model" {
             assert!(
-                reply.to_string().contains("terrain, sd-tiny, sdxl-tiny, sd-tiny-inpaint"),
+                reply
+                    .to_string()
+                    .contains("terrain, sd-tiny, sdxl-tiny, sd-tiny-inpaint, flux-schnell-tiny"),
                 "lists the served models: {reply}"
             );
         }

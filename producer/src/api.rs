@@ -125,6 +125,7 @@ pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
                 "max_task_pixels": m.max_task_pixels(),
                 "max_task_rows": m.max_task_rows(),
                 "modes": m.modes,
+                "negative_prompt": m.negative_prompt,
             })
         })
         .collect();

@@ -33,6 +33,7 @@
 //! samplers = ["flow_euler"]    # FLUX.1 and SD3 run flow_euler alone
 //! default_sampler = "flow_euler"
 //! modes = ["text"]
+//! negative_prompt = false      # FLUX.1 takes none (a request with one is a 400)
 //! text_encoders = "cpu"        # FLUX/SD3: "device" (default), "cpu" or "on_demand"
 //! t5_max_length = 256          # FLUX/SD3: T5's window (default: the pipeline's, 512 / 256)
 //! ```
@@ -160,6 +161,9 @@ fn four() -> u32 {
 fn prompt_chars() -> usize {
     2000
 }
+fn yes() -> bool {
+    true
+}
 
 /// The longest deadline a task of the model may ask for: 30 days.
 pub const DEFAULT_MAX_TTL_SECONDS: u64 = 30 * 86_400;
@@ -212,6 +216,9 @@ pub struct CatalogModel {
     /// for the image modes).
     #[serde(default = "sd_modes")]
     pub modes: Vec<TaskMode>,
+    /// Whether the model takes a negative prompt (FLUX.1 does not; default true).
+    #[serde(default = "yes")]
+    pub negative_prompt: bool,
     /// FLUX.1 / SD3: where the text encoders' sessions live (default: the device).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text_encoders: Option<TextEncoders>,
@@ -263,6 +270,7 @@ impl CatalogModel {
             task_pixels: None,
             task_rows: None,
             modes: vec![TaskMode::Text],
+            negative_prompt: false,
             text_encoders: None,
             t5_max_length: None,
         }
@@ -571,6 +579,15 @@ impl Catalog {
             v.push(violation("prompt", format!("is required for model {}", model.name)));
         }
         let negative_prompt = request.negative_prompt;
+        if negative_prompt.is_some() && !model.negative_prompt {
+            v.push(violation(
+                "negative_prompt",
+                format!(
+                    "model {} takes no negative prompt (it runs without classifier-free guidance)",
+                    model.name
+                ),
+            ));
+        }
         for (field, text) in [
             ("prompt", prompt.as_str()),
             ("negative_prompt", negative_prompt.as_deref().unwrap_or("")),
