@@ -122,33 +122,68 @@ async fn a_large_sd_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone_g
 /// alone and goes to the DLQ naming its size; the worker stays up.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_large_sdxl_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone_goes_to_the_dlq() {
+    large_batch_under_the_cap("sdxl-tiny", "oom-xl", "30000000", 256, (768, 1)).await;
+}
+
+/// The same for FLUX.1-dev (text encoders on demand, T5 256 in the demo catalog) and SD3 (text
+/// encoders on the CPU): the transformer's batch halves or the VAE decodes one image at a time,
+/// and a task that does not fit alone goes to the DLQ.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_flux_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone_goes_to_the_dlq() {
+    large_batch_under_the_cap("flux-dev-tiny", "oom-flux", "30000000", 256, (768, 1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_sd3_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone_goes_to_the_dlq() {
+    // sd3-tiny's positional embedding covers 256x256 at most, so its scale is smaller: under
+    // 14 MB (measured with `generate`: one 128x128 image fits in 10 MB, four do not in 20 MB,
+    // one 256x256 image does not in 20 MB) 128x128 images split and 256x256 goes to the DLQ.
+    large_batch_under_the_cap("sd3-tiny", "oom-sd3", "14000000", 128, (256, 1)).await;
+}
+
+/// A task record for `model`: the flow models run flow_euler, FLUX without a negative prompt.
+fn task_for(model: &str, seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Value) {
+    let (id, mut record) = sd_task(seed, size, steps, num_images);
+    record["model"] = model.into();
+    if model.starts_with("flux") || model.starts_with("sd3") {
+        record["request"]["sampler"] = "flow_euler".into();
+        record["request"]["guidance_scale"] = 3.5.into();
+    }
+    if model.starts_with("flux") {
+        record["request"].as_object_mut().unwrap().remove("negative_prompt");
+    }
+    (id, record)
+}
+
+/// Four one-image tasks of `size`² under a `cap`-byte arena complete; the `huge` task (size,
+/// images) goes to the DLQ as resource_exhausted naming its dimensions.
+async fn large_batch_under_the_cap(model: &str, scenario: &str, cap: &'static str, size: u32, huge: (u32, u32)) {
     if on_cuda() {
         // The 30 MB cap is calibrated on the CPU arena; the CUDA path is the SD test's.
         eprintln!("calibrated for the CPU arena: not run with SLUICE_DEVICE=cuda");
         return;
     }
     let stack = stack().await;
-    let topics = stack.topics("sdxl-oom", 4).unwrap();
+    let topics = stack.topics(scenario, 4).unwrap();
     let mut worker = worker_of(
         stack,
-        "sdxl-tiny",
-        "oom-xl",
+        model,
+        scenario,
         &topics,
         &[
-            memory_cap("30000000"),
+            memory_cap(cap),
             ("SLUICE_MAX_BATCH", "8"),
             ("SLUICE_MAX_WAIT_MS", "2000"),
             ("SLUICE_LOG_FORMAT", "json"),
         ],
     )
     .await;
-    let xl = |seed: u64, size: u32| {
-        let (id, mut record) = sd_task(seed, size, 2, 1);
-        record["model"] = "sdxl-tiny".into();
-        (id, record)
-    };
-    let large: Vec<_> = (0..4).map(|i| xl(10 + i, 256)).collect();
-    let huge = vec![xl(20, 768)];
+    let large: Vec<_> = (0..4).map(|i| task_for(model, 10 + i, size, 2, 1)).collect();
+    let cfg = if model.starts_with("flux") { "nocfg" } else { "cfg" };
+    let sampler = if model.starts_with("sdxl") { "euler" } else { "flow_euler" };
+    let bucket = format!("{model}:{size}x{size}:{sampler}:2:{cfg}:1");
+    let (huge_size, huge_images) = huge;
+    let huge = vec![task_for(model, 20, huge_size, 2, huge_images)];
     let kafka = producer(stack.brokers()).unwrap();
     publish_tasks(&kafka, &topics.tasks, &large).await.unwrap();
     publish_tasks(&kafka, &topics.tasks, &huge).await.unwrap();
@@ -160,22 +195,23 @@ async fn a_large_sdxl_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone
     for (id, _) in &huge {
         assert_eq!(done.dlq_reason(id), Some("resource_exhausted"), "{id}");
         let message = &done.dlq[id][0].message;
-        assert!(message.contains("768x768x1"), "the DLQ names width x height x images: {message}");
+        let dims = format!("{huge_size}x{huge_size}x{huge_images}");
+        assert!(message.contains(&dims), "the DLQ names width x height x images: {message}");
     }
     assert!(worker.service.running(), "the worker is still up");
-    // Which stage meets the cap first depends on what the arena holds: the UNet (the batch
-    // halves) or the VAE decoder (it decodes one image at a time).
+    // Which stage meets the cap first depends on what the arena holds: the UNet or transformer
+    // (the batch halves) or the VAE decoder (it decodes one image at a time).
     let handled = worker
         .service
         .log_text()
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|e| {
-            (e["message"] == "out of memory; retrying with a smaller batch" && e["bucket"] == "sdxl-tiny:256x256:euler:2:cfg:1")
+            (e["message"] == "out of memory; retrying with a smaller batch" && e["bucket"] == bucket)
                 || e["message"] == "VAE decode ran out of memory; decoding one image at a time"
         })
         .count();
-    assert!(handled >= 1, "the four 256x256 images met the cap and were split");
+    assert!(handled >= 1, "the four {size}x{size} images met the cap and were split");
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
@@ -193,6 +229,13 @@ async fn twenty_reloads_of_the_sdxl_model_under_load_lose_nothing_and_memory_com
     twenty_reloads_under_load("sdxl-tiny", "reload-xl").await;
 }
 
+/// And for FLUX.1-dev, whose text encoders (on demand in the demo catalog) load and drop with
+/// every call besides every reload.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_reloads_of_the_flux_model_under_load_lose_nothing_and_memory_comes_back() {
+    twenty_reloads_under_load("flux-dev-tiny", "reload-flux").await;
+}
+
 /// 20 reloads of `model`, each while two tasks are queued or running: every task completes, and
 /// RSS after reloads 6..20 stays within [`RSS_BOUND_BYTES`] of the warm baseline.
 async fn twenty_reloads_under_load(model: &str, scenario: &str) {
@@ -207,13 +250,7 @@ async fn twenty_reloads_under_load(model: &str, scenario: &str) {
     let mut rss = Vec::new();
     let mut device_free = Vec::new();
     for i in 0..20u64 {
-        let wave: Vec<_> = (0..2)
-            .map(|j| {
-                let (id, mut record) = sd_task(i * 2 + j, 64, 4, 1 + (j as u32));
-                record["model"] = model.into();
-                (id, record)
-            })
-            .collect();
+        let wave: Vec<_> = (0..2).map(|j| task_for(model, i * 2 + j, 64, 4, 1 + (j as u32))).collect();
         publish_tasks(&kafka, &topics.tasks, &wave).await.unwrap();
         tasks.extend(wave);
         let (status, report) = worker.reload(&serde_json::json!({ "model": model })).await;

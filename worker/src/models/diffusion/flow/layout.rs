@@ -100,6 +100,9 @@ pub struct FlowLayout {
     pub patch: usize,
     /// FLUX.1-dev's `guidance_embeds`: the guidance scale goes in as the `guidance` input.
     pub guidance_embeds: bool,
+    /// SD3's `pos_embed_max_size`: patches per side its positional embedding covers (192 for
+    /// SD3.5, 3072 pixels); FLUX's rotary positions have no such bound.
+    pub max_patches: Option<usize>,
 }
 
 impl FlowLayout {
@@ -195,6 +198,10 @@ impl FlowLayout {
             latent_channels,
             patch,
             guidance_embeds: family == FlowFamily::Flux && transformer["guidance_embeds"].as_bool().unwrap_or(false),
+            max_patches: match family {
+                FlowFamily::Flux => None,
+                FlowFamily::Sd3 => transformer["pos_embed_max_size"].as_u64().map(|m| m as usize),
+            },
         })
     }
 

@@ -61,6 +61,14 @@ pub fn check(request: &SdRequest, layout: &FlowLayout) -> Result<FlowSchedule, S
             layout.patch
         ));
     }
+    if let Some(max) = layout.max_patches {
+        let side = max * s;
+        if w > side || h > side {
+            return Err(format!(
+                "width and height: at most {side} for this model (its transformer's positional embedding covers {max}x{max} patches), got {w}x{h}"
+            ));
+        }
+    }
     if request.num_images == 0 {
         return Err("num_images must be at least 1".into());
     }
