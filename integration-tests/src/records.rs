@@ -36,6 +36,21 @@ pub fn sd_task(seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Va
     (id, record)
 }
 
+/// A task record for a diffusion model of the demo catalog: [`sd_task`]'s, on `model`; the flow
+/// models (FLUX.1, SD3) run flow_euler with guidance 3.5, FLUX without a negative prompt.
+pub fn diffusion_task(model: &str, seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Value) {
+    let (id, mut record) = sd_task(seed, size, steps, num_images);
+    record["model"] = model.into();
+    if model.starts_with("flux") || model.starts_with("sd3") {
+        record["request"]["sampler"] = "flow_euler".into();
+        record["request"]["guidance_scale"] = 3.5.into();
+    }
+    if model.starts_with("flux") {
+        record["request"].as_object_mut().expect("an object").remove("negative_prompt");
+    }
+    (id, record)
+}
+
 /// Reads completions on the default topics until every id in `ids` has one; the first of each,
 /// by task id.
 pub fn completions_for(brokers: &str, ids: &BTreeSet<String>, timeout: Duration) -> HashMap<String, CompletionEvent> {

@@ -13,7 +13,7 @@ use serde_json::Value;
 use sluice_integration_tests::cluster::{Worker, metric_sum, metric_value};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::repo_root;
-use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, sd_task};
+use sluice_integration_tests::{Outcomes, Stack, Topics, diffusion_task, ids_of, publish_tasks, sd_task};
 use sluice_schemas::CompletionStatus;
 use tokio::sync::OnceCell;
 
@@ -141,20 +141,6 @@ async fn a_large_sd3_batch_halves_under_the_arena_cap_and_what_cannot_fit_alone_
     large_batch_under_the_cap("sd3-tiny", "oom-sd3", "14000000", 128, (256, 1)).await;
 }
 
-/// A task record for `model`: the flow models run flow_euler, FLUX without a negative prompt.
-fn task_for(model: &str, seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Value) {
-    let (id, mut record) = sd_task(seed, size, steps, num_images);
-    record["model"] = model.into();
-    if model.starts_with("flux") || model.starts_with("sd3") {
-        record["request"]["sampler"] = "flow_euler".into();
-        record["request"]["guidance_scale"] = 3.5.into();
-    }
-    if model.starts_with("flux") {
-        record["request"].as_object_mut().unwrap().remove("negative_prompt");
-    }
-    (id, record)
-}
-
 /// Four one-image tasks of `size`² under a `cap`-byte arena complete; the `huge` task (size,
 /// images) goes to the DLQ as resource_exhausted naming its dimensions.
 async fn large_batch_under_the_cap(model: &str, scenario: &str, cap: &'static str, size: u32, huge: (u32, u32)) {
@@ -178,12 +164,12 @@ async fn large_batch_under_the_cap(model: &str, scenario: &str, cap: &'static st
         ],
     )
     .await;
-    let large: Vec<_> = (0..4).map(|i| task_for(model, 10 + i, size, 2, 1)).collect();
+    let large: Vec<_> = (0..4).map(|i| diffusion_task(model, 10 + i, size, 2, 1)).collect();
     let cfg = if model.starts_with("flux") { "nocfg" } else { "cfg" };
     let sampler = if model.starts_with("sdxl") { "euler" } else { "flow_euler" };
     let bucket = format!("{model}:{size}x{size}:{sampler}:2:{cfg}:1");
     let (huge_size, huge_images) = huge;
-    let huge = vec![task_for(model, 20, huge_size, 2, huge_images)];
+    let huge = vec![diffusion_task(model, 20, huge_size, 2, huge_images)];
     let kafka = producer(stack.brokers()).unwrap();
     publish_tasks(&kafka, &topics.tasks, &large).await.unwrap();
     publish_tasks(&kafka, &topics.tasks, &huge).await.unwrap();
@@ -250,7 +236,7 @@ async fn twenty_reloads_under_load(model: &str, scenario: &str) {
     let mut rss = Vec::new();
     let mut device_free = Vec::new();
     for i in 0..20u64 {
-        let wave: Vec<_> = (0..2).map(|j| task_for(model, i * 2 + j, 64, 4, 1 + (j as u32))).collect();
+        let wave: Vec<_> = (0..2).map(|j| diffusion_task(model, i * 2 + j, 64, 4, 1 + (j as u32))).collect();
         publish_tasks(&kafka, &topics.tasks, &wave).await.unwrap();
         tasks.extend(wave);
         let (status, report) = worker.reload(&serde_json::json!({ "model": model })).await;

@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::stack::Stack;
-use sluice_integration_tests::{TopicReader, publish_tasks, sd_task, terrain_task};
+use sluice_integration_tests::{TopicReader, diffusion_task, publish_tasks, sd_task, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus, TaskRecord};
 use sluice_worker::engine::{Backend, Call, CallTask, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
@@ -83,7 +83,7 @@ async fn main() -> anyhow::Result<()> {
         which == "pipeline",
         "unknown benchmark {which:?}: all, pipeline, delivery, group, adaptive, adaptive-sd, adaptive-sdxl or status-view"
     );
-    // `sluice-bench pipeline [terrain|tiny|sd|sdxl]`: one model only.
+    // `sluice-bench pipeline [terrain|tiny|sd|sdxl|flux|sd3]`: one model only.
     let only = std::env::args().nth(2);
     let mut rows = Vec::new();
     if only.as_deref().is_none_or(|o| o == "terrain") {
@@ -101,6 +101,14 @@ async fn main() -> anyhow::Result<()> {
     if only.as_deref().is_none_or(|o| o == "sdxl") {
         rows.push(sd_pipeline(&stack, "sdxl-tiny", 64, 4, 8, 200).await?);
         rows.push(sd_pipeline(&stack, "sdxl-tiny", 256, 20, 2, 16).await?);
+    }
+    if only.as_deref().is_none_or(|o| o == "flux") {
+        rows.push(sd_pipeline(&stack, "flux-schnell-tiny", 64, 4, 8, 200).await?);
+        rows.push(sd_pipeline(&stack, "flux-dev-tiny", 256, 20, 2, 16).await?);
+    }
+    if only.as_deref().is_none_or(|o| o == "sd3") {
+        rows.push(sd_pipeline(&stack, "sd3-tiny", 64, 4, 8, 200).await?);
+        rows.push(sd_pipeline(&stack, "sd3-tiny", 256, 20, 2, 16).await?);
     }
     println!();
     println!(
@@ -247,21 +255,21 @@ async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize,
     end_to_end(stack, scenario, model_dir, batch, tasks, raw, &make, &[]).await
 }
 
-/// A tiny Stable Diffusion model of the demo catalog (`sd-tiny`, `sdxl-tiny`): raw in-process
-/// calls of the SD backend at `batch`, against the same tasks end to end (`size`×`size`,
-/// `steps` euler steps with guidance).
+/// A tiny diffusion model of the demo catalog (`sd-tiny`, `sdxl-tiny`, `flux-schnell-tiny`,
+/// `flux-dev-tiny`, `sd3-tiny`): raw in-process calls of its backend at `batch` (with the
+/// catalog's settings), against the same tasks end to end (`size`×`size`, `steps` steps of
+/// euler with guidance, or flow_euler).
 async fn sd_pipeline(stack: &Stack, model: &'static str, size: u32, steps: u32, batch: usize, tasks: usize) -> anyhow::Result<Row> {
-    use sluice_worker::models::diffusion::StableDiffusion;
+    use sluice_worker::models::diffusion::{FlowSettings, StableDiffusion};
     let scenario = format!("{model} {size}x{size}, {steps} steps");
     let dir = stack.dir.join("models").join(model);
-    let make = move |i: usize| {
-        let (id, mut record) = sd_task(i as u64, size, steps, 1);
-        record["model"] = model.into();
-        (id, record)
-    };
+    let make = move |i: usize| diffusion_task(model, i as u64, size, steps, 1);
     eprintln!("== {scenario}: raw ({} images at batch {batch})", tasks);
     let runtime = runtime(stack)?;
-    let adapter = Arc::new(StableDiffusion::open(runtime, model, &dir)?);
+    let catalog_path = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
+    let catalog = sluice_schemas::Catalog::parse(&std::fs::read_to_string(&catalog_path)?)?;
+    let entry = catalog.get(model).context("the model is in the demo catalog")?;
+    let adapter = Arc::new(StableDiffusion::open_with(runtime, model, &dir, FlowSettings::of(entry))?);
     let engine = Engine::start(1);
     let (a, d) = (adapter.clone(), dir.clone());
     engine.load(model, Arc::new(move || a.load(&d, &SessionOptions::default()))).await?;

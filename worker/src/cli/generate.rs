@@ -99,6 +99,8 @@ pub struct GenerateArgs {
 enum TextEncodersArg {
     Device,
     Cpu,
+    /// The catalog's spelling.
+    #[value(name = "on_demand")]
     OnDemand,
 }
 
