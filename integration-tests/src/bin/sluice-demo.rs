@@ -1,7 +1,7 @@
 //! `make demo`: the main job end to end on the local stack. Starts the producer and two workers
 //! on the stack in `.stack` (which `make demo` brings up) serving the demo catalog
-//! (`deploy/models.demo.toml`: terrain and the tiny random-weight SD, SDXL and SD inpainting
-//! models), submits terrain tasks across difficulties, text-to-image prompts, img2img and
+//! (`deploy/models.demo.toml`: terrain and the tiny random-weight SD, SDXL, SD inpainting, FLUX.1
+//! schnell- and dev-like and SD3.5-like models), submits terrain tasks across difficulties, text-to-image prompts, img2img and
 //! inpainting tasks (input images as data URLs) over HTTP, waits for each completion on the
 //! completion topic, prints a table and writes a contact sheet of the results beside the inputs.
 
@@ -19,15 +19,18 @@ use sluice_schemas::{CompletionEvent, CompletionStatus, topics};
 
 const DIFFICULTIES: [u32; 8] = [1, 15, 30, 45, 60, 75, 90, 100];
 const SIZE: u32 = 256;
-/// Prompts for the tiny SD and SDXL models (random weights: the images are noise-like patterns,
-/// but each prompt, sampler and seed gives its own): model, prompt, sampler.
-const PROMPTS: [(&str, &str, &str); 6] = [
+/// Prompts for the tiny SD, SDXL, FLUX.1 and SD3 models (random weights: the images are
+/// noise-like patterns, but each prompt, sampler and seed gives its own): model, prompt, sampler.
+const PROMPTS: [(&str, &str, &str); 9] = [
     ("sd-tiny", "a lighthouse on a cliff at dusk", "euler"),
     ("sd-tiny", "a red bicycle in the rain", "euler_a"),
     ("sd-tiny", "an astronaut riding a horse on mars", "dpmpp_2m_karras"),
     ("sd-tiny", "a bowl of ramen, studio photo", "lcm"),
     ("sdxl-tiny", "a lighthouse on a cliff at dusk", "euler"),
     ("sdxl-tiny", "a fox in the snow, watercolor", "dpmpp_2m"),
+    ("flux-schnell-tiny", "a lighthouse on a cliff at dusk", "flow_euler"),
+    ("flux-dev-tiny", "a fox in the snow, watercolor", "flow_euler"),
+    ("sd3-tiny", "an astronaut riding a horse on mars", "flow_euler"),
 ];
 
 #[tokio::main]
@@ -82,8 +85,12 @@ async fn main() -> anyhow::Result<()> {
         })
         .collect();
     for (i, (model, prompt, sampler)) in PROMPTS.iter().enumerate() {
-        let body = json!({"model": model, "prompt": prompt, "negative_prompt": "blurry", "sampler": sampler,
+        let mut body = json!({"model": model, "prompt": prompt, "sampler": sampler,
             "steps": 8, "width": 128, "height": 128, "seed": 2000 + i});
+        if !model.starts_with("flux") {
+            // FLUX.1 takes no negative prompt (the catalog says so; one would be a 400).
+            body["negative_prompt"] = "blurry".into();
+        }
         bodies.push((body, format!("{model} {sampler}")));
     }
     // img2img and inpainting: the inputs go in as data URLs, and into the contact sheet beside
@@ -118,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
         submitted.push((reply["task_id"].as_str().context("task_id")?.to_owned(), label));
     }
     println!(
-        "submitted {} terrain tasks ({SIZE}x{SIZE}, {} tiles each), {} text-to-image tasks (SD and SDXL, 128x128, 8 steps) and 3 \
+        "submitted {} terrain tasks ({SIZE}x{SIZE}, {} tiles each), {} text-to-image tasks (SD, SDXL, FLUX.1 schnell and dev, SD3; 128x128, 8 steps) and 3 \
          from an input image (img2img on SD and SDXL, inpainting) over HTTP; waiting for completions…",
         DIFFICULTIES.len(),
         tiles(SIZE),
