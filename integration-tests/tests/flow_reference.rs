@@ -13,7 +13,6 @@ use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
 use sluice_worker::engine::{Call, CallTask, Runtime, RuntimeOptions, SessionOptions, Tensor};
 use sluice_worker::models::ModelAdapter;
 use sluice_worker::models::diffusion::flow::backend::EncoderPlacement;
-use sluice_worker::models::diffusion::flow::request::sigmas;
 use sluice_worker::models::diffusion::npy;
 use sluice_worker::models::diffusion::request::{Draws, SdRequest};
 use sluice_worker::models::diffusion::schedulers::flow_euler::FlowSchedule;
@@ -211,7 +210,7 @@ fn every_case_tokenizes_and_schedules_as_the_pipeline() {
         }
         let config = SchedulerConfig::from_json(&case["scheduler_config"].to_string()).unwrap();
         let r = request(&case);
-        let schedule = FlowSchedule::new(&config, r.steps, sigmas(layout.family), layout.image_seq_len(r.width, r.height)).unwrap();
+        let schedule = FlowSchedule::new(&config, r.steps, layout.family.sigmas(), layout.image_seq_len(r.width, r.height)).unwrap();
         let want: Vec<f32> = case["sigmas"]
             .as_array()
             .unwrap()

@@ -17,7 +17,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::layout::{FlowFamily, FlowLayout};
-use super::request::sigmas;
 use crate::engine::{Backend, Call, ElementKind, EngineError, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
 use crate::models::diffusion::backend::{Hidden, encode, floats, guided, input, join_features, note_cancellations, row_owners, vae_decode};
 use crate::models::diffusion::request::SdBucket;
@@ -119,7 +118,7 @@ impl FlowBackend {
         let schedule = FlowSchedule::new(
             &l.scheduler,
             bucket.steps,
-            sigmas(l.family),
+            l.family.sigmas(),
             l.image_seq_len(bucket.width, bucket.height),
         )
         .map_err(|e| EngineError::Run(e.to_string()))?;

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use crate::models::diffusion::layout::LayoutError;
 use crate::models::diffusion::python_json;
 use crate::models::diffusion::schedulers::SchedulerConfig;
+use crate::models::diffusion::schedulers::flow_euler::{FlowSchedule, FlowSigmas};
 use crate::models::diffusion::tokenizer::{ClipTokenizer, T5Tokenizer};
 
 /// Which flow-matching pipeline a directory is for.
@@ -66,6 +67,14 @@ impl FlowFamily {
         match self {
             FlowFamily::Flux => "_2",
             FlowFamily::Sd3 => "_3",
+        }
+    }
+
+    /// The sigmas the family's pipeline gives its scheduler.
+    pub fn sigmas(self) -> FlowSigmas {
+        match self {
+            FlowFamily::Flux => FlowSigmas::Linear,
+            FlowFamily::Sd3 => FlowSigmas::Scheduler,
         }
     }
 
@@ -154,6 +163,8 @@ impl FlowLayout {
         let scheduler_text = std::fs::read_to_string(dir.join("scheduler/scheduler_config.json"))
             .map_err(|e| config_error("scheduler/scheduler_config.json", e.to_string()))?;
         let scheduler = SchedulerConfig::from_json(&scheduler_text)?;
+        // A config flow_euler cannot run as diffusers would is refused here, not per request.
+        FlowSchedule::new(&scheduler, 1, family.sigmas(), 1)?;
         let vae = json("vae_decoder/config.json")?;
         let transformer = json("transformer/config.json")?;
         let latent_channels = vae["latent_channels"].as_u64().unwrap_or(16) as usize;

@@ -12,15 +12,7 @@ use super::layout::{FlowFamily, FlowLayout};
 use crate::engine::Tensor;
 use crate::models::diffusion::request::{Draws, Mode, SdBucket, SdRequest};
 use crate::models::diffusion::schedulers::Sampler;
-use crate::models::diffusion::schedulers::flow_euler::{FlowSchedule, FlowSigmas};
-
-/// The sigmas each family's pipeline gives its scheduler.
-pub fn sigmas(family: FlowFamily) -> FlowSigmas {
-    match family {
-        FlowFamily::Flux => FlowSigmas::Linear,
-        FlowFamily::Sd3 => FlowSigmas::Scheduler,
-    }
-}
+use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
 
 /// Classifier-free guidance: SD3 with guidance > 1 (FLUX never; dev embeds the scale).
 pub fn cfg(request: &SdRequest, layout: &FlowLayout) -> bool {
@@ -88,7 +80,7 @@ pub fn check(request: &SdRequest, layout: &FlowLayout) -> Result<FlowSchedule, S
     if layout.family == FlowFamily::Flux && request.negative_prompt.is_some() {
         return Err("negative_prompt: FLUX.1 takes no negative prompt (it runs without classifier-free guidance)".into());
     }
-    FlowSchedule::new(&layout.scheduler, request.steps, sigmas(layout.family), layout.image_seq_len(w, h)).map_err(|e| e.to_string())
+    FlowSchedule::new(&layout.scheduler, request.steps, layout.family.sigmas(), layout.image_seq_len(w, h)).map_err(|e| e.to_string())
 }
 
 /// The model inputs from the task's standard-normal draws (`draws.noise` is unused: the flow
