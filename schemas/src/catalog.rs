@@ -796,10 +796,53 @@ steps = { min = 1, max = 20, default = 4 }
                 "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\nsteps = { min = 5, max = 4, default = 4 }",
                 "steps",
             ),
+            (
+                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\nt5_max_length = 100000",
+                "t5_max_length",
+            ),
+            (
+                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\ntext_encoders = \"gpu\"",
+                "unknown variant",
+            ),
         ] {
             let e = Catalog::parse(text).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
         }
         assert_eq!(Catalog::load(None).unwrap().names(), vec!["terrain"]);
+    }
+
+    /// A FLUX entry: flow_euler alone, no negative prompt, its encoders' placement.
+    #[test]
+    fn a_flow_model_takes_flow_euler_and_no_negative_prompt_when_the_catalog_says_so() {
+        let c = Catalog::parse(
+            "[[model]]\nname = \"flux\"\nkind = \"stable-diffusion\"\nsize_multiple = 16\nsamplers = [\"flow_euler\"]\n\
+             default_sampler = \"flow_euler\"\nnegative_prompt = false\ntext_encoders = \"on_demand\"\nt5_max_length = 256\n",
+        )
+        .unwrap();
+        let m = c.get("flux").unwrap();
+        assert_eq!(
+            (m.text_encoders, m.t5_max_length, m.negative_prompt),
+            (Some(TextEncoders::OnDemand), Some(256), false)
+        );
+        let (_, g) = c
+            .normalize(request(serde_json::json!({"model": "flux", "prompt": "x"})), || 0)
+            .unwrap();
+        assert_eq!(g.sampler, "flow_euler");
+        let e = c
+            .normalize(
+                request(serde_json::json!({"model": "flux", "prompt": "x", "negative_prompt": "blurry"})),
+                || 0,
+            )
+            .unwrap_err();
+        assert_eq!(e[0].field, "negative_prompt");
+        let e = c
+            .normalize(
+                request(serde_json::json!({"model": "flux", "prompt": "x", "sampler": "euler"})),
+                || 0,
+            )
+            .unwrap_err();
+        assert_eq!(e[0].field, "sampler");
+        // Other models take a negative prompt unless told otherwise.
+        assert!(Catalog::parse(SD).unwrap().get("sd-tiny").unwrap().negative_prompt);
     }
 }
