@@ -14,7 +14,7 @@ pub mod stack;
 
 pub use kafka::{Consumed, TopicReader, produce_raw};
 pub use process::{Service, bin};
-pub use records::{Outcomes, completions_for, diffusion_task, ids_of, publish_tasks, sd_task, terrain_task};
+pub use records::{Outcomes, completions_for, demo_catalog, diffusion_task, ids_of, publish_tasks, sd_task, terrain_task};
 pub use stack::{Stack, Topics};
 
 use std::time::{Duration, Instant};

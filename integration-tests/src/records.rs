@@ -36,16 +36,27 @@ pub fn sd_task(seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Va
     (id, record)
 }
 
-/// A task record for a diffusion model of the demo catalog: [`sd_task`]'s, on `model`; the flow
-/// models (FLUX.1, SD3) run flow_euler with guidance 3.5, FLUX without a negative prompt.
+/// The demo catalog (`deploy/models.demo.toml`), which the tests and benchmarks serve.
+pub fn demo_catalog() -> &'static sluice_schemas::Catalog {
+    static CATALOG: std::sync::OnceLock<sluice_schemas::Catalog> = std::sync::OnceLock::new();
+    CATALOG.get_or_init(|| {
+        let path = crate::stack::repo_root().join("deploy/models.demo.toml");
+        sluice_schemas::Catalog::parse(&std::fs::read_to_string(path).expect("the demo catalog")).expect("a valid catalog")
+    })
+}
+
+/// A task record for a diffusion model of the demo catalog: [`sd_task`]'s, on `model`, with the
+/// catalog's default sampler (flow_euler for FLUX.1 and SD3) and without the negative prompt
+/// where the model takes none (FLUX.1).
 pub fn diffusion_task(model: &str, seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Value) {
+    let entry = demo_catalog().get(model).expect("a model of the demo catalog");
     let (id, mut record) = sd_task(seed, size, steps, num_images);
     record["model"] = model.into();
-    if model.starts_with("flux") || model.starts_with("sd3") {
-        record["request"]["sampler"] = "flow_euler".into();
-        record["request"]["guidance_scale"] = 3.5.into();
+    if !entry.samplers.iter().any(|s| s == "euler") {
+        record["request"]["sampler"] = entry.default_sampler.clone().into();
+        record["request"]["guidance_scale"] = entry.guidance_scale.default.into();
     }
-    if model.starts_with("flux") {
+    if !entry.negative_prompt {
         record["request"].as_object_mut().expect("an object").remove("negative_prompt");
     }
     (id, record)

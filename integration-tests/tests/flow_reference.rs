@@ -225,7 +225,10 @@ fn every_case_tokenizes_and_schedules_as_the_pipeline() {
             .map(|v| v.as_f64().unwrap() as f32)
             .collect();
         assert_eq!(schedule.timesteps(), want.as_slice(), "{name}: timesteps");
-        if let (Some(mu), Some(want)) = (schedule.mu(), case["mu"].as_f64()) {
+        // mu shifts the sigmas only where the config has dynamic shifting (dev).
+        assert_eq!(schedule.mu().is_some(), config.use_dynamic_shifting == Some(true), "{name}: mu");
+        if let Some(mu) = schedule.mu() {
+            let want = case["mu"].as_f64().unwrap();
             assert!((mu - want).abs() < 1e-12, "{name}: mu {mu} vs {want}");
         }
     }
@@ -271,6 +274,9 @@ fn rows_at_different_steps_match(case_name: &str) {
     a.num_images = 1;
     let mut b = a.clone();
     b.prompt = "a watercolor of a lighthouse at dusk".into();
+    // Its own guidance too (dev's embedding, SD3's scale; schnell ignores it), so per-row
+    // guidance is mixed in the shared calls as well.
+    b.guidance_scale += 2.0;
     let noise = latents_in(&case);
     let per = noise.len() / case["num_images"].as_u64().unwrap() as usize;
     let (a_noise, b_noise) = (noise[..per].to_vec(), noise[per..].to_vec());
@@ -364,11 +370,30 @@ fn flow_models_refuse_what_their_pipelines_do_not_run() {
     refused(&|r| r.sampler = Sampler::Euler, "flow_euler");
     refused(&|r| r.negative_prompt = Some("blurry".into()), "negative_prompt");
     assert_eq!(model.check(&base), Ok(0));
+    // SD3's positional embedding covers 16x16 patches of the tiny model: 256 pixels a side.
+    let sd3 = StableDiffusion::open(runtime(), "sd3", &model_dir(&case("sd3_1step"))).unwrap();
+    let mut r = request(&case("sd3_1step"));
+    r.width = 256;
+    assert_eq!(sd3.check(&r), Ok(0));
+    r.width = 272;
+    assert!(sd3.check(&r).unwrap_err().contains("at most 256"));
     // And a UNet model refuses the flow sampler.
     let sd = StableDiffusion::open(runtime(), "sd", &model_dir(&flux).with_file_name("sd-tiny")).unwrap();
     let mut r = base.clone();
     r.sampler = Sampler::FlowEuler;
     assert!(sd.check(&r).unwrap_err().contains("flow"));
+    // A catalog entry must offer only what the model runs.
+    let entry = |extra: &str| {
+        let text = format!("[[model]]\nname = \"m\"\nkind = \"stable-diffusion\"\nsize_multiple = 16\n{extra}");
+        sluice_schemas::Catalog::parse(&text).unwrap().get("m").unwrap().clone()
+    };
+    let flux_entry = entry("samplers = [\"flow_euler\"]\ndefault_sampler = \"flow_euler\"\nnegative_prompt = false\n");
+    assert_eq!(model.fits_catalog(&flux_entry), Ok(()));
+    assert!(model.fits_catalog(&entry("")).unwrap_err().contains("euler"), "the UNet samplers");
+    let with_negative = entry("samplers = [\"flow_euler\"]\ndefault_sampler = \"flow_euler\"\n");
+    assert!(model.fits_catalog(&with_negative).unwrap_err().contains("negative_prompt"));
+    assert_eq!(sd3.fits_catalog(&with_negative), Ok(()), "SD3 takes one");
+    assert!(sd.fits_catalog(&flux_entry).unwrap_err().contains("flow_euler"));
 }
 
 /// `sluice-worker generate` on a recorded case: the family from `model_index.json`,

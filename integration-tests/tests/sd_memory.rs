@@ -165,9 +165,13 @@ async fn large_batch_under_the_cap(model: &str, scenario: &str, cap: &'static st
     )
     .await;
     let large: Vec<_> = (0..4).map(|i| diffusion_task(model, 10 + i, size, 2, 1)).collect();
-    let cfg = if model.starts_with("flux") { "nocfg" } else { "cfg" };
-    let sampler = if model.starts_with("sdxl") { "euler" } else { "flow_euler" };
-    let bucket = format!("{model}:{size}x{size}:{sampler}:2:{cfg}:1");
+    let request = &large[0].1["request"];
+    let cfg = if request["guidance_scale"].as_f64() > Some(1.0) && request.get("negative_prompt").is_some() {
+        "cfg"
+    } else {
+        "nocfg"
+    };
+    let bucket = format!("{model}:{size}x{size}:{}:2:{cfg}:1", request["sampler"].as_str().unwrap());
     let (huge_size, huge_images) = huge;
     let huge = vec![diffusion_task(model, 20, huge_size, 2, huge_images)];
     let kafka = producer(stack.brokers()).unwrap();

@@ -391,8 +391,11 @@ impl CatalogModel {
                     known().copied().collect::<Vec<_>>().join(", ")
                 ));
             }
-            if self.t5_max_length.is_some_and(|l| !(2..=4096).contains(&l)) {
-                return bad(format!("t5_max_length must be in 2..=4096, got {:?}", self.t5_max_length));
+            if self.t5_max_length.is_some_and(|l| !(2..=512).contains(&l)) {
+                return bad(format!(
+                    "t5_max_length must be in 2..=512 (FLUX's and SD3's pipelines refuse more), got {:?}",
+                    self.t5_max_length
+                ));
             }
             if self.size_multiple == 0 || !self.size_multiple.is_multiple_of(8) {
                 return bad(format!(
@@ -797,7 +800,7 @@ steps = { min = 1, max = 20, default = 4 }
                 "steps",
             ),
             (
-                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\nt5_max_length = 100000",
+                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\nt5_max_length = 1024",
                 "t5_max_length",
             ),
             (

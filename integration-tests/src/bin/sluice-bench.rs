@@ -266,9 +266,9 @@ async fn sd_pipeline(stack: &Stack, model: &'static str, size: u32, steps: u32, 
     let make = move |i: usize| diffusion_task(model, i as u64, size, steps, 1);
     eprintln!("== {scenario}: raw ({} images at batch {batch})", tasks);
     let runtime = runtime(stack)?;
-    let catalog_path = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
-    let catalog = sluice_schemas::Catalog::parse(&std::fs::read_to_string(&catalog_path)?)?;
-    let entry = catalog.get(model).context("the model is in the demo catalog")?;
+    let entry = sluice_integration_tests::demo_catalog()
+        .get(model)
+        .context("the model is in the demo catalog")?;
     let adapter = Arc::new(StableDiffusion::open_with(runtime, model, &dir, FlowSettings::of(entry))?);
     let engine = Engine::start(1);
     let (a, d) = (adapter.clone(), dir.clone());

@@ -87,8 +87,11 @@ async fn main() -> anyhow::Result<()> {
     for (i, (model, prompt, sampler)) in PROMPTS.iter().enumerate() {
         let mut body = json!({"model": model, "prompt": prompt, "sampler": sampler,
             "steps": 8, "width": 128, "height": 128, "seed": 2000 + i});
-        if !model.starts_with("flux") {
-            // FLUX.1 takes no negative prompt (the catalog says so; one would be a 400).
+        if sluice_integration_tests::demo_catalog()
+            .get(model)
+            .is_some_and(|m| m.negative_prompt)
+        {
+            // FLUX.1 takes none (the catalog says so; one would be a 400).
             body["negative_prompt"] = "blurry".into();
         }
         bodies.push((body, format!("{model} {sampler}")));

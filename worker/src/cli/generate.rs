@@ -12,6 +12,7 @@ use sluice_worker::config::DeviceArgs;
 use sluice_worker::engine::{Call, CallTask, Runtime};
 use sluice_worker::models::ModelAdapter;
 use sluice_worker::models::diffusion::flow::backend::EncoderPlacement;
+use sluice_worker::models::diffusion::flow::layout::FlowFamily;
 use sluice_worker::models::diffusion::input;
 use sluice_worker::models::diffusion::npy::{self, Array};
 use sluice_worker::models::diffusion::request::{Draws, ImageInput, SdRequest};
@@ -38,9 +39,10 @@ pub struct GenerateArgs {
     #[arg(long, env = "SLUICE_GENERATE_STEPS", default_value_t = 4)]
     steps: usize,
     /// Classifier-free guidance scale; for FLUX.1-dev the guidance embedding's value (schnell
-    /// has none and ignores it).
-    #[arg(long, env = "SLUICE_GENERATE_GUIDANCE_SCALE", default_value_t = 7.5)]
-    guidance_scale: f32,
+    /// has none and ignores it). Default: the pipeline's (7.5 for SD and SDXL, 3.5 for FLUX.1,
+    /// 7.0 for SD3).
+    #[arg(long, env = "SLUICE_GENERATE_GUIDANCE_SCALE")]
+    guidance_scale: Option<f32>,
     /// euler, euler_a, ddim, dpmpp_2m, dpmpp_2m_karras, lcm (UNet models) or flow_euler (FLUX.1,
     /// SD3); default: flow_euler for a flow model, euler otherwise.
     #[arg(long, env = "SLUICE_GENERATE_SAMPLER")]
@@ -125,9 +127,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         t5_max_length: args.t5_max_length,
     };
     let model = StableDiffusion::open_with(runtime, "generate", &args.model_path, settings)?;
-    let default_sampler = match model.pipeline() {
-        Pipeline::Flow(..) => "flow_euler",
-        Pipeline::Unet(_) => "euler",
+    let (default_sampler, default_guidance) = match model.pipeline() {
+        Pipeline::Flow(l, _) if l.family == FlowFamily::Flux => ("flow_euler", 3.5),
+        Pipeline::Flow(..) => ("flow_euler", 7.0),
+        Pipeline::Unet(_) => ("euler", 7.5),
     };
     let name = args.sampler.as_deref().unwrap_or(default_sampler);
     let sampler = Sampler::parse(name).with_context(|| format!("--sampler {name:?}: one of {}", sampler_names()))?;
@@ -136,7 +139,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         prompt: args.prompt.clone(),
         negative_prompt: args.negative_prompt.clone(),
         steps: args.steps,
-        guidance_scale: args.guidance_scale,
+        guidance_scale: args.guidance_scale.unwrap_or(default_guidance),
         sampler,
         width: args.width,
         height: args.height,

@@ -699,7 +699,7 @@ pub(super) fn note_cancellations(call: &Call, cancelled: &mut [bool]) {
 }
 
 /// Tells each task still running that it finished step `step` of `steps`.
-pub(super) fn report_progress(call: &Call, cancelled: &[bool], step: usize, steps: usize) {
+fn report_progress(call: &Call, cancelled: &[bool], step: usize, steps: usize) {
     for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
         if !cancelled[task] {
             hooks.progress(step, steps);

@@ -62,6 +62,9 @@ pub enum LayoutError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Scheduler(#[from] ScheduleError),
+    /// A catalog setting the model cannot run with.
+    #[error("catalog: {0}")]
+    Setting(String),
 }
 
 /// What the CPU side of the pipeline needs from a model directory.

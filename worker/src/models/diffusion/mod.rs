@@ -94,6 +94,26 @@ impl StableDiffusion {
         &self.pipeline
     }
 
+    /// Whether a catalog entry offers only what the model runs: flow_euler for the flow
+    /// transformers and only for them, no negative prompt for FLUX.1. Otherwise every request
+    /// the catalog admits and the model refuses would go to the DLQ.
+    pub fn fits_catalog(&self, entry: &sluice_schemas::CatalogModel) -> Result<(), String> {
+        let flow = matches!(self.pipeline, Pipeline::Flow(..));
+        if let Some(s) = entry.samplers.iter().find(|s| (s.as_str() == Sampler::FlowEuler.name()) != flow) {
+            return Err(format!(
+                "the catalog offers sampler {s:?}, which this {} model does not run (flow_euler is for FLUX.1 and SD3 alone)",
+                self.family()
+            ));
+        }
+        if let Pipeline::Flow(l, _) = &self.pipeline
+            && l.family == FlowFamily::Flux
+            && entry.negative_prompt
+        {
+            return Err("the catalog takes a negative prompt, which FLUX.1 does not (set negative_prompt = false)".into());
+        }
+        Ok(())
+    }
+
     /// What a width or height must be a multiple of.
     pub fn size_multiple(&self) -> usize {
         match &self.pipeline {

@@ -166,7 +166,10 @@ impl T5Tokenizer {
             file: file.display().to_string(),
             reason,
         };
-        let tokenizer = Tokenizer::from_file(&file).map_err(|e| file_error(e.to_string()))?;
+        let mut tokenizer = Tokenizer::from_file(&file).map_err(|e| file_error(e.to_string()))?;
+        // Truncation and padding are this type's, whatever the file stores.
+        tokenizer.with_truncation(None).map_err(|e| file_error(e.to_string()))?;
+        tokenizer.with_padding(None);
         let id = |token: &str| tokenizer.token_to_id(token).ok_or_else(|| file_error(format!("has no {token:?}")));
         Ok(T5Tokenizer {
             eos: id("</s>")?,
@@ -184,11 +187,6 @@ impl T5Tokenizer {
         ids.push(self.eos);
         ids.resize(max_length.max(1), self.pad);
         Ok(ids)
-    }
-
-    /// How many tokens of `prompt` do not fit a window of `max_length` (0 when it fits).
-    pub fn overflow(&self, prompt: &str, max_length: usize) -> Result<usize, TokenizerError> {
-        Ok(self.words(prompt)?.len().saturating_sub(max_length.saturating_sub(1)))
     }
 
     fn words(&self, prompt: &str) -> Result<Vec<u32>, TokenizerError> {

@@ -45,7 +45,33 @@ struct Encoders {
 }
 
 impl Encoders {
-    fn load(runtime: &Runtime, layout: &FlowLayout, options: &SessionOptions) -> Result<Encoders, EngineError> {
+    /// Loads the encoders where `placement` puts them (on demand: on the device, for one call).
+    fn load(
+        runtime: &Runtime,
+        layout: &FlowLayout,
+        options: &SessionOptions,
+        placement: EncoderPlacement,
+    ) -> Result<Encoders, EngineError> {
+        match placement {
+            EncoderPlacement::Device => Self::load_with(runtime, layout, options),
+            EncoderPlacement::Cpu => Self::load_with(runtime, layout, &cpu(options)),
+            EncoderPlacement::OnDemand => {
+                // Loaded beside a transformer already on the device: a load that runs out of
+                // memory is an out-of-memory error (the batch halves), not a quiet fallback to
+                // the CPU as a worker's start allows.
+                let mut options = options.clone();
+                if let crate::engine::Device::Cuda { require, .. } = &mut options.device {
+                    *require = true;
+                }
+                Self::load_with(runtime, layout, &options).map_err(|e| match e {
+                    EngineError::Load(m) if crate::engine::is_out_of_memory(&m) => EngineError::OutOfMemory(m),
+                    e => e,
+                })
+            }
+        }
+    }
+
+    fn load_with(runtime: &Runtime, layout: &FlowLayout, options: &SessionOptions) -> Result<Encoders, EngineError> {
         let dir = &layout.dir;
         let t5 = format!("text_encoder{}/model.onnx", layout.family.t5_suffix());
         Ok(Encoders {
@@ -72,12 +98,13 @@ pub struct FlowBackend {
     layout: Arc<FlowLayout>,
     runtime: Arc<Runtime>,
     options: SessionOptions,
+    placement: EncoderPlacement,
     /// Loaded unless the placement is on demand.
     encoders: Option<Encoders>,
     transformer: OrtBackend,
-    /// FLUX's `img_ids`/`txt_ids` type: int64 in Optimum's export (it casts the pipeline's
-    /// float32 ids), float32 in others.
-    ids: ElementKind,
+    /// FLUX's `img_ids` and `txt_ids` types: int64 in Optimum's export (it casts the
+    /// pipeline's float32 ids), float32 in others.
+    ids: IdKinds,
     vae_decoder: OrtBackend,
     schedules: HashMap<SdBucket, Arc<FlowSchedule>>,
 }
@@ -94,14 +121,14 @@ impl FlowBackend {
         let ids = check_transformer(&transformer, &layout)?;
         let vae_decoder = OrtBackend::load(&runtime, &dir.join("vae_decoder/model.onnx"), options)?;
         let encoders = match placement {
-            EncoderPlacement::Device => Some(Encoders::load(&runtime, &layout, options)?),
-            EncoderPlacement::Cpu => Some(Encoders::load(&runtime, &layout, &cpu(options))?),
             EncoderPlacement::OnDemand => None,
+            _ => Some(Encoders::load(&runtime, &layout, options, placement)?),
         };
         Ok(FlowBackend {
             layout,
             runtime,
             options: options.clone(),
+            placement,
             encoders,
             transformer,
             ids,
@@ -132,7 +159,7 @@ impl FlowBackend {
         let mut loaded = None;
         let encoders = match self.encoders.as_mut() {
             Some(e) => e,
-            None => loaded.insert(Encoders::load(&self.runtime, &self.layout, &self.options)?),
+            None => loaded.insert(Encoders::load(&self.runtime, &self.layout, &self.options, self.placement)?),
         };
         let cond = encode_prompts(encoders, &self.layout, call, "")?;
         let uncond = if cfg {
@@ -144,7 +171,7 @@ impl FlowBackend {
     }
 
     /// One transformer call's inputs for the `active` rows, each at its own step `at[r]`.
-    fn transformer_inputs(&self, text: &Text, x: &Rows, active: &[usize], schedule: &FlowSchedule, guidance: &[f32]) -> Vec<Tensor> {
+    fn transformer_inputs(&self, text: &Text, x: &FlowRows, active: &[usize], schedule: &FlowSchedule, guidance: &[f32]) -> Vec<Tensor> {
         let l = &self.layout;
         let halves: Vec<&Prompts> = text.uncond.iter().chain(std::iter::once(&text.cond)).collect();
         let b = active.len() * halves.len();
@@ -176,12 +203,12 @@ impl FlowBackend {
             Tensor::f32("timestep", vec![b], timestep),
         ];
         if l.family == FlowFamily::Flux {
-            let ids = |name: &str, rows: usize, values: Vec<f32>| match self.ids {
+            let ids = |name: &str, kind: ElementKind, rows: usize, values: Vec<f32>| match kind {
                 ElementKind::I64 => Tensor::i64(name, vec![rows, 3], values.into_iter().map(|v| v as i64).collect()),
                 _ => Tensor::f32(name, vec![rows, 3], values),
             };
-            inputs.push(ids("img_ids", x.tokens, image_ids(x.dims[1] / 2, x.dims[2] / 2)));
-            inputs.push(ids("txt_ids", c.seq, vec![0.0; c.seq * 3]));
+            inputs.push(ids("img_ids", self.ids.img, x.tokens, image_ids(x.dims[1] / 2, x.dims[2] / 2)));
+            inputs.push(ids("txt_ids", self.ids.txt, c.seq, vec![0.0; c.seq * 3]));
             if l.guidance_embeds {
                 inputs.push(Tensor::f32("guidance", vec![b], active.iter().map(|&r| guidance[r]).collect()));
             }
@@ -198,8 +225,15 @@ fn cpu(options: &SessionOptions) -> SessionOptions {
     }
 }
 
-/// Checks that the transformer takes what the family feeds it; the type of its position ids.
-fn check_transformer(transformer: &OrtBackend, layout: &FlowLayout) -> Result<ElementKind, EngineError> {
+/// The element types of FLUX's position-id inputs.
+#[derive(Debug, Clone, Copy)]
+struct IdKinds {
+    img: ElementKind,
+    txt: ElementKind,
+}
+
+/// Checks that the transformer takes what the family feeds it; the types of its position ids.
+fn check_transformer(transformer: &OrtBackend, layout: &FlowLayout) -> Result<IdKinds, EngineError> {
     let inputs = transformer.inputs();
     let has = |name: &str| inputs.iter().any(|i| i.name == name);
     let mut wanted = vec!["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"];
@@ -216,7 +250,10 @@ fn check_transformer(transformer: &OrtBackend, layout: &FlowLayout) -> Result<El
             if has("guidance") { "has" } else { "has no" }
         )));
     }
-    let mut ids = ElementKind::F32;
+    let mut ids = IdKinds {
+        img: ElementKind::F32,
+        txt: ElementKind::F32,
+    };
     for i in &inputs {
         let (rank, int_ok) = match i.name.as_str() {
             "timestep" | "guidance" => (1, false),
@@ -226,14 +263,17 @@ fn check_transformer(transformer: &OrtBackend, layout: &FlowLayout) -> Result<El
         let kind_ok = i.kind == ElementKind::F32 || (int_ok && i.kind == ElementKind::I64);
         if !kind_ok || i.shape.len() != rank {
             return Err(EngineError::Load(format!(
-                "transformer: `{}` is {:?} of rank {}, expected rank {rank} (an Optimum export with diffusers >= 0.31)",
+                "transformer: `{}` is {:?} of rank {}, expected float32{} of rank {rank} (an fp32 Optimum export with diffusers >= 0.31; float16 inputs are not fed)",
                 i.name,
                 i.kind,
-                i.shape.len()
+                i.shape.len(),
+                if int_ok { " or int64" } else { "" }
             )));
         }
-        if int_ok {
-            ids = i.kind;
+        match i.name.as_str() {
+            "img_ids" => ids.img = i.kind,
+            "txt_ids" => ids.txt = i.kind,
+            _ => {}
         }
     }
     Ok(ids)
@@ -301,15 +341,11 @@ fn encode_prompts(e: &mut Encoders, layout: &FlowLayout, call: &Call, prefix: &s
             )?;
             let clip = join_features(&l, &g, rows * clip_seq)?;
             let pooled = join_features(&pl.unwrap_or_default(), &pg.unwrap_or_default(), rows)?;
-            // `F.pad(clip, (0, t5_dim − clip_dim))` per token, then CLIP's tokens before T5's.
-            let clip_dim = clip.len() / (rows * clip_seq).max(1);
+            // CLIP's tokens at T5's width, then T5's, per row.
+            let clip = to_width(&clip, rows * clip_seq, dim);
             let mut hidden = Vec::with_capacity(rows * (clip_seq + t5_seq) * dim);
             for r in 0..rows {
-                for token in clip[r * clip_seq * clip_dim..(r + 1) * clip_seq * clip_dim].chunks(clip_dim.max(1)) {
-                    let kept = clip_dim.min(dim);
-                    hidden.extend_from_slice(&token[..kept]);
-                    hidden.extend(std::iter::repeat_n(0.0, dim - kept));
-                }
+                hidden.extend_from_slice(&clip[r * clip_seq * dim..(r + 1) * clip_seq * dim]);
                 hidden.extend_from_slice(&t5_hidden[r * t5_seq * dim..(r + 1) * t5_seq * dim]);
             }
             Ok(Prompts {
@@ -321,6 +357,19 @@ fn encode_prompts(e: &mut Encoders, layout: &FlowLayout, call: &Call, prefix: &s
             })
         }
     }
+}
+
+/// `F.pad(x, (0, width − d))` of `tokens` rows of `d` features: zeros appended, or (a negative
+/// pad) the features past `width` cut, as torch does.
+fn to_width(x: &[f32], tokens: usize, width: usize) -> Vec<f32> {
+    let d = x.len() / tokens.max(1);
+    let kept = d.min(width);
+    let mut out = Vec::with_capacity(tokens * width);
+    for token in x.chunks(d.max(1)).take(tokens) {
+        out.extend_from_slice(&token[..kept]);
+        out.extend(std::iter::repeat_n(0.0, width - kept));
+    }
+    out
 }
 
 /// FLUX's `img_ids` for a `rows` × `cols` token grid: (0, row, column) per token.
@@ -368,7 +417,7 @@ pub fn unpack(packed: &[f32], [c, h, w]: [usize; 3]) -> Vec<f32> {
 
 /// The latents of a call's rows as the transformer sees them (packed for FLUX), with each row's
 /// step.
-struct Rows {
+struct FlowRows {
     latents: Vec<f32>,
     /// One image's unpacked latent shape [c, h, w].
     dims: [usize; 3],
@@ -381,10 +430,25 @@ struct Rows {
     end: Vec<usize>,
 }
 
-impl Rows {
+impl FlowRows {
     fn row(&self, r: usize) -> &[f32] {
         &self.latents[r * self.per_row..(r + 1) * self.per_row]
     }
+}
+
+/// Checks a call's shapes against the model before anything runs: latents [n, c, h, w] with the
+/// model's channels and even, non-zero sides (2×2 patches), and `n` rows of every other input.
+fn check_call(call: &Call, layout: &FlowLayout, n: usize, [c, h, w]: [usize; 3]) -> Result<(), EngineError> {
+    if n == 0 || c != layout.latent_channels || h < 2 || w < 2 || h % 2 != 0 || w % 2 != 0 {
+        return Err(EngineError::Run(format!(
+            "`latents` of shape [{n}, {c}, {h}, {w}]: expected {} channels and even sides of at least 2",
+            layout.latent_channels
+        )));
+    }
+    if let Some(t) = call.inputs.iter().find(|t| t.rows() != n) {
+        return Err(EngineError::Run(format!("`{}` has {} rows, the latents {n}", t.name, t.rows())));
+    }
+    Ok(())
 }
 
 /// Each row's step range: `step_begin`/`step_end` when the call has them, else every step.
@@ -424,13 +488,16 @@ impl Backend for FlowBackend {
         let dims: [usize; 3] = latent_shape[1..]
             .try_into()
             .map_err(|_| EngineError::Run(format!("`latents` of shape {latent_shape:?}: expected [n, c, h, w]")))?;
+        check_call(call, &self.layout, n, dims)?;
         let per_row: usize = dims.iter().product();
         let guidance = floats(input(call, "guidance")?)?.to_vec();
+        let (at, end) = step_ranges(call, n, schedule.steps())?;
+        let owner = row_owners(call, n)?;
+        // Everything checked before the text encoders run (and, on demand, load).
         let text = self.conditioning(call, bucket.cfg)?;
         let start = floats(latents_in)?;
         let flux = self.layout.family == FlowFamily::Flux;
-        let (at, end) = step_ranges(call, n, schedule.steps())?;
-        let mut rows = Rows {
+        let mut rows = FlowRows {
             latents: match flux {
                 true => start.chunks(per_row).flat_map(|row| pack(row, dims)).collect(),
                 false => start.to_vec(),
@@ -442,7 +509,6 @@ impl Backend for FlowBackend {
             at,
             end,
         };
-        let owner = row_owners(call, n)?;
         let mut cancelled = vec![false; call.tasks.len()];
         loop {
             note_cancellations(call, &mut cancelled);
@@ -476,7 +542,7 @@ impl Backend for FlowBackend {
                     .map_err(|e| EngineError::Run(e.to_string()))?;
                 rows.at[r] += 1;
             }
-            report_progress(call, &cancelled, &owner, &rows);
+            report_row_progress(call, &cancelled, &owner, &rows);
         }
         let latents: Vec<f32> = match flux {
             true => rows.latents.chunks(per_row).flat_map(|row| unpack(row, dims)).collect(),
@@ -513,7 +579,7 @@ impl Backend for FlowBackend {
 }
 
 /// Tells each running task how far its first row is (steps done of the steps it runs).
-fn report_progress(call: &Call, cancelled: &[bool], owner: &[usize], rows: &Rows) {
+fn report_row_progress(call: &Call, cancelled: &[bool], owner: &[usize], rows: &FlowRows) {
     for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
         if cancelled[task] {
             continue;
@@ -538,6 +604,14 @@ mod tests {
         // Token (0, 1) starts at column 2.
         assert_eq!(packed[8], 2.0);
         assert_eq!(unpack(&packed, dims), latents);
+    }
+
+    #[test]
+    fn clip_features_are_padded_or_cut_to_t5_s_width_as_f_pad() {
+        let x = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(to_width(&x, 2, 3), vec![1.0, 2.0, 0.0, 3.0, 4.0, 0.0]);
+        assert_eq!(to_width(&x, 2, 1), vec![1.0, 3.0]);
+        assert_eq!(to_width(&x, 2, 2), x.to_vec());
     }
 
     #[test]

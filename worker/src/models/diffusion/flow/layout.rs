@@ -20,6 +20,9 @@ use crate::models::diffusion::schedulers::SchedulerConfig;
 use crate::models::diffusion::schedulers::flow_euler::{FlowSchedule, FlowSigmas};
 use crate::models::diffusion::tokenizer::{ClipTokenizer, T5Tokenizer};
 
+/// The longest T5 window: FluxPipeline and StableDiffusion3Pipeline refuse more than 512.
+pub const MAX_T5_LENGTH: usize = 512;
+
 /// Which flow-matching pipeline a directory is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FlowFamily {
@@ -38,11 +41,12 @@ impl FlowFamily {
             .ok()
             .and_then(|t| python_json::parse(&t).ok());
         let class = index.as_ref().and_then(|i| i["_class_name"].as_str()).unwrap_or("");
-        if class.contains("Flux") {
-            return Some(FlowFamily::Flux);
-        }
-        if class.contains("StableDiffusion3") {
-            return Some(FlowFamily::Sd3);
+        // Exactly these pipelines: FLUX Kontext, Fill or FLUX.2 share the prefix but not the
+        // inputs, and are not served as text-to-image.
+        match class {
+            "FluxPipeline" => return Some(FlowFamily::Flux),
+            "StableDiffusion3Pipeline" => return Some(FlowFamily::Sd3),
+            _ => {}
         }
         if !class.is_empty() || !dir.join("transformer").is_dir() {
             return None;
@@ -136,6 +140,7 @@ impl FlowLayout {
                 "text_encoder_3/model.onnx".into(),
                 "tokenizer_2/vocab.json".into(),
                 "tokenizer_2/merges.txt".into(),
+                "tokenizer_2/tokenizer_config.json".into(),
             ]);
         }
         for file in &required {
@@ -186,10 +191,20 @@ impl FlowLayout {
             }
         }
         let t5_length = t5_length.unwrap_or(family.default_t5_length());
-        if !(2..=4096).contains(&t5_length) {
+        if !(2..=MAX_T5_LENGTH).contains(&t5_length) {
+            return Err(LayoutError::Setting(format!(
+                "t5_max_length {t5_length} is not in 2..={MAX_T5_LENGTH} (both pipelines refuse more)"
+            )));
+        }
+        let scaling_factor = vae["scaling_factor"]
+            .as_f64()
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| config_error("vae_decoder/config.json", "`scaling_factor` must be a positive number".into()))?;
+        let shift_factor = vae["shift_factor"].as_f64().unwrap_or(0.0);
+        if !shift_factor.is_finite() || latent_channels == 0 || patch == 0 {
             return Err(config_error(
-                "catalog",
-                format!("T5 sequence length {t5_length} is not in 2..=4096"),
+                "vae_decoder/config.json",
+                "`shift_factor` must be finite, `latent_channels` and the transformer's `patch_size` positive".into(),
             ));
         }
         Ok(FlowLayout {
@@ -203,8 +218,8 @@ impl FlowLayout {
             t5: T5Tokenizer::load(&dir.join(format!("tokenizer{t5}")))?,
             t5_length,
             scheduler,
-            scaling_factor: vae["scaling_factor"].as_f64().unwrap_or(1.0) as f32,
-            shift_factor: vae["shift_factor"].as_f64().unwrap_or(0.0) as f32,
+            scaling_factor: scaling_factor as f32,
+            shift_factor: shift_factor as f32,
             vae_scale: 1usize << vae_blocks.clamp(1, 8).saturating_sub(1),
             latent_channels,
             patch,

@@ -54,7 +54,7 @@ pub fn check(request: &SdRequest, layout: &FlowLayout) -> Result<FlowSchedule, S
         ));
     }
     if let Some(max) = layout.max_patches {
-        let side = max * s;
+        let side = max.saturating_mul(s);
         if w > side || h > side {
             return Err(format!(
                 "width and height: at most {side} for this model (its transformer's positional embedding covers {max}x{max} patches), got {w}x{h}"

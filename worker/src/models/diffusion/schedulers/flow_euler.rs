@@ -80,6 +80,9 @@ impl FlowSchedule {
             return Err(ScheduleError::Config(format!("shift {shift}")));
         }
         let dynamic = config.use_dynamic_shifting.unwrap_or(false);
+        if dynamic && config.max_image_seq_len.unwrap_or(4096) <= config.base_image_seq_len.unwrap_or(256) {
+            return Err(ScheduleError::Config("max_image_seq_len must exceed base_image_seq_len".into()));
+        }
         let mu = dynamic.then(|| Self::calculate_shift(config, image_seq_len));
         let shifted: Vec<f32> = match sigmas {
             FlowSigmas::Scheduler => {
@@ -114,6 +117,11 @@ impl FlowSchedule {
                     .collect()
             }
         };
+        if let Some(bad) = shifted.iter().find(|s| !(0.0..=1.0).contains(*s)) {
+            return Err(ScheduleError::Config(format!(
+                "the shift settings give a sigma of {bad} (mu {mu:?}): check shift, base_shift, max_shift, base_image_seq_len, max_image_seq_len"
+            )));
+        }
         let timesteps = shifted.iter().map(|s| s * n as f32).collect();
         let mut all = shifted;
         all.push(0.0);
@@ -252,6 +260,8 @@ mod tests {
             r#"{"stochastic_sampling": true}"#,
             r#"{"shift_terminal": 0.1}"#,
             r#"{"time_shift_type": "linear"}"#,
+            r#"{"use_dynamic_shifting": true, "base_image_seq_len": 4096}"#,
+            r#"{"use_dynamic_shifting": true, "max_shift": NaN}"#,
         ] {
             assert!(FlowSchedule::new(&config(text), 4, FlowSigmas::Linear, 16).is_err(), "{text}");
         }
