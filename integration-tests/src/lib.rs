@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod contact;
+pub mod inprocess;
 pub mod kafka;
 #[cfg(test)]
 mod module_map;

@@ -6,11 +6,11 @@
 //! rows at different steps in one transformer call give what each gives alone.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
+use sluice_integration_tests::inprocess::{run_alone, runtime};
 use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
-use sluice_worker::engine::{Call, CallTask, Runtime, RuntimeOptions, SessionOptions, Tensor};
+use sluice_worker::engine::{Call, CallTask, SessionOptions, Tensor};
 use sluice_worker::models::ModelAdapter;
 use sluice_worker::models::diffusion::flow::backend::EncoderPlacement;
 use sluice_worker::models::diffusion::npy;
@@ -32,22 +32,6 @@ fn cases() -> Vec<Value> {
 
 fn case(name: &str) -> Value {
     cases().into_iter().find(|c| c["name"] == name).unwrap()
-}
-
-fn runtime() -> Arc<Runtime> {
-    static RUNTIME: OnceLock<Arc<Runtime>> = OnceLock::new();
-    RUNTIME
-        .get_or_init(|| {
-            let a = assets().unwrap();
-            Arc::new(
-                Runtime::init(&RuntimeOptions {
-                    dylib_path: Some(a["ORT_DYLIB_PATH"].clone().into()),
-                    cpu_arena_max_bytes: None,
-                })
-                .unwrap(),
-            )
-        })
-        .clone()
 }
 
 fn model_dir(case: &Value) -> PathBuf {
@@ -80,51 +64,14 @@ fn latents_in(case: &Value) -> Vec<f32> {
     npy::read(&fixtures().join(case["latents_in"].as_str().unwrap())).unwrap().data
 }
 
-/// Runs a prepared call on a fresh backend; returns (final latents, PNG bytes per image).
+/// Runs `request` from `latents` alone (see [`run_alone`]).
 fn run(model: &StableDiffusion, dir: &Path, request: &SdRequest, latents: Vec<f32>, extra: Vec<Tensor>) -> (Vec<f32>, Vec<Vec<u8>>) {
-    let n = request.num_images;
     let draws = Draws {
         latents,
         noise: Vec::new(),
         image_noise: None,
     };
-    let (bucket, prepared) = model.prepare_request(request, Some(draws)).unwrap();
-    let mut backend = model
-        .load(
-            dir,
-            &SessionOptions {
-                intra_threads: 1,
-                ..SessionOptions::default()
-            },
-        )
-        .unwrap();
-    let mut inputs = prepared.inputs.clone();
-    inputs.extend(extra);
-    let call = Call {
-        key: bucket.key.clone(),
-        inputs,
-        tasks: vec![CallTask {
-            id: "case".into(),
-            rows: n,
-            hooks: None,
-        }],
-    };
-    let outputs = backend.run(&call).unwrap();
-    let latents = outputs
-        .iter()
-        .find(|t| t.name == "latents")
-        .unwrap()
-        .f32_rows(0, n)
-        .unwrap()
-        .to_vec();
-    let images = prepared
-        .render
-        .render(&outputs, 0..n)
-        .unwrap()
-        .into_iter()
-        .map(|i| i.bytes)
-        .collect();
-    (latents, images)
+    run_alone(model, dir, request, draws, extra)
 }
 
 fn run_case(case: &Value, text_encoders: EncoderPlacement) -> (Vec<f32>, Vec<Vec<u8>>) {

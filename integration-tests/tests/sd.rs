@@ -86,6 +86,31 @@ async fn prompts_with_every_sampler_become_pngs_in_s3_and_a_seed_repeats_its_byt
     assert_eq!(distinct.len(), completions.len() - 1, "every other task its own image");
 }
 
+/// Submits each named request over HTTP and checks its completion: succeeded, on the requested
+/// model, with (width, height, images) PNGs in S3. The first image's sha256 of each, by name.
+async fn submit_and_check_pngs<'a>(c: &Cluster, requests: Vec<(&'a str, Value, (u32, u32, u32))>) -> HashMap<&'a str, String> {
+    let mut requested = HashMap::new();
+    for (name, body, size) in requests {
+        let model = body["model"].as_str().unwrap().to_owned();
+        requested.insert(name, (c.submit_ok(&body).await.unwrap(), model, size));
+    }
+    let ids: BTreeSet<String> = requested.values().map(|(id, ..)| id.clone()).collect();
+    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
+    let sink = c.stack.sink().unwrap();
+    let mut first = HashMap::new();
+    for (name, (id, model, (w, h, n))) in &requested {
+        let event = &completions[id];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{name}: {event:?}");
+        assert_eq!((&event.model, event.outputs.len()), (model, *n as usize), "{name}");
+        for output in &event.outputs {
+            let (pw, ph, ..) = png_info(&sink.read(&output.key).await.unwrap()).unwrap();
+            assert_eq!((pw, ph), (*w, *h), "PNG size of {name}");
+        }
+        first.insert(*name, event.outputs[0].sha256.clone());
+    }
+    first
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn sdxl_prompts_become_pngs_and_an_absent_negative_prompt_is_not_an_empty_one() {
     let c = cluster().await;
@@ -95,39 +120,26 @@ async fn sdxl_prompts_become_pngs_and_an_absent_negative_prompt_is_not_an_empty_
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         body
     };
-    let mut requested = HashMap::new();
-    for (name, body, size) in [
-        ("absent", base.clone(), (64u32, 64u32, 1u32)),
-        ("absent again", base.clone(), (64, 64, 1)),
-        ("empty", with(json!({"negative_prompt": ""})), (64, 64, 1)),
-        ("negative", with(json!({"negative_prompt": "blurry"})), (64, 64, 1)),
-        (
-            "two, 96x64, euler_a",
-            with(json!({"sampler": "euler_a", "width": 96, "height": 64, "num_images": 2})),
-            (96, 64, 2),
-        ),
-        (
-            "turbo-like",
-            with(json!({"sampler": "euler_a", "steps": 1, "guidance_scale": 0.0})),
-            (64, 64, 1),
-        ),
-    ] {
-        requested.insert(name, (c.submit_ok(&body).await.unwrap(), size));
-    }
-    let ids: BTreeSet<String> = requested.values().map(|(id, _)| id.clone()).collect();
-    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
-    let sink = c.stack.sink().unwrap();
-    let mut first = HashMap::new();
-    for (name, (id, (w, h, n))) in &requested {
-        let event = &completions[id];
-        assert_eq!(event.status, CompletionStatus::Succeeded, "{name}: {event:?}");
-        assert_eq!((event.model.as_str(), event.outputs.len()), ("sdxl-tiny", *n as usize), "{name}");
-        for output in &event.outputs {
-            let (pw, ph, ..) = png_info(&sink.read(&output.key).await.unwrap()).unwrap();
-            assert_eq!((pw, ph), (*w, *h), "PNG size of {name}");
-        }
-        first.insert(*name, event.outputs[0].sha256.clone());
-    }
+    let first = submit_and_check_pngs(
+        c,
+        vec![
+            ("absent", base.clone(), (64u32, 64u32, 1u32)),
+            ("absent again", base.clone(), (64, 64, 1)),
+            ("empty", with(json!({"negative_prompt": ""})), (64, 64, 1)),
+            ("negative", with(json!({"negative_prompt": "blurry"})), (64, 64, 1)),
+            (
+                "two, 96x64, euler_a",
+                with(json!({"sampler": "euler_a", "width": 96, "height": 64, "num_images": 2})),
+                (96, 64, 2),
+            ),
+            (
+                "turbo-like",
+                with(json!({"sampler": "euler_a", "steps": 1, "guidance_scale": 0.0})),
+                (64, 64, 1),
+            ),
+        ],
+    )
+    .await;
     assert_eq!(first["absent"], first["absent again"], "same record, same bytes");
     assert_ne!(
         first["absent"], first["empty"],
@@ -139,65 +151,52 @@ async fn sdxl_prompts_become_pngs_and_an_absent_negative_prompt_is_not_an_empty_
 #[tokio::test(flavor = "multi_thread")]
 async fn flux_and_sd3_prompts_become_pngs_and_what_they_do_not_run_is_refused() {
     let c = cluster().await;
-    let mut requested = HashMap::new();
-    for (name, body, size) in [
-        (
-            "schnell",
-            json!({"model": "flux-schnell-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
-            (64u32, 64u32, 1u32),
-        ),
-        (
-            "schnell again",
-            json!({"model": "flux-schnell-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
-            (64, 64, 1),
-        ),
-        (
-            "schnell, 1 step, 96x64 x2",
-            json!({"model": "flux-schnell-tiny", "prompt": "a red bicycle", "steps": 1, "width": 96, "height": 64, "num_images": 2}),
-            (96, 64, 2),
-        ),
-        (
-            "dev",
-            json!({"model": "flux-dev-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
-            (64, 64, 1),
-        ),
-        (
-            "dev, guidance 7",
-            json!({"model": "flux-dev-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "guidance_scale": 7.0}),
-            (64, 64, 1),
-        ),
-        (
-            "sd3",
-            json!({"model": "sd3-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "negative_prompt": "blurry"}),
-            (64, 64, 1),
-        ),
-        (
-            "sd3, no guidance",
-            json!({"model": "sd3-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "guidance_scale": 1.0}),
-            (64, 64, 1),
-        ),
-        (
-            "sd3, 128x64 x2",
-            json!({"model": "sd3-tiny", "prompt": "a harbour", "width": 128, "height": 64, "num_images": 2}),
-            (128, 64, 2),
-        ),
-    ] {
-        requested.insert(name, (c.submit_ok(&body).await.unwrap(), size));
-    }
-    let ids: BTreeSet<String> = requested.values().map(|(id, _)| id.clone()).collect();
-    let completions = completions_for(c.stack.brokers(), &ids, Duration::from_secs(240));
-    let sink = c.stack.sink().unwrap();
-    let mut first = HashMap::new();
-    for (name, (id, (w, h, n))) in &requested {
-        let event = &completions[id];
-        assert_eq!(event.status, CompletionStatus::Succeeded, "{name}: {event:?}");
-        assert_eq!(event.outputs.len(), *n as usize, "{name}");
-        for output in &event.outputs {
-            let (pw, ph, ..) = png_info(&sink.read(&output.key).await.unwrap()).unwrap();
-            assert_eq!((pw, ph), (*w, *h), "PNG size of {name}");
-        }
-        first.insert(*name, event.outputs[0].sha256.clone());
-    }
+    let first = submit_and_check_pngs(
+        c,
+        vec![
+            (
+                "schnell",
+                json!({"model": "flux-schnell-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
+                (64u32, 64u32, 1u32),
+            ),
+            (
+                "schnell again",
+                json!({"model": "flux-schnell-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
+                (64, 64, 1),
+            ),
+            (
+                "schnell, 1 step, 96x64 x2",
+                json!({"model": "flux-schnell-tiny", "prompt": "a red bicycle", "steps": 1, "width": 96, "height": 64, "num_images": 2}),
+                (96, 64, 2),
+            ),
+            (
+                "dev",
+                json!({"model": "flux-dev-tiny", "prompt": "a lighthouse at dusk", "seed": 3}),
+                (64, 64, 1),
+            ),
+            (
+                "dev, guidance 7",
+                json!({"model": "flux-dev-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "guidance_scale": 7.0}),
+                (64, 64, 1),
+            ),
+            (
+                "sd3",
+                json!({"model": "sd3-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "negative_prompt": "blurry"}),
+                (64, 64, 1),
+            ),
+            (
+                "sd3, no guidance",
+                json!({"model": "sd3-tiny", "prompt": "a lighthouse at dusk", "seed": 3, "guidance_scale": 1.0}),
+                (64, 64, 1),
+            ),
+            (
+                "sd3, 128x64 x2",
+                json!({"model": "sd3-tiny", "prompt": "a harbour", "width": 128, "height": 64, "num_images": 2}),
+                (128, 64, 2),
+            ),
+        ],
+    )
+    .await;
     assert_eq!(first["schnell"], first["schnell again"], "same record, same bytes");
     assert_ne!(first["schnell"], first["dev"], "another model");
     assert_ne!(first["dev"], first["dev, guidance 7"], "dev's guidance embedding changes the image");

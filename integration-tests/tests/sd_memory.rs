@@ -226,6 +226,12 @@ async fn twenty_reloads_of_the_flux_model_under_load_lose_nothing_and_memory_com
     twenty_reloads_under_load("flux-dev-tiny", "reload-flux").await;
 }
 
+/// And for SD3, three text encoders (on the CPU in the demo catalog) and the transformer.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_reloads_of_the_sd3_model_under_load_lose_nothing_and_memory_comes_back() {
+    twenty_reloads_under_load("sd3-tiny", "reload-sd3").await;
+}
+
 /// 20 reloads of `model`, each while two tasks are queued or running: every task completes, and
 /// RSS after reloads 6..20 stays within [`RSS_BOUND_BYTES`] of the warm baseline.
 async fn twenty_reloads_under_load(model: &str, scenario: &str) {

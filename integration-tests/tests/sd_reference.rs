@@ -6,11 +6,12 @@
 //! Final latents within 1e-3, PNGs within ±1 level, prompt tokens identical.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use serde_json::Value;
+use sluice_integration_tests::inprocess::{run_alone, runtime};
 use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
-use sluice_worker::engine::{Call, CallTask, Runtime, RuntimeOptions, SessionOptions};
+use sluice_worker::engine::{Call, CallTask, SessionOptions};
 use sluice_worker::models::ModelAdapter;
 use sluice_worker::models::diffusion::StableDiffusion;
 use sluice_worker::models::diffusion::input;
@@ -46,22 +47,6 @@ impl Set {
 
 fn fixtures() -> PathBuf {
     Set::Sd.fixtures()
-}
-
-fn runtime() -> Arc<Runtime> {
-    static RUNTIME: OnceLock<Arc<Runtime>> = OnceLock::new();
-    RUNTIME
-        .get_or_init(|| {
-            let a = assets().unwrap();
-            Arc::new(
-                Runtime::init(&RuntimeOptions {
-                    dylib_path: Some(a["ORT_DYLIB_PATH"].clone().into()),
-                    cpu_arena_max_bytes: None,
-                })
-                .unwrap(),
-            )
-        })
-        .clone()
 }
 
 /// Where the tiny models are (both fixtures are unpacked side by side).
@@ -139,41 +124,7 @@ fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
         noise,
         image_noise,
     };
-    let (bucket, prepared) = model.prepare_request(&request, Some(draws)).unwrap();
-    let mut backend = model
-        .load(
-            dir,
-            &SessionOptions {
-                intra_threads: 1,
-                ..SessionOptions::default()
-            },
-        )
-        .unwrap();
-    let call = Call {
-        key: bucket.key.clone(),
-        inputs: prepared.inputs.clone(),
-        tasks: vec![CallTask {
-            id: "case".into(),
-            rows: n,
-            hooks: None,
-        }],
-    };
-    let outputs = backend.run(&call).unwrap();
-    let latents = outputs
-        .iter()
-        .find(|t| t.name == "latents")
-        .unwrap()
-        .f32_rows(0, n)
-        .unwrap()
-        .to_vec();
-    let images = prepared
-        .render
-        .render(&outputs, 0..n)
-        .unwrap()
-        .into_iter()
-        .map(|i| i.bytes)
-        .collect();
-    (latents, images)
+    run_alone(&model, dir, &request, draws, Vec::new())
 }
 
 #[test]
