@@ -43,7 +43,6 @@ Needs HF_HUB_OFFLINE=1 (set by generate.sh); never touches the network or a mode
 
 from __future__ import annotations
 
-import argparse
 import functools
 import io
 import json
@@ -52,7 +51,6 @@ import math
 import shutil
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -1179,15 +1177,7 @@ def write_readme(path: Path, info: dict) -> None:
         "## Rerun determinism",
         "",
     ]
-    if rr is None:
-        lines.append("Not checked in this run (flow.py without --rerun-check).")
-    else:
-        lines.append(
-            f"A second, independent run of flow.py (fresh process, fresh tokenizer training and export, same machine) "
-            f"gave {rr['identical']} byte-identical files out of {rr['identical'] + len(rr['differing'])}"
-            + ("." if not rr["differing"] else "; differing:"))
-        for rel, why in rr["differing"].items():
-            lines.append(f"- `{rel}`: {why}")
+    lines += g.rerun_lines("flow.py", rr, "fresh process, fresh tokenizer training and export, same machine")
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -1196,20 +1186,7 @@ def write_readme(path: Path, info: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path, help="repository root (outputs go below it)")
-    ap.add_argument("--work", type=Path, help="scratch directory, kept (default: a temporary directory, removed)")
-    ap.add_argument("--rerun-check", action="store_true", help="run everything a second time and compare")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    g.setup_determinism()
-
-    out_root = args.out.resolve()
-    work = (args.work or Path(tempfile.mkdtemp(prefix="flow-reference-"))).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    t0 = time.time()
+    args, out_root, work, t0 = g.script_start(__doc__, "flow-reference-")
 
     tar_path = out_root / TARBALL
     ref_dir = out_root / REF_DIR

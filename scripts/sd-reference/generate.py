@@ -1157,6 +1157,37 @@ def rerun_check(out_root: Path, work: Path) -> dict:
     return rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
 
 
+def rerun_lines(script: str, rr: dict | None, what: str = "fresh process, fresh export, same machine") -> list[str]:
+    """The README's account of the rerun check of `script` (`rr`: rerun_and_compare's result, None
+    when not run)."""
+    if rr is None:
+        return [f"Not checked in this run ({script} without --rerun-check)."]
+    lines = [
+        f"A second, independent run of {script} ({what}) gave "
+        f"{rr['identical']} byte-identical files out of {rr['identical'] + len(rr['differing'])}"
+        + ("." if not rr["differing"] else "; differing:")
+    ]
+    lines += [f"- `{rel}`: {why}" for rel, why in rr["differing"].items()]
+    return lines
+
+
+def script_start(doc: str, prefix: str) -> tuple[argparse.Namespace, Path, Path, float]:
+    """What every reference script starts with: its command line (--out, --work, --rerun-check),
+    logging, determinism, an emptied scratch directory. Returns (args, out_root, work, start time)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path, help="repository root (outputs go below it)")
+    ap.add_argument("--work", type=Path, help="scratch directory, kept (default: a temporary directory, removed)")
+    ap.add_argument("--rerun-check", action="store_true", help="run everything a second time and compare")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    setup_determinism()
+    work = (args.work or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return args, args.out.resolve(), work, time.time()
+
+
 def rerun_and_compare(script: str, out_root: Path, other: Path, work: Path, output_paths: list[str],
                       logger: logging.Logger) -> dict:
     """`script` run again in a fresh process into `other`; every file under `output_paths` (README.md
@@ -1280,16 +1311,7 @@ def write_readme(path: Path, info: dict) -> None:
         "  warning), padding is `<|endoftext|>` (49407) up to 77.",
     ]
     lines += ["", "## Rerun determinism", ""]
-    if rr is None:
-        lines.append("Not checked in this run (generate.py without --rerun-check).")
-    else:
-        lines.append(
-            f"A second, independent run of generate.py (fresh process, fresh export, same machine) gave "
-            f"{rr['identical']} byte-identical files out of {rr['identical'] + len(rr['differing'])}"
-            + ("." if not rr["differing"] else "; differing:")
-        )
-        for rel, why in rr["differing"].items():
-            lines.append(f"- `{rel}`: {why}")
+    lines += rerun_lines("generate.py", rr)
     lines += [
         "",
         "ONNX Runtime runs with one thread here; on a CPU with other vector units (or another execution",
@@ -1307,20 +1329,7 @@ def write_readme(path: Path, info: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path, help="repository root (outputs go below it)")
-    ap.add_argument("--work", type=Path, help="scratch directory (default: a fresh temporary directory)")
-    ap.add_argument("--rerun-check", action="store_true", help="run everything a second time and compare")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    setup_determinism()
-
-    out_root = args.out.resolve()
-    work = (args.work or Path(tempfile.mkdtemp(prefix="sd-reference-"))).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    t0 = time.time()
+    args, out_root, work, t0 = script_start(__doc__, "sd-reference-")
 
     tar_path = out_root / "integration-tests/fixtures/sd-tiny.tar.xz"
     ref_dir = out_root / "integration-tests/fixtures/sd-reference"

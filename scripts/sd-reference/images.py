@@ -32,7 +32,6 @@ Needs HF_HUB_OFFLINE=1 (set by generate.sh); never touches the network or a mode
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -42,7 +41,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -1246,15 +1244,7 @@ def write_readme(path: Path, info: dict) -> None:
     ]
     lines += [f"| `{k}` | {val:,} |" for k, val in sizes.items()]
     lines += ["", "## Rerun determinism", ""]
-    if rr is None:
-        lines.append("Not checked in this run (images.py without --rerun-check).")
-    else:
-        lines.append(
-            f"A second, independent run of images.py (fresh process, fresh export, same machine) gave "
-            f"{rr['identical']} byte-identical files out of {rr['identical'] + len(rr['differing'])}"
-            + ("." if not rr["differing"] else "; differing:"))
-        for rel, why in rr["differing"].items():
-            lines.append(f"- `{rel}`: {why}")
+    lines += g.rerun_lines("images.py", rr)
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -1263,20 +1253,7 @@ def write_readme(path: Path, info: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path, help="repository root (outputs go below it)")
-    ap.add_argument("--work", type=Path, help="scratch directory, kept (default: a temporary directory, removed)")
-    ap.add_argument("--rerun-check", action="store_true", help="run everything a second time and compare")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    g.setup_determinism()
-
-    out_root = args.out.resolve()
-    work = (args.work or Path(tempfile.mkdtemp(prefix="image-reference-"))).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    t0 = time.time()
+    args, out_root, work, t0 = g.script_start(__doc__, "image-reference-")
     for rel in (SD_TARBALL, SDXL_TARBALL):
         assert (out_root / rel).is_file(), f"{rel} missing: run generate.sh (and --sdxl) first"
 

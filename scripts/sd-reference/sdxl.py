@@ -39,7 +39,6 @@ Needs HF_HUB_OFFLINE=1 (set by generate.sh); never touches the network or a mode
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -49,7 +48,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -887,15 +885,7 @@ def write_readme(path: Path, info: dict) -> None:
         "## Rerun determinism",
         "",
     ]
-    if rr is None:
-        lines.append("Not checked in this run (sdxl.py without --rerun-check).")
-    else:
-        lines.append(
-            f"A second, independent run of sdxl.py (fresh process, fresh export, same machine) gave "
-            f"{rr['identical']} byte-identical files out of {rr['identical'] + len(rr['differing'])}"
-            + ("." if not rr["differing"] else "; differing:"))
-        for rel, why in rr["differing"].items():
-            lines.append(f"- `{rel}`: {why}")
+    lines += g.rerun_lines("sdxl.py", rr)
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -904,20 +894,7 @@ def write_readme(path: Path, info: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path, help="repository root (outputs go below it)")
-    ap.add_argument("--work", type=Path, help="scratch directory, kept (default: a temporary directory, removed)")
-    ap.add_argument("--rerun-check", action="store_true", help="run everything a second time and compare")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    g.setup_determinism()
-
-    out_root = args.out.resolve()
-    work = (args.work or Path(tempfile.mkdtemp(prefix="sdxl-reference-"))).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    t0 = time.time()
+    args, out_root, work, t0 = g.script_start(__doc__, "sdxl-reference-")
 
     tar_path = out_root / TARBALL
     ref_dir = out_root / REF_DIR
