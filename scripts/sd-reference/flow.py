@@ -508,34 +508,6 @@ def load_pipeline(model_dir: Path):
     return pipe
 
 
-class Recorder:
-    """Wraps InferenceSession.run of the pipeline's sessions: records feeds and outputs (by name)."""
-
-    def __init__(self, pipe, parts):
-        self.calls: dict[str, list[dict]] = {}
-        self._restore = []
-        for name in parts:
-            self.calls[name] = []
-            sess = getattr(pipe, name).session
-            original = sess.run
-            all_names = [o.name for o in sess.get_outputs()]
-
-            def run(output_names, feed, *args, _orig=original, _name=name, _all=all_names, **kwargs):
-                outs = _orig(output_names, feed, *args, **kwargs)
-                self.calls[_name].append({
-                    "feed": {k: np.array(v, copy=True) for k, v in feed.items()},
-                    "out": {n: np.array(o, copy=True) for n, o in zip(output_names or _all, outs)},
-                })
-                return outs
-
-            sess.run = run
-            self._restore.append(sess)
-
-    def close(self):
-        for sess in self._restore:
-            del sess.run
-
-
 class TimestepSpy:
     """Records the keyword arguments of scheduler.set_timesteps (the pipeline's sigmas= and mu=)."""
 
@@ -577,7 +549,7 @@ def run_case(models_root: Path, case: dict) -> dict:
         pipe_module_cls = StableDiffusion3Pipeline
     results = {}
     for output_type in ("latent", "np"):
-        rec = Recorder(pipe, parts)
+        rec = sdxl.Recorder(pipe, parts)
         spy = TimestepSpy(pipe.scheduler)
         # flow-matching Euler draws no noise; any draw in the scheduler or pipeline module fails loudly
         with g.injected_noise(FlowMatchEulerDiscreteScheduler, None), g.injected_noise(pipe_module_cls, None):
@@ -780,11 +752,7 @@ def build_references(models_root: Path, out: Path, diffusers_dirs: dict[str, Pat
             if v is not None:
                 np.save(d / f"{k}.npy", v)
             embed_files[k] = None if v is None else f"{name}/{k}.npy"
-        sdxl.save_npz(d / "first_transformer_feed.npz", obs["first_transformer_feed"])
-        with np.load(d / "first_transformer_feed.npz") as z:
-            assert sorted(z.files) == sorted(obs["first_transformer_feed"])
-            for k, v in obs["first_transformer_feed"].items():
-                assert z[k].dtype == v.dtype and z[k].shape == v.shape and np.array_equal(z[k], v), (name, k)
+        sdxl.save_npz_checked(d / "first_transformer_feed.npz", obs["first_transformer_feed"], name)
         pngs = []
         for i, img in enumerate(obs["images"]):
             g.save_png(img, d / f"image_{i}.png")
@@ -976,13 +944,6 @@ def versions() -> dict:
 # --------------------------------------------------------------------------------------------------
 # E. Rerun check and README
 # --------------------------------------------------------------------------------------------------
-
-
-def rerun_check(out_root: Path, work: Path) -> dict:
-    other = work / "rerun-out"
-    if other.exists():
-        shutil.rmtree(other)
-    return g.rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
 
 
 def io_table(sessions: dict) -> list[str]:
@@ -1199,7 +1160,7 @@ def main() -> None:
     info = {"versions": versions(), "sessions": sessions, "facts": facts, "records": refs["records"],
             "obs": refs["obs"], "torch_vs_ort": refs["torch_vs_ort"]}
     if args.rerun_check:
-        info["rerun"] = rerun_check(out_root, work)
+        info["rerun"] = g.rerun_check_of(__file__, out_root, work, OUTPUT_PATHS, log)
     write_readme(ref_dir / "README.md", info)
     log.info("done in %.0f s", time.time() - t0)
     log.info("  %10d  %s", tar_path.stat().st_size, TARBALL)

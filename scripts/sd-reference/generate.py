@@ -1150,11 +1150,17 @@ OUTPUT_PATHS = [
 ]
 
 
-def rerun_check(out_root: Path, work: Path) -> dict:
+def rerun_check_of(script: str, out_root: Path, work: Path, output_paths: list[str], logger,
+                   inputs: tuple[str, ...] = ()) -> dict:
+    """`script` run again in a fresh process into `work`/rerun-out (with copies of the committed
+    `inputs` it reads there), its `output_paths` compared with `out_root`'s (rerun_and_compare)."""
     other = work / "rerun-out"
     if other.exists():
         shutil.rmtree(other)
-    return rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
+    for rel in inputs:
+        (other / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out_root / rel, other / rel)
+    return rerun_and_compare(script, out_root, other, work, output_paths, logger)
 
 
 def rerun_lines(script: str, rr: dict | None, what: str = "fresh process, fresh export, same machine") -> list[str]:
@@ -1349,7 +1355,7 @@ def main() -> None:
     info["sizes"]["integration-tests/fixtures/sd-reference/ (all files but README.md)"] = sum(
         p.stat().st_size for p in ref_dir.rglob("*") if p.is_file() and p.name != "README.md")
     if args.rerun_check:
-        info["rerun"] = rerun_check(out_root, work)
+        info["rerun"] = rerun_check_of(__file__, out_root, work, OUTPUT_PATHS, log)
     write_readme(ref_dir / "README.md", info)
     log.info("done in %.0f s; scheduler errors: %s", time.time() - t0, sched_info["errors"])
     log.info("noise draws (sd15 config): %s", sched_info["noise_draws"])

@@ -766,10 +766,7 @@ def save_case(out: Path, case: dict, obs: dict) -> dict:
                                           "image_latents", "mask_latents", "masked_image_latent_parameters",
                                           "masked_image_latents", "expected_latents")}
     paths["expected_images_f32"] = save("expected_images", obs["images"])
-    sdxl.save_npz(d / "first_unet_feed.npz", obs["first_unet_feed"])
-    with np.load(d / "first_unet_feed.npz") as z:
-        for k, v in obs["first_unet_feed"].items():
-            assert z[k].dtype == v.dtype and z[k].shape == v.shape and np.array_equal(z[k], v), (name, k)
+    sdxl.save_npz_checked(d / "first_unet_feed.npz", obs["first_unet_feed"], name)
     pngs = []
     for i, img in enumerate(obs["images"]):
         g.save_png(img, d / f"image_{i}.png")
@@ -1027,18 +1024,6 @@ def build_manifest(models_root: Path, out_root: Path, tar_listing: list[dict], p
     return sessions
 
 
-def rerun_check(out_root: Path, work: Path) -> dict:
-    """The whole script again in a fresh process (generate.rerun_and_compare) on this script's outputs.
-    The rerun reads the committed sd-tiny / sdxl-tiny tarballs from this output root's copies."""
-    other = work / "rerun-out"
-    if other.exists():
-        shutil.rmtree(other)
-    for rel in (SD_TARBALL, SDXL_TARBALL):
-        (other / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(out_root / rel, other / rel)
-    return g.rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
-
-
 def write_readme(path: Path, info: dict) -> None:
     v = info["versions"]
     rr = info.get("rerun")
@@ -1275,7 +1260,8 @@ def main() -> None:
             "sessions": sessions, "sensitivity": refs["sensitivity"], "sizes": sizes, "mask_facts": mask_facts,
             "zero_steps": refs["zero_steps"]}
     if args.rerun_check:
-        info["rerun"] = rerun_check(out_root, work)
+        # The rerun reads the committed sd-tiny / sdxl-tiny tarballs from copies in its output root.
+        info["rerun"] = g.rerun_check_of(__file__, out_root, work, OUTPUT_PATHS, log, (SD_TARBALL, SDXL_TARBALL))
     write_readme(ref_dir / "README.md", info)
     log.info("done in %.0f s", time.time() - t0)
     for k, val in sizes.items():

@@ -163,6 +163,15 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
             zf.writestr(info, buf.getvalue())
 
 
+def save_npz_checked(path: Path, arrays: dict[str, np.ndarray], case: str) -> None:
+    """save_npz, then read back: every member with its dtype, shape and values."""
+    save_npz(path, arrays)
+    with np.load(path) as z:
+        assert sorted(z.files) == sorted(arrays)
+        for k, v in arrays.items():
+            assert z[k].dtype == v.dtype and z[k].shape == v.shape and np.array_equal(z[k], v), (case, k)
+
+
 def session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), g.cpu_session_options(), providers=["CPUExecutionProvider"])
 
@@ -392,10 +401,10 @@ def load_pipeline(model_dir: Path):
 class Recorder:
     """Wraps InferenceSession.run of the pipeline's sessions: records feeds and outputs (by name)."""
 
-    def __init__(self, pipe):
+    def __init__(self, pipe, parts=("text_encoder", "text_encoder_2", "unet", "vae_decoder")):
         self.calls: dict[str, list[dict]] = {}
         self._restore = []
-        for name in ("text_encoder", "text_encoder_2", "unet", "vae_decoder"):
+        for name in parts:
             self.calls[name] = []
             sess = getattr(pipe, name).session
             original = sess.run
@@ -595,11 +604,7 @@ def build_references(models_root: Path, out: Path, diffusers_dir: Path) -> dict:
             if v is not None:
                 np.save(d / f"{k}.npy", v)
             embed_files[k] = None if v is None else f"{name}/{k}.npy"
-        save_npz(d / "first_unet_feed.npz", obs["first_unet_feed"])
-        with np.load(d / "first_unet_feed.npz") as z:
-            assert sorted(z.files) == sorted(obs["first_unet_feed"])
-            for k, v in obs["first_unet_feed"].items():
-                assert z[k].dtype == v.dtype and z[k].shape == v.shape and np.array_equal(z[k], v), (name, k)
+        save_npz_checked(d / "first_unet_feed.npz", obs["first_unet_feed"], name)
         pngs = []
         for i, img in enumerate(obs["images"]):
             g.save_png(img, d / f"image_{i}.png")
@@ -744,13 +749,6 @@ def build_manifest(models_root: Path, out_root: Path, tar_listing: list[dict], p
 # --------------------------------------------------------------------------------------------------
 # E. Rerun check and README
 # --------------------------------------------------------------------------------------------------
-
-
-def rerun_check(out_root: Path, work: Path) -> dict:
-    other = work / "rerun-out"
-    if other.exists():
-        shutil.rmtree(other)
-    return g.rerun_and_compare(__file__, out_root, other, work, OUTPUT_PATHS, log)
 
 
 def io_table(sessions: dict) -> list[str]:
@@ -909,7 +907,7 @@ def main() -> None:
     info = {"versions": g.versions(), "sensitivity": refs["sensitivity"], "sessions": sessions, "facts": facts,
             "records": refs["records"], "torch_vs_ort": refs["torch_vs_ort"]}
     if args.rerun_check:
-        info["rerun"] = rerun_check(out_root, work)
+        info["rerun"] = g.rerun_check_of(__file__, out_root, work, OUTPUT_PATHS, log)
     write_readme(ref_dir / "README.md", info)
     log.info("done in %.0f s", time.time() - t0)
     log.info("  %10d  %s", tar_path.stat().st_size, TARBALL)
