@@ -100,13 +100,7 @@ pub struct SdLayout {
 impl SdLayout {
     /// Checks every required file and reads the configs and the tokenizers.
     pub fn open(dir: &Path) -> Result<SdLayout, LayoutError> {
-        let index = match std::fs::read_to_string(dir.join("model_index.json")) {
-            Ok(text) => super::python_json::parse(&text).map_err(|e| LayoutError::Config {
-                file: dir.join("model_index.json").display().to_string(),
-                reason: e.to_string(),
-            })?,
-            Err(_) => serde_json::Value::Null,
-        };
+        let index = model_index(dir)?;
         let xl_class = index["_class_name"].as_str().is_some_and(|c| c.contains("StableDiffusionXL"));
         let family = if xl_class || dir.join("text_encoder_2").is_dir() {
             Family::Sdxl
@@ -117,39 +111,18 @@ impl SdLayout {
             Family::Sd => &[],
             Family::Sdxl => &SDXL_FILES,
         };
-        for file in REQUIRED_FILES.iter().chain(extra) {
-            if !dir.join(file).is_file() {
-                return Err(LayoutError::Missing {
-                    dir: dir.display().to_string(),
-                    file: (*file).to_owned(),
-                });
-            }
-        }
-        let json = |file: &str| -> Result<serde_json::Value, LayoutError> {
-            let path = dir.join(file);
-            std::fs::read_to_string(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|t| super::python_json::parse(&t).map_err(|e| e.to_string()))
-                .map_err(|reason| LayoutError::Config {
-                    file: path.display().to_string(),
-                    reason,
-                })
-        };
-        let scheduler_text = std::fs::read_to_string(dir.join("scheduler/scheduler_config.json")).map_err(|e| LayoutError::Config {
-            file: "scheduler/scheduler_config.json".into(),
-            reason: e.to_string(),
-        })?;
-        let scheduler = SchedulerConfig::from_json(&scheduler_text)?;
+        require(dir, REQUIRED_FILES.iter().chain(extra))?;
+        let json = |file: &str| config(dir, file);
+        let scheduler = scheduler_config(dir)?;
         let vae = json("vae_decoder/config.json")?;
         let unet = json("unet/config.json")?;
         let scaling_factor = vae["scaling_factor"].as_f64().unwrap_or(0.18215) as f32;
-        let vae_blocks = vae["block_out_channels"].as_array().map_or(4, |b| b.len());
         let latent_channels = vae["latent_channels"]
             .as_u64()
             .or_else(|| unet["in_channels"].as_u64().filter(|&c| c <= 4))
             .unwrap_or(4) as usize;
         let unet_blocks = unet["block_out_channels"].as_array().map_or(4, |b| b.len());
-        let vae_scale = 1usize << vae_blocks.clamp(1, 8).saturating_sub(1);
+        let vae_scale = vae_scale(&vae);
         let time_cond_dim = unet["time_cond_proj_dim"].as_u64().map(|d| d as usize);
         Ok(SdLayout {
             dir: dir.to_owned(),
@@ -170,4 +143,51 @@ impl SdLayout {
             has_vae_encoder: dir.join("vae_encoder/model.onnx").is_file(),
         })
     }
+}
+
+/// `dir`'s `model_index.json`, as Python's json writes it; `Null` when there is none.
+pub(super) fn model_index(dir: &Path) -> Result<serde_json::Value, LayoutError> {
+    match dir.join("model_index.json").is_file() {
+        true => config(dir, "model_index.json"),
+        false => Ok(serde_json::Value::Null),
+    }
+}
+
+/// The JSON file `file` of `dir`, as Python's json writes it.
+pub(super) fn config(dir: &Path, file: &str) -> Result<serde_json::Value, LayoutError> {
+    let path = dir.join(file);
+    std::fs::read_to_string(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| super::python_json::parse(&t).map_err(|e| e.to_string()))
+        .map_err(|reason| LayoutError::Config {
+            file: path.display().to_string(),
+            reason,
+        })
+}
+
+/// `scheduler/scheduler_config.json`, as the samplers read it.
+pub(super) fn scheduler_config(dir: &Path) -> Result<SchedulerConfig, LayoutError> {
+    let file = dir.join("scheduler/scheduler_config.json");
+    let text = std::fs::read_to_string(&file).map_err(|e| LayoutError::Config {
+        file: file.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(SchedulerConfig::from_json(&text)?)
+}
+
+/// Fails naming the first of `files` that `dir` lacks.
+pub(super) fn require(dir: &Path, files: impl IntoIterator<Item = impl AsRef<str>>) -> Result<(), LayoutError> {
+    match files.into_iter().find(|f| !dir.join(f.as_ref()).is_file()) {
+        Some(file) => Err(LayoutError::Missing {
+            dir: dir.display().to_string(),
+            file: file.as_ref().to_owned(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Pixels per latent along each axis: 2^(VAE blocks − 1), from `vae_decoder/config.json`.
+pub(super) fn vae_scale(vae: &serde_json::Value) -> usize {
+    let blocks = vae["block_out_channels"].as_array().map_or(4, |b| b.len());
+    1usize << blocks.clamp(1, 8).saturating_sub(1)
 }

@@ -79,7 +79,7 @@ impl StableDiffusion {
     }
 
     pub fn open_with(runtime: Arc<Runtime>, name: &str, dir: &Path, settings: FlowSettings) -> Result<StableDiffusion, LayoutError> {
-        let pipeline = match FlowFamily::detect(dir) {
+        let pipeline = match FlowFamily::detect(dir, &layout::model_index(dir)?) {
             Some(family) => Pipeline::Flow(Arc::new(FlowLayout::open(dir, family, settings.t5_max_length)?), settings),
             None => Pipeline::Unet(Arc::new(SdLayout::open(dir)?)),
         };

@@ -14,8 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::models::diffusion::layout::LayoutError;
-use crate::models::diffusion::python_json;
+use crate::models::diffusion::layout::{self, LayoutError};
 use crate::models::diffusion::schedulers::SchedulerConfig;
 use crate::models::diffusion::schedulers::flow_euler::{FlowSchedule, FlowSigmas};
 use crate::models::diffusion::tokenizer::{ClipTokenizer, T5Tokenizer};
@@ -34,13 +33,10 @@ pub enum FlowFamily {
 }
 
 impl FlowFamily {
-    /// The family of the directory, if it holds a flow transformer: `model_index.json`'s class,
-    /// else the directories present.
-    pub fn detect(dir: &Path) -> Option<FlowFamily> {
-        let index = std::fs::read_to_string(dir.join("model_index.json"))
-            .ok()
-            .and_then(|t| python_json::parse(&t).ok());
-        let class = index.as_ref().and_then(|i| i["_class_name"].as_str()).unwrap_or("");
+    /// The family of the directory, if it holds a flow transformer: its `model_index.json`'s
+    /// (`index`, [`layout::model_index`]) class, else the directories present.
+    pub fn detect(dir: &Path, index: &serde_json::Value) -> Option<FlowFamily> {
+        let class = index["_class_name"].as_str().unwrap_or("");
         // Exactly these pipelines: FLUX Kontext, Fill or FLUX.2 share the prefix but not the
         // inputs, and are not served as text-to-image.
         match class {
@@ -143,37 +139,18 @@ impl FlowLayout {
                 "tokenizer_2/tokenizer_config.json".into(),
             ]);
         }
-        for file in &required {
-            if !dir.join(file).is_file() {
-                return Err(LayoutError::Missing {
-                    dir: dir.display().to_string(),
-                    file: file.clone(),
-                });
-            }
-        }
-        let json = |file: &str| -> Result<serde_json::Value, LayoutError> {
-            let path = dir.join(file);
-            std::fs::read_to_string(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|t| python_json::parse(&t).map_err(|e| e.to_string()))
-                .map_err(|reason| LayoutError::Config {
-                    file: path.display().to_string(),
-                    reason,
-                })
-        };
+        layout::require(dir, &required)?;
+        let json = |file: &str| layout::config(dir, file);
         let config_error = |file: &str, reason: String| LayoutError::Config {
             file: dir.join(file).display().to_string(),
             reason,
         };
-        let scheduler_text = std::fs::read_to_string(dir.join("scheduler/scheduler_config.json"))
-            .map_err(|e| config_error("scheduler/scheduler_config.json", e.to_string()))?;
-        let scheduler = SchedulerConfig::from_json(&scheduler_text)?;
+        let scheduler = layout::scheduler_config(dir)?;
         // A config flow_euler cannot run as diffusers would is refused here, not per request.
         FlowSchedule::new(&scheduler, 1, family.sigmas(), 1)?;
         let vae = json("vae_decoder/config.json")?;
         let transformer = json("transformer/config.json")?;
         let latent_channels = vae["latent_channels"].as_u64().unwrap_or(16) as usize;
-        let vae_blocks = vae["block_out_channels"].as_array().map_or(4, |b| b.len());
         let patch = match family {
             FlowFamily::Flux => 2,
             FlowFamily::Sd3 => transformer["patch_size"].as_u64().unwrap_or(2) as usize,
@@ -220,7 +197,7 @@ impl FlowLayout {
             scheduler,
             scaling_factor: scaling_factor as f32,
             shift_factor: shift_factor as f32,
-            vae_scale: 1usize << vae_blocks.clamp(1, 8).saturating_sub(1),
+            vae_scale: layout::vae_scale(&vae),
             latent_channels,
             patch,
             guidance_embeds: family == FlowFamily::Flux && transformer["guidance_embeds"].as_bool().unwrap_or(false),
