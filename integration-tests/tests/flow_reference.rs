@@ -158,20 +158,9 @@ fn every_case_tokenizes_and_schedules_as_the_pipeline() {
         let config = SchedulerConfig::from_json(&case["scheduler_config"].to_string()).unwrap();
         let r = request(&case);
         let schedule = FlowSchedule::new(&config, r.steps, layout.family.sigmas(), layout.image_seq_len(r.width, r.height)).unwrap();
-        let want: Vec<f32> = case["sigmas"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
-        assert_eq!(schedule.sigmas(), want.as_slice(), "{name}: sigmas");
-        let want: Vec<f32> = case["timesteps"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
-        assert_eq!(schedule.timesteps(), want.as_slice(), "{name}: timesteps");
+        let recorded = |key: &str| -> Vec<f32> { case[key].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect() };
+        assert_eq!(schedule.sigmas(), recorded("sigmas").as_slice(), "{name}: sigmas");
+        assert_eq!(schedule.timesteps(), recorded("timesteps").as_slice(), "{name}: timesteps");
         // mu shifts the sigmas only where the config has dynamic shifting (dev).
         assert_eq!(schedule.mu().is_some(), config.use_dynamic_shifting == Some(true), "{name}: mu");
         if let Some(mu) = schedule.mu() {

@@ -187,19 +187,9 @@ SD3_TRANSFORMER_CONFIG = dict(
     qk_norm="rms_norm",  # SD3.5
 )
 SD3_TRANSFORMER_SEED = 32
-VAE_FLOW_BASE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    block_out_channels=(8, 16, 16, 16),
-    layers_per_block=1,
-    latent_channels=16,
-    norm_num_groups=8,
-    sample_size=64,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-)
+# generate.py's tiny VAE with FLUX's and SD3's 16 latent channels and no (post-)quant convs; each
+# family sets its own scaling and shift factors below.
+VAE_FLOW_BASE = {**g.VAE_CONFIG, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False}
 FLUX_VAE_CONFIG = {**VAE_FLOW_BASE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 SD3_VAE_CONFIG = {**VAE_FLOW_BASE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 FLUX_VAE_SEED, SD3_VAE_SEED = 40, 41
