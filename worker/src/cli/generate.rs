@@ -91,19 +91,10 @@ pub struct GenerateArgs {
     #[arg(long, env = "SLUICE_GENERATE_T5_MAX_LENGTH")]
     t5_max_length: Option<usize>,
     /// FLUX.1 / SD3: where the text encoders run: device (default), cpu or on_demand.
-    #[arg(long, env = "SLUICE_GENERATE_TEXT_ENCODERS", value_enum, default_value_t = TextEncodersArg::Device)]
-    text_encoders: TextEncodersArg,
+    #[arg(long, env = "SLUICE_GENERATE_TEXT_ENCODERS", value_enum, default_value_t = EncoderPlacement::Device)]
+    text_encoders: EncoderPlacement,
     #[command(flatten)]
     device: DeviceArgs,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum TextEncodersArg {
-    Device,
-    Cpu,
-    /// The catalog's spelling.
-    #[value(name = "on_demand")]
-    OnDemand,
 }
 
 /// The file of image `i` of `n`.
@@ -119,11 +110,7 @@ fn image_path(out: &Path, i: usize, n: usize) -> PathBuf {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let runtime = Arc::new(Runtime::init(&args.device.runtime_options())?);
     let settings = FlowSettings {
-        text_encoders: match args.text_encoders {
-            TextEncodersArg::Device => EncoderPlacement::Device,
-            TextEncodersArg::Cpu => EncoderPlacement::Cpu,
-            TextEncodersArg::OnDemand => EncoderPlacement::OnDemand,
-        },
+        text_encoders: args.text_encoders,
         t5_max_length: args.t5_max_length,
     };
     let model = StableDiffusion::open_with(runtime, "generate", &args.model_path, settings)?;

@@ -24,7 +24,7 @@ use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
 
 /// Where a flow model's text encoders live (the catalog's `text_encoders`): FLUX's T5-XXL is
 /// 4.7 B parameters beside a 12 B transformer, so on one GPU they compete for memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum EncoderPlacement {
     /// With the transformer, on the worker's device (fastest; the most device memory).
     #[default]
@@ -33,6 +33,7 @@ pub enum EncoderPlacement {
     Cpu,
     /// On the worker's device, loaded for each call's encoding and dropped after it: the
     /// device holds them only while a call encodes, at the cost of loading them every call.
+    #[value(name = "on_demand")]
     OnDemand,
 }
 
