@@ -144,6 +144,15 @@ pub struct DeviceArgs {
     /// cuDNN convolution algorithm search.
     #[arg(long, env = "SLUICE_CUDNN_CONV_ALGO_SEARCH", value_enum, default_value_t = ConvSearch::Heuristic)]
     pub cudnn_conv_algo_search: ConvSearch,
+    /// TF32 tensor cores for float32 convolutions and matrix products on CUDA (ONNX Runtime's
+    /// `use_tf32`, on by default): faster on Ampere and later, with a 10-bit mantissa inside
+    /// those products. `false` computes them in full float32 (see docs on numerics on CUDA).
+    #[arg(long, env = "SLUICE_CUDA_TF32", default_value_t = true, action = clap::ArgAction::Set)]
+    pub cuda_tf32: bool,
+    /// Deterministic kernels only (ONNX Runtime's `use_deterministic_compute`): the same inputs
+    /// give the same bits on every run, at some cost in speed.
+    #[arg(long, env = "SLUICE_CUDA_DETERMINISTIC")]
+    pub cuda_deterministic: bool,
     /// Exit instead of falling back to CPU when the CUDA provider can't be registered.
     #[arg(long, env = "SLUICE_REQUIRE_GPU")]
     pub require_gpu: bool,
@@ -176,6 +185,8 @@ impl DeviceArgs {
                 mem_limit: self.gpu_mem_limit,
                 arena_extend: self.arena_extend_strategy,
                 conv_search: self.cudnn_conv_algo_search,
+                tf32: self.cuda_tf32,
+                deterministic: self.cuda_deterministic,
                 require: self.require_gpu,
             },
         };
@@ -209,6 +220,11 @@ pub struct EngineArgs {
     /// memory; CUDA: free device memory). Below it the worker exits for a clean restart.
     #[arg(long, env = "SLUICE_RELOAD_MIN_FREE_BYTES", default_value_t = 256 << 20)]
     pub reload_min_free_bytes: u64,
+    /// How much more memory may be in use right after a model is unloaded than after its first
+    /// unload, bytes (CUDA: device memory in use, as NVML reports it for the whole device; CPU:
+    /// the process's RSS). Above it a reload leaks, and the worker exits non-zero.
+    #[arg(long, env = "SLUICE_RELOAD_LEAK_BOUND_BYTES", default_value_t = 512 << 20)]
+    pub reload_leak_bound_bytes: u64,
 }
 
 #[derive(Debug, Clone, Args)]

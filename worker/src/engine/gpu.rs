@@ -1,7 +1,7 @@
-//! Free device memory, read through NVML (`libnvidia-ml.so.1`, shipped with the driver). NVML
-//! reports what the whole device has free, CUDA contexts and other processes included — the
-//! figure that decides whether a reload can load again. Loaded at run time: on machines without
-//! the driver the answer is simply "unknown".
+//! The device as NVML (`libnvidia-ml.so.1`, shipped with the driver) reports it: free memory —
+//! what the whole device has free, CUDA contexts and other processes included, the figure that
+//! decides whether a reload can load again and whether reloads leak — its busy share and its
+//! name. Loaded at run time: on machines without the driver the answer is simply "unknown".
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
@@ -14,10 +14,19 @@ struct NvmlMemory {
     used: u64,
 }
 
+#[repr(C)]
+#[derive(Default)]
+struct NvmlUtilization {
+    gpu: u32,
+    memory: u32,
+}
+
 struct Nvml {
     _lib: libloading::Library,
     get_handle: unsafe extern "C" fn(u32, *mut *mut c_void) -> i32,
     get_memory: unsafe extern "C" fn(*mut c_void, *mut NvmlMemory) -> i32,
+    get_utilization: unsafe extern "C" fn(*mut c_void, *mut NvmlUtilization) -> i32,
+    get_name: unsafe extern "C" fn(*mut c_void, *mut std::ffi::c_char, u32) -> i32,
 }
 
 fn nvml() -> Option<&'static Nvml> {
@@ -30,23 +39,53 @@ fn nvml() -> Option<&'static Nvml> {
         }
         let get_handle = *lib.get(b"nvmlDeviceGetHandleByIndex_v2").ok()?;
         let get_memory = *lib.get(b"nvmlDeviceGetMemoryInfo").ok()?;
+        let get_utilization = *lib.get(b"nvmlDeviceGetUtilizationRates").ok()?;
+        let get_name = *lib.get(b"nvmlDeviceGetName").ok()?;
         Some(Nvml {
             _lib: lib,
             get_handle,
             get_memory,
+            get_utilization,
+            get_name,
         })
     })
     .as_ref()
 }
 
+fn handle(nvml: &Nvml, index: i32) -> Option<*mut c_void> {
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: NVML writes the handle of an existing device or fails.
+    (unsafe { (nvml.get_handle)(index.try_into().ok()?, &mut handle) } == 0).then_some(handle)
+}
+
+/// The share of the last sample period (1/6 s to 1 s, by device) in which a kernel ran on CUDA
+/// device `index`, percent; `None` without a driver.
+pub fn utilization(index: i32) -> Option<u32> {
+    let nvml = nvml()?;
+    let handle = handle(nvml, index)?;
+    let mut rates = NvmlUtilization::default();
+    // SAFETY: a valid handle and a struct of NVML's layout.
+    (unsafe { (nvml.get_utilization)(handle, &mut rates) } == 0).then_some(rates.gpu)
+}
+
+/// The name of CUDA device `index` ("NVIDIA H200"); `None` without a driver.
+pub fn device_name(index: i32) -> Option<String> {
+    let nvml = nvml()?;
+    let handle = handle(nvml, index)?;
+    let mut name = [0 as std::ffi::c_char; 96];
+    // SAFETY: a valid handle and a buffer of the length given.
+    if unsafe { (nvml.get_name)(handle, name.as_mut_ptr(), name.len() as u32) } != 0 {
+        return None;
+    }
+    // SAFETY: NVML writes a NUL-terminated string into the buffer.
+    Some(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
+}
+
 /// Free and total memory of CUDA device `index`, bytes; `None` without a driver.
 pub fn device_memory(index: i32) -> Option<(u64, u64)> {
     let nvml = nvml()?;
+    let handle = handle(nvml, index)?;
     unsafe {
-        let mut handle = std::ptr::null_mut();
-        if (nvml.get_handle)(index.try_into().ok()?, &mut handle) != 0 {
-            return None;
-        }
         let mut memory = NvmlMemory::default();
         if (nvml.get_memory)(handle, &mut memory) != 0 {
             return None;

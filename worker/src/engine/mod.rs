@@ -6,7 +6,7 @@
 //! ([`crate::batching::adaptive`]) uses exclusive runs once a bucket is down to batch 1, so that concurrent
 //! singles do not fight for memory.
 
-pub(crate) mod gpu;
+pub mod gpu;
 
 mod error;
 mod key;

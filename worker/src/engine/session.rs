@@ -40,6 +40,10 @@ pub enum Device {
         mem_limit: Option<usize>,
         arena_extend: ArenaExtend,
         conv_search: ConvSearch,
+        /// TF32 tensor cores inside float32 convolutions and matrix products (`use_tf32`).
+        tf32: bool,
+        /// Deterministic kernels only (`use_deterministic_compute`).
+        deterministic: bool,
         /// Fail instead of falling back to CPU when the CUDA provider can't be registered.
         require: bool,
     },
@@ -114,6 +118,8 @@ impl OrtBackend {
             mem_limit,
             arena_extend,
             conv_search,
+            tf32,
+            deterministic: _,
             require,
         } = &options.device
         {
@@ -127,7 +133,8 @@ impl OrtBackend {
                     ConvSearch::Exhaustive => ep::cuda::ConvAlgorithmSearch::Exhaustive,
                     ConvSearch::Heuristic => ep::cuda::ConvAlgorithmSearch::Heuristic,
                     ConvSearch::Default => ep::cuda::ConvAlgorithmSearch::Default,
-                });
+                })
+                .with_tf32(*tf32);
             if let Some(limit) = mem_limit {
                 cuda = cuda.with_memory_limit(*limit);
             }
@@ -188,6 +195,9 @@ impl OrtBackend {
         // own tensors. Measured on the tiny SD model under a 400 MB arena: after pairs had run, a
         // single failed with the arena otherwise empty, and fit in a new session.
         builder = builder.with_memory_pattern(false).map_err(|e| load(&e))?;
+        if let Device::Cuda { deterministic: true, .. } = options.device {
+            builder = builder.with_deterministic_compute(true).map_err(|e| load(&e))?;
+        }
         let mut providers = Vec::new();
         providers.extend(provider);
         providers.push(ep::CPU::default().with_arena_allocator(true).build());

@@ -111,6 +111,20 @@ pub struct ReloadOverrides {
     pub gpu_mem_limit: Option<usize>,
 }
 
+/// The bounds every reload holds to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReloadLimits {
+    /// Free memory required before the new model loads (available system memory on CPU, free
+    /// device memory on CUDA).
+    pub min_free_bytes: u64,
+    /// How much more memory may be in use right after a model is unloaded than right after its
+    /// first unload: device memory in use (NVML, the whole device) on CUDA, the process's RSS
+    /// on CPU. More means a reload leaks (seed 001's crash loop: each reload keeping the old
+    /// weights on the device until OOM), and the worker exits non-zero for a clean restart
+    /// instead of serving on until it runs out.
+    pub leak_bound_bytes: u64,
+}
+
 /// The smallest CUDA arena a reload may ask for: below it no model loads, and the fallback
 /// would have nothing to fall back to.
 pub const MIN_GPU_MEM_LIMIT: usize = 256 << 20;
@@ -175,7 +189,9 @@ pub struct Serving {
     options: Mutex<SessionOptions>,
     metrics: Metrics,
     health: watch::Sender<Health>,
-    min_free_bytes: u64,
+    limits: ReloadLimits,
+    /// Memory in use right after each model's first unload (see [`ReloadLimits`]).
+    unload_baselines: std::sync::Mutex<HashMap<String, u64>>,
     /// Held while sessions are dropped and loaded (a reload's swap, a clean-arena rebuild), so
     /// that one never sees the other's half-done work.
     sessions: Mutex<()>,
@@ -200,7 +216,7 @@ impl Serving {
         options: SessionOptions,
         metrics: Metrics,
         health: watch::Sender<Health>,
-        min_free_bytes: u64,
+        limits: ReloadLimits,
     ) -> Result<Serving, ServingError> {
         let mut models = HashMap::new();
         for (name, dir) in served {
@@ -244,7 +260,8 @@ impl Serving {
             options: Mutex::new(options),
             metrics,
             health,
-            min_free_bytes,
+            limits,
+            unload_baselines: std::sync::Mutex::new(HashMap::new()),
             sessions: Mutex::new(()),
             arena_baseline: std::sync::Mutex::new(arena_baseline),
         })
@@ -364,14 +381,44 @@ impl Serving {
             Placement::Cuda(_) => after_unload.device_free_bytes,
             Placement::Cpu => after_unload.available_bytes,
         };
-        if let Some(free) = free.filter(|f| *f < self.min_free_bytes) {
+        if let Some(free) = free.filter(|f| *f < self.limits.min_free_bytes) {
             return Err(ServingError::Fatal(format!(
                 "only {free} bytes free after dropping {name} (need {}): memory did not come back; restarting clean",
-                self.min_free_bytes
+                self.limits.min_free_bytes
             )));
         }
+        self.check_leak(name, state.placement, &after_unload)?;
 
         Ok(after_unload)
+    }
+
+    /// Compares the memory in use right after unloading `name` with what it was after its first
+    /// unload: more than [`ReloadLimits::leak_bound_bytes`] above it is a leak, and fatal.
+    fn check_leak(&self, name: &str, placement: Placement, after_unload: &MemorySnapshot) -> Result<(), ServingError> {
+        let (in_use, what) = match placement {
+            Placement::Cuda(id) => (
+                crate::engine::gpu::device_memory(id).map(|(free, total)| total.saturating_sub(free)),
+                "device memory in use",
+            ),
+            Placement::Cpu => (Some(after_unload.rss_bytes), "RSS"),
+        };
+        let Some(in_use) = in_use else { return Ok(()) };
+        let baseline = *self
+            .unload_baselines
+            .lock()
+            .expect("baselines")
+            .entry(name.to_owned())
+            .or_insert(in_use);
+        tracing::debug!(model = name, in_use, baseline, what, "memory after the unload");
+        if in_use > baseline + self.limits.leak_bound_bytes {
+            return Err(ServingError::Fatal(format!(
+                "{what} after dropping {name} is {in_use} bytes, {} more than after its first unload ({baseline}); \
+                 the bound is {} (SLUICE_RELOAD_LEAK_BOUND_BYTES): reloads leak, restarting clean",
+                in_use - baseline,
+                self.limits.leak_bound_bytes
+            )));
+        }
+        Ok(())
     }
 
     /// Loads the model's file as it is now; if that fails, the previous version again, from the

@@ -277,7 +277,10 @@ mod tests {
             SessionOptions::default(),
             metrics.clone(),
             health,
-            0,
+            crate::models::serving::ReloadLimits {
+                min_free_bytes: 0,
+                leak_bound_bytes: u64::MAX / 2,
+            },
         )
         .await
         .unwrap();

@@ -13,7 +13,7 @@ use crate::config::{Config, EngineArgs};
 use crate::engine::{Engine, Runtime};
 use crate::metrics::Metrics;
 use crate::models::Registry;
-use crate::models::serving::{Health, Serving};
+use crate::models::serving::{Health, ReloadLimits, Serving};
 use crate::storage::images::ImageStore;
 use crate::testing::faults::Faults;
 
@@ -62,7 +62,10 @@ pub(super) async fn load(config: &Config, models: Models, metrics: &Metrics) -> 
             e.device.session_options(),
             metrics.clone(),
             health.clone(),
-            e.reload_min_free_bytes,
+            ReloadLimits {
+                min_free_bytes: e.reload_min_free_bytes,
+                leak_bound_bytes: e.reload_leak_bound_bytes,
+            },
         )
         .await?,
     );
