@@ -6,7 +6,7 @@ use anyhow::Context;
 use serde_json::Value;
 
 use crate::free_port;
-use crate::process::{Service, bin};
+use crate::process::{Service, bin, on_cuda};
 use crate::stack::{Stack, Topics};
 
 /// The API key the test producer accepts, for tenant `acme`.
@@ -45,6 +45,7 @@ impl Worker {
         let mut service = Service::spawn(id, &bin("sluice-worker"), &[], &env, &stack.dir.join("logs"))?;
         let url = format!("http://127.0.0.1:{port}");
         service.wait_ready(&format!("{url}/readyz"), Duration::from_secs(60)).await?;
+        check_device(&service)?;
         Ok(Worker {
             service,
             url,
@@ -73,7 +74,8 @@ impl Worker {
         self.url = format!("http://127.0.0.1:{port}");
         self.service
             .wait_ready(&format!("{}/readyz", self.url), Duration::from_secs(60))
-            .await
+            .await?;
+        check_device(&self.service)
     }
 
     /// Waits until the worker owns partitions (its group has settled with it in).
@@ -109,6 +111,31 @@ impl Worker {
 }
 
 /// `GET` with an API key: the status and the JSON body (null when there is none).
+/// Every model a ready worker loaded is on the device this test run asked for (`SLUICE_DEVICE`:
+/// `make gpu-check` runs the suites on CUDA, everything else on the CPU), as its `model loaded`
+/// log lines say: a worker meant for the GPU that came up on the CPU fails here, loudly.
+fn check_device(service: &Service) -> anyhow::Result<()> {
+    let want = if on_cuda() { "cuda" } else { "cpu" };
+    let log = service.log_text();
+    let placements: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("model loaded"))
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("placement=").or_else(|| l.split_once("\"placement\":\""))?;
+            rest.split([' ', '"', ',']).next()
+        })
+        .collect();
+    anyhow::ensure!(!placements.is_empty(), "{}: no `model loaded` line names a placement", service.name);
+    for placement in placements {
+        anyhow::ensure!(
+            placement.starts_with(want),
+            "{}: a model loaded on {placement}, but this run asked for {want} (SLUICE_DEVICE)",
+            service.name
+        );
+    }
+    Ok(())
+}
+
 pub async fn get_json(url: &str, key: &str) -> (u16, Value) {
     let response = reqwest::Client::new().get(url).bearer_auth(key).send().await.expect("GET");
     let status = response.status().as_u16();

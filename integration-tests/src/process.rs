@@ -78,6 +78,7 @@ impl Service {
                 command.env(key, v);
             }
         }
+        command.envs(device_env());
         command
             .env("SLUICE_LOG_FORMAT", "text")
             .env("RUST_LOG", std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()));
@@ -185,6 +186,39 @@ impl Drop for Service {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// The device settings of the test run, handed to every process it starts (`make gpu-check`
+/// runs the suites with `SLUICE_DEVICE=cuda`): the execution provider and its options
+/// (`SLUICE_DEVICE`, `SLUICE_REQUIRE_GPU`, `SLUICE_CUDA_*`, `SLUICE_CUDNN_*`), which GPUs
+/// (`CUDA_VISIBLE_DEVICES`) and what the CUDA flavour needs to load (`ORT_DYLIB_PATH`,
+/// `LD_LIBRARY_PATH`). A worker asked for CUDA is also made to require it, so one that comes up
+/// on the CPU fails its test instead of passing it on the wrong device. A test's own settings
+/// (`Service::spawn`'s `env`) still win.
+pub fn device_env() -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| {
+            matches!(
+                k.as_str(),
+                "SLUICE_DEVICE" | "SLUICE_REQUIRE_GPU" | "CUDA_VISIBLE_DEVICES" | "LD_LIBRARY_PATH"
+            ) || k.starts_with("SLUICE_CUDA_")
+                || k.starts_with("SLUICE_CUDNN_")
+        })
+        .collect();
+    if on_cuda() {
+        if let Ok(dylib) = std::env::var("ORT_DYLIB_PATH") {
+            env.push(("ORT_DYLIB_PATH".into(), dylib));
+        }
+        if !env.iter().any(|(k, _)| k == "SLUICE_REQUIRE_GPU") {
+            env.push(("SLUICE_REQUIRE_GPU".into(), "true".into()));
+        }
+    }
+    env
+}
+
+/// Whether this test run puts its workers on CUDA (`SLUICE_DEVICE=cuda`, `make gpu-check`).
+pub fn on_cuda() -> bool {
+    std::env::var("SLUICE_DEVICE").is_ok_and(|d| d == "cuda")
 }
 
 /// The end of a text.

@@ -50,6 +50,18 @@ pub fn demo_catalog() -> &'static sluice_schemas::Catalog {
 /// where the model takes none (FLUX.1).
 pub fn diffusion_task(model: &str, seed: u64, size: u32, steps: u32, num_images: u32) -> (String, Value) {
     let entry = demo_catalog().get(model).expect("a model of the demo catalog");
+    diffusion_task_of(model, entry, seed, size, steps, num_images)
+}
+
+/// [`diffusion_task`] for a model of any catalog, with its catalog entry.
+pub fn diffusion_task_of(
+    model: &str,
+    entry: &sluice_schemas::CatalogModel,
+    seed: u64,
+    size: u32,
+    steps: u32,
+    num_images: u32,
+) -> (String, Value) {
     let (id, mut record) = sd_task(seed, size, steps, num_images);
     record["model"] = model.into();
     if !entry.samplers.iter().any(|s| s == "euler") {

@@ -336,3 +336,40 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
     assert!(!exit.success(), "exit status {exit:?}");
     assert_eq!(exit.code(), Some(1));
 }
+
+/// A reload that leaks its model (`SLUICE_TEST_FAULTS=leak-load=1`: every load keeps a second
+/// copy of the 45 MB terrain model that is never dropped) trips the worker's reload bound: the
+/// memory in use right after an unload (the process's RSS on the CPU; on a GPU node, NVML's
+/// device memory in use) grows by a copy per reload, the bound here is 32 MB, and the worker exits
+/// non-zero naming the leak instead of serving on until it runs out of memory. Without the leak
+/// the same worker reloads as often as it is asked (the fifty-reload test above, default bound).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_leaks_the_model_trips_the_bound_and_the_worker_exits_non_zero() {
+    let stack = stack().await;
+    let topics = stack.topics("leak", 1).unwrap();
+    let mut worker = worker(
+        stack,
+        "leak",
+        &topics,
+        &[
+            ("SLUICE_TEST_FAULTS", "leak-load=1"),
+            ("SLUICE_RELOAD_LEAK_BOUND_BYTES", "33554432"),
+            ("SLUICE_LOG_FORMAT", "json"),
+        ],
+    )
+    .await;
+    let mut reloads = 0;
+    let report = loop {
+        let (status, report) = reload(&worker).await;
+        reloads += 1;
+        if status != 200 {
+            break report;
+        }
+        assert!(reloads < 6, "six leaking reloads and the bound never tripped: {report}");
+    };
+    let exit = worker.service.wait(Duration::from_secs(40)).unwrap();
+    assert!(!exit.success(), "exit status {exit:?}");
+    let message = report.to_string();
+    assert!(message.contains("SLUICE_RELOAD_LEAK_BOUND_BYTES"), "{report}");
+    eprintln!("leaking reloads: the bound tripped at reload {reloads}: {message}");
+}

@@ -24,7 +24,7 @@ async fn cluster() -> &'static Cluster {
             Cluster::start_with(
                 "sd",
                 1,
-                &[],
+                &[("SLUICE_TEST_FAULTS", HELD_SEEDS)],
                 &[
                     ("SLUICE_MODEL_CATALOG", catalog.as_str()),
                     ("SLUICE_WEBHOOK_SECRETS", secret.as_str()),
@@ -621,8 +621,16 @@ async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
     assert_eq!(rival.status().as_u16(), 404);
 }
 
+/// Tasks of these seeds are held in their model call until they are cancelled
+/// (`SLUICE_TEST_FAULTS=hold-run=…`), so that the cancellation test asserts on events, not on
+/// how fast the device runs: a held task is certainly running when it is cancelled, and a task
+/// queued behind it certainly queued.
+const HELD_SEEDS: &str = "hold-run=7770001,hold-run=7770002";
+
 /// Cancels over HTTP: a queued task is never run, a running diffusion task stops between steps;
-/// both end with a `cancelled` completion and no image; a finished task is a 409.
+/// both end with a `cancelled` completion and no image; a finished task is a 409. The first
+/// blocker and the queued task are held until cancelled ([`HELD_SEEDS`]), so this holds on a
+/// GPU as on the CPU.
 #[tokio::test(flavor = "multi_thread")]
 async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
     let c = cluster().await;
@@ -638,19 +646,19 @@ async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
     };
     // Work ahead of the queued task: three long tasks of different buckets.
     let mut blockers = Vec::new();
-    for sampler in ["euler", "ddim", "dpmpp_2m"] {
-        let body = json!({"model": "sd-tiny", "prompt": "a busy street", "steps": 20, "sampler": sampler, "width": 256, "height": 256});
+    for (sampler, seed) in [("euler", 7_770_001), ("ddim", 1), ("dpmpp_2m", 2)] {
+        let body = json!({"model": "sd-tiny", "prompt": "a busy street", "steps": 20, "sampler": sampler, "width": 256, "height": 256, "seed": seed});
         blockers.push(c.submit_ok(&body).await.unwrap());
     }
     let queued = c
-        .submit_ok(&json!({"model": "sd-tiny", "prompt": "never drawn", "width": 64, "height": 64}))
+        .submit_ok(&json!({"model": "sd-tiny", "prompt": "never drawn", "width": 64, "height": 64, "seed": 7_770_002}))
         .await
         .unwrap();
     let (status, reply) = cancel(queued.clone()).await;
     assert_eq!(status, 202, "{reply}");
     assert_eq!(reply["status"], "cancelling");
 
-    // The first blocker, once it runs, is cancelled between steps.
+    // The first blocker, once it runs (held there until cancelled), is cancelled between steps.
     let running = blockers[0].clone();
     c.wait_for_status(&running, key, "running", Duration::from_secs(60)).await.unwrap();
     let (status, _) = cancel(running.clone()).await;

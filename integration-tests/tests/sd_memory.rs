@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde_json::Value;
 use sluice_integration_tests::cluster::{Worker, metric_sum, metric_value};
 use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::process::on_cuda;
 use sluice_integration_tests::stack::repo_root;
 use sluice_integration_tests::{Outcomes, Stack, Topics, diffusion_task, ids_of, publish_tasks, sd_task};
 use sluice_schemas::CompletionStatus;
@@ -42,10 +43,6 @@ async fn worker_of(stack: &Stack, model: &str, scenario: &str, topics: &Topics, 
 
 /// On a GPU node (`SLUICE_DEVICE=cuda`, `make gpu-check`) the cap is the CUDA arena's
 /// `gpu_mem_limit`; elsewhere the shared CPU arena's.
-fn on_cuda() -> bool {
-    std::env::var("SLUICE_DEVICE").is_ok_and(|d| d == "cuda")
-}
-
 fn memory_cap(bytes: &'static str) -> (&'static str, &'static str) {
     if on_cuda() {
         ("SLUICE_GPU_MEM_LIMIT", bytes)
@@ -208,6 +205,11 @@ async fn large_batch_under_the_cap(model: &str, scenario: &str, cap: &'static st
 /// RSS bound after the warm-up reloads, above the warm baseline.
 const RSS_BOUND_BYTES: u64 = 100 << 20;
 
+/// On CUDA: how much less device memory may be free after an unload than after the warm-up
+/// reloads' (the tiny models' weights are a few MB; CUDA's own per-context allocations and
+/// cuDNN workspaces come and go by a few MB).
+const DEVICE_BOUND_BYTES: u64 = 64 << 20;
+
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_reloads_of_the_sd_model_under_load_lose_nothing_and_memory_comes_back() {
     twenty_reloads_under_load("sd-tiny", "reload").await;
@@ -257,7 +259,7 @@ async fn twenty_reloads_under_load(model: &str, scenario: &str) {
             report["after_unload"]["rss_bytes"].as_u64().unwrap(),
             report["after"]["rss_bytes"].as_u64().unwrap(),
         ));
-        device_free.push(report["after"]["device_free_bytes"].as_u64());
+        device_free.push(report["after_unload"]["device_free_bytes"].as_u64());
     }
     let done = outcomes(stack, &topics, &ids_of(&tasks));
     assert_eq!(
@@ -280,6 +282,26 @@ async fn twenty_reloads_under_load(model: &str, scenario: &str) {
         worst <= baseline + RSS_BOUND_BYTES,
         "RSS after reloads grew from {baseline} to {worst} bytes"
     );
+    // On a GPU node: free device memory right after each unload (NVML) comes back to what it
+    // was after the warm-up reloads, within DEVICE_BOUND_BYTES.
+    if on_cuda() {
+        let free: Vec<u64> = device_free
+            .iter()
+            .map(|f| f.expect("a CUDA worker reports free device memory"))
+            .collect();
+        let (baseline, lowest) = (free[4], *free[5..].iter().min().unwrap());
+        eprintln!(
+            "{model} reload device memory free after an unload: after reload 5 {} MB, lowest after reloads 6..20 {} MB, last {} MB; bound {} MB",
+            baseline >> 20,
+            lowest >> 20,
+            free[19] >> 20,
+            DEVICE_BOUND_BYTES >> 20
+        );
+        assert!(
+            lowest + DEVICE_BOUND_BYTES >= baseline,
+            "free device memory after an unload fell from {baseline} to {lowest} bytes"
+        );
+    }
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 

@@ -10,7 +10,7 @@
 //! terrain model and for a tiny generated model with the same inputs (~1 ms per call: how fast
 //! the pipeline itself goes when the model is as fast as on a GPU).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,8 +18,9 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::process::on_cuda;
 use sluice_integration_tests::stack::Stack;
-use sluice_integration_tests::{TopicReader, diffusion_task, publish_tasks, sd_task, terrain_task};
+use sluice_integration_tests::{TopicReader, publish_tasks, sd_task, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus, TaskRecord};
 use sluice_worker::engine::{Backend, Call, CallTask, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
@@ -34,6 +35,8 @@ struct Row {
     e2e: f64,
     p50_ms: u64,
     p99_ms: u64,
+    /// The GPU's mean busy % during the raw and the end-to-end rows (on CUDA).
+    device_busy: Option<(f64, f64)>,
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -79,9 +82,12 @@ async fn main() -> anyhow::Result<()> {
     if which == "group" {
         return group::run(&stack).await;
     }
+    if which == "reloads" {
+        return reloads(&stack).await;
+    }
     anyhow::ensure!(
         which == "pipeline",
-        "unknown benchmark {which:?}: all, pipeline, delivery, group, adaptive, adaptive-sd, adaptive-sdxl or status-view"
+        "unknown benchmark {which:?}: all, pipeline, delivery, group, adaptive, adaptive-sd, adaptive-sdxl, reloads or status-view"
     );
     // `sluice-bench pipeline [terrain|tiny|sd|sdxl|flux|sd3]`: one model only.
     let only = std::env::args().nth(2);
@@ -110,18 +116,44 @@ async fn main() -> anyhow::Result<()> {
         rows.push(sd_pipeline(&stack, "sd3-tiny", 64, 4, 8, 200).await?);
         rows.push(sd_pipeline(&stack, "sd3-tiny", 256, 20, 2, 16).await?);
     }
+    // `sluice-bench pipeline model`: a diffusion model of any size outside the demo catalog,
+    // what `make gpu-bench` runs on the SD-1.5-shaped model (scripts/gpu/bench.sh).
+    if only.as_deref() == Some("model") {
+        let var = |name: &str| std::env::var(name).with_context(|| format!("{name} is needed for `pipeline model`"));
+        let served = Served {
+            model: Box::leak(var("SLUICE_BENCH_MODEL")?.into_boxed_str()),
+            models_dir: var("SLUICE_BENCH_MODEL_DIR")?.into(),
+            catalog: var("SLUICE_BENCH_CATALOG")?.into(),
+        };
+        // Rows as `size:steps:batch`; tasks per row: SLUICE_BENCH_TASKS at 512x512, fewer for
+        // larger images (the same pixels), at least two calls' worth.
+        let rows_spec = std::env::var("SLUICE_BENCH_ROWS").unwrap_or_else(|_| "512:20:1".into());
+        for row in rows_spec.split(',') {
+            let v: Vec<usize> = row.split(':').filter_map(|v| v.trim().parse().ok()).collect();
+            let [size, steps, batch] = v[..] else {
+                anyhow::bail!("SLUICE_BENCH_ROWS: {row:?} is not size:steps:batch");
+            };
+            let tasks = (env_or("SLUICE_BENCH_TASKS", 8) * 512 * 512 / (size * size).max(512 * 512)).max(2 * batch);
+            rows.push(diffusion_pipeline(&stack, &served, size as u32, steps as u32, batch, tasks).await?);
+        }
+    }
     println!();
+    let device = if on_cuda() {
+        sluice_worker::engine::gpu::device_name(0).unwrap_or_else(|| "CUDA".into())
+    } else {
+        "CPU".into()
+    };
     println!(
-        "## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (Apache Kafka 4.3.1, one KRaft node) and S3 (s3s-fs), one worker, CPU"
+        "## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (Apache Kafka 4.3.1, one KRaft node) and S3 (s3s-fs), one worker, {device}"
     );
     println!();
     println!(
-        "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker / broker / S3 |"
+        "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker / broker / S3 | GPU busy %: raw / end to end |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.2} | {} / {} | {:.2} / {:.2} / {:.2} |",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {} / {} | {:.2} / {:.2} / {:.2} | {} |",
             r.scenario,
             r.batch,
             r.tasks,
@@ -132,10 +164,60 @@ async fn main() -> anyhow::Result<()> {
             r.p99_ms,
             r.cpu[0],
             r.cpu[1],
-            r.cpu[2]
+            r.cpu[2],
+            r.device_busy.map_or("-".into(), |(raw, e2e)| format!("{raw:.0} / {e2e:.0}"))
         );
     }
     Ok(())
+}
+
+/// `sluice-bench reloads` (run by `make gpu-bench` on the SD-1.5-shaped model): a worker serving
+/// `SLUICE_BENCH_MODEL` (from `SLUICE_BENCH_MODEL_DIR`, `SLUICE_BENCH_CATALOG`) reloaded
+/// `SLUICE_BENCH_RELOADS` times (default 5), with the memory right after each unload and after
+/// each load (free device memory through NVML on a GPU, RSS on the CPU); then the same model in a
+/// worker whose every load leaks a copy (`SLUICE_TEST_FAULTS=leak-load=1`), reloaded until the
+/// reload bound (`SLUICE_BENCH_LEAK_BOUND_BYTES`, default 1 GiB) stops it.
+async fn reloads(stack: &Stack) -> anyhow::Result<()> {
+    let var = |name: &str| std::env::var(name).with_context(|| format!("{name} is needed for `reloads`"));
+    let model = var("SLUICE_BENCH_MODEL")?;
+    let (models_dir, catalog) = (var("SLUICE_BENCH_MODEL_DIR")?, var("SLUICE_BENCH_CATALOG")?);
+    let settings = [
+        ("SLUICE_MODEL_DIR", models_dir.as_str()),
+        ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+        ("SLUICE_MODELS", model.as_str()),
+    ];
+    let body = serde_json::json!({ "model": model });
+    let mb = |v: &serde_json::Value| v.as_u64().map_or("-".into(), |b| (b >> 20).to_string());
+    let (free, what) = if on_cuda() {
+        ("device_free_bytes", "free device memory (NVML), MB")
+    } else {
+        ("rss_bytes", "RSS, MB")
+    };
+    let worker = Worker::start(stack, "reloads", &settings).await?;
+    println!("\n## reloads of {model}: {what}\n");
+    println!("| reload | after the unload | after the load | ms |");
+    println!("|---|---|---|---|");
+    for i in 1..=env_or("SLUICE_BENCH_RELOADS", 5) {
+        let (status, report) = worker.reload(&body).await;
+        anyhow::ensure!(status == 200, "reload {i}: {report}");
+        let r = &report["reloads"][0];
+        println!("| {i} | {} | {} | {} |", mb(&r["after_unload"][free]), mb(&r["after"][free]), r["total_ms"]);
+    }
+    drop(worker);
+    let bound = env_or("SLUICE_BENCH_LEAK_BOUND_BYTES", 1 << 30).to_string();
+    let mut leaking: Vec<(&str, &str)> = settings.to_vec();
+    leaking.extend([("SLUICE_TEST_FAULTS", "leak-load=1"), ("SLUICE_RELOAD_LEAK_BOUND_BYTES", bound.as_str())]);
+    let mut worker = Worker::start(stack, "reloads-leaking", &leaking).await?;
+    for i in 1..=6 {
+        let (status, report) = worker.reload(&body).await;
+        if status != 200 {
+            let exit = worker.service.wait(Duration::from_secs(60))?;
+            println!("\nleaking each load, bound {} MB: reload {i} answered {status}, the worker exited with {exit}: {report}", bound.parse::<u64>()? >> 20);
+            anyhow::ensure!(!exit.success(), "the leaking worker exited cleanly");
+            return Ok(());
+        }
+    }
+    anyhow::bail!("six leaking reloads did not trip the bound")
 }
 
 /// A benchmark's size setting: `name` from the environment, else `default`.
@@ -174,9 +256,14 @@ fn runtime(stack: &Stack) -> anyhow::Result<Arc<Runtime>> {
     runtime_with(stack, None)
 }
 
-/// Whether the benchmark runs on CUDA (`SLUICE_DEVICE=cuda`, as `make gpu-check` runs it).
-fn on_cuda() -> bool {
-    std::env::var("SLUICE_DEVICE").is_ok_and(|d| d == "cuda")
+/// The session options a worker started in this environment uses (`SLUICE_DEVICE`,
+/// `SLUICE_CUDA_*`, `SLUICE_GPU_MEM_LIMIT`, …, read by the worker's own flags), so that the raw
+/// rows run on the device and with the settings of the end-to-end rows they are compared with.
+fn worker_session_options() -> anyhow::Result<SessionOptions> {
+    use clap::{Args, FromArgMatches};
+    let command = sluice_worker::config::DeviceArgs::augment_args(clap::Command::new("sluice-bench"));
+    let matches = command.try_get_matches_from(["sluice-bench"])?;
+    Ok(sluice_worker::config::DeviceArgs::from_arg_matches(&matches)?.session_options())
 }
 
 /// The process's runtime; `cpu_arena_max_bytes` applies when this call creates it.
@@ -197,16 +284,16 @@ fn runtime_with(stack: &Stack, cpu_arena_max_bytes: Option<usize>) -> anyhow::Re
     Ok(RUNTIME.get_or_init(|| r).clone())
 }
 
-/// Loads `<model_dir>/terrain/model.onnx` on ONNX Runtime with default session options.
-fn ort_loader(runtime: &Arc<Runtime>, model_dir: &Path) -> Loader {
-    let (runtime, path) = (runtime.clone(), model_dir.join("terrain/model.onnx"));
-    Arc::new(move || Ok(Box::new(OrtBackend::load(&runtime, &path, &SessionOptions::default())?) as Box<dyn Backend>))
+/// Loads `<model_dir>/terrain/model.onnx` on ONNX Runtime with the workers' session options.
+fn ort_loader(runtime: &Arc<Runtime>, model_dir: &Path) -> anyhow::Result<Loader> {
+    let (runtime, path, options) = (runtime.clone(), model_dir.join("terrain/model.onnx"), worker_session_options()?);
+    Ok(Arc::new(move || Ok(Box::new(OrtBackend::load(&runtime, &path, &options)?) as Box<dyn Backend>)))
 }
 
 async fn raw_images_per_second(stack: &Stack, model_dir: &Path, batch: usize, batches: usize) -> anyhow::Result<f64> {
     let engine = Engine::start(1);
     let runtime = runtime(stack)?;
-    engine.load("terrain", ort_loader(&runtime, model_dir)).await?;
+    engine.load("terrain", ort_loader(&runtime, model_dir)?).await?;
     let adapter = Terrain::new(runtime);
     let tasks: Vec<TaskRecord> = (0..batch).map(|i| serde_json::from_value(task_record(i)).unwrap()).collect();
     images_per_second(&engine, "terrain", &adapter, &tasks, batches).await
@@ -260,38 +347,94 @@ async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize,
 /// catalog's settings), against the same tasks end to end (`size`×`size`, `steps` steps of
 /// euler with guidance, or flow_euler).
 async fn sd_pipeline(stack: &Stack, model: &'static str, size: u32, steps: u32, batch: usize, tasks: usize) -> anyhow::Result<Row> {
+    let catalog = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
+    let served = Served {
+        model,
+        models_dir: stack.dir.join("models"),
+        catalog,
+    };
+    diffusion_pipeline(stack, &served, size, steps, batch, tasks).await
+}
+
+/// A diffusion model as a worker serves it: its name, the directory of model directories, the
+/// catalog that has it.
+struct Served {
+    model: &'static str,
+    models_dir: PathBuf,
+    catalog: PathBuf,
+}
+
+/// Raw in-process calls of a diffusion model's backend at `batch` (with its catalog entry's
+/// settings, on the workers' device), against the same tasks end to end.
+async fn diffusion_pipeline(stack: &Stack, served: &Served, size: u32, steps: u32, batch: usize, tasks: usize) -> anyhow::Result<Row> {
     use sluice_worker::models::diffusion::{FlowSettings, StableDiffusion};
+    let model = served.model;
     let scenario = format!("{model} {size}x{size}, {steps} steps");
-    let dir = stack.dir.join("models").join(model);
-    let make = move |i: usize| diffusion_task(model, i as u64, size, steps, 1);
+    let dir = served.models_dir.join(model);
+    let catalog = sluice_schemas::Catalog::parse(&std::fs::read_to_string(&served.catalog)?)?;
+    let entry = catalog.get(model).context("the model is in its catalog")?.clone();
+    let make = {
+        let entry = entry.clone();
+        move |i: usize| sluice_integration_tests::records::diffusion_task_of(model, &entry, i as u64, size, steps, 1)
+    };
     eprintln!("== {scenario}: raw ({} images at batch {batch})", tasks);
     let runtime = runtime(stack)?;
-    let entry = sluice_integration_tests::demo_catalog()
-        .get(model)
-        .context("the model is in the demo catalog")?;
-    let adapter = Arc::new(StableDiffusion::open_with(runtime, model, &dir, FlowSettings::of(entry))?);
+    let adapter = Arc::new(StableDiffusion::open_with(runtime, model, &dir, FlowSettings::of(&entry))?);
     let engine = Engine::start(1);
-    let (a, d) = (adapter.clone(), dir.clone());
-    engine.load(model, Arc::new(move || a.load(&d, &SessionOptions::default()))).await?;
+    let (a, d, options) = (adapter.clone(), dir.clone(), worker_session_options()?);
+    engine.load(model, Arc::new(move || a.load(&d, &options))).await?;
     let records: Vec<TaskRecord> = (0..batch).map(|i| serde_json::from_value(make(i).1).unwrap()).collect();
+    let busy = DeviceBusy::start();
     let raw = images_per_second(&engine, model, adapter.as_ref(), &records, tasks.div_ceil(batch)).await?;
+    let raw_busy = busy.stop();
     engine.unload(model).await;
-    let catalog = sluice_integration_tests::stack::repo_root()
-        .join("deploy/models.demo.toml")
-        .display()
-        .to_string();
-    let models_dir = stack.dir.join("models");
-    end_to_end(
+    let catalog = served.catalog.display().to_string();
+    let busy = DeviceBusy::start();
+    let mut row = end_to_end(
         stack,
         &scenario,
-        &models_dir,
+        &served.models_dir,
         batch,
         tasks,
         raw,
         &make,
         &[("SLUICE_MODEL_CATALOG", &catalog), ("SLUICE_MODELS", model)],
     )
-    .await
+    .await?;
+    row.device_busy = raw_busy.zip(busy.stop());
+    Ok(row)
+}
+
+/// The GPU's busy share (NVML's utilization, sampled every 100 ms) while a row runs; nothing on
+/// the CPU.
+struct DeviceBusy {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    sampler: Option<std::thread::JoinHandle<Vec<u32>>>,
+}
+
+impl DeviceBusy {
+    fn start() -> DeviceBusy {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = on_cuda().then(|| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut samples = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    samples.extend(sluice_worker::engine::gpu::utilization(0));
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                samples
+            })
+        });
+        DeviceBusy { stop, sampler }
+    }
+
+    /// The mean busy percentage over the row.
+    fn stop(self) -> Option<f64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let samples = self.sampler?.join().ok()?;
+        (!samples.is_empty()).then(|| samples.iter().map(|&s| s as f64).sum::<f64>() / samples.len() as f64)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -373,6 +516,7 @@ async fn end_to_end(
         e2e,
         p50_ms: latencies[latencies.len() / 2],
         p99_ms: latencies[latencies.len() * 99 / 100],
+        device_busy: None,
     })
 }
 
@@ -880,7 +1024,7 @@ mod adaptive {
         let subject = Subject {
             runtime: runtime.clone(),
             model: "terrain",
-            loader: ort_loader(&runtime, &tiny),
+            loader: ort_loader(&runtime, &tiny)?,
             adapter: &adapter,
             task: &task,
         };
@@ -897,26 +1041,22 @@ mod adaptive {
     /// sdxl-tiny: 30 MB, likewise); with `SLUICE_DEVICE=cuda`, the same cap as the CUDA arena's
     /// `gpu_mem_limit`.
     pub async fn run_sd(stack: &Stack, model: &'static str) -> anyhow::Result<()> {
-        use sluice_worker::engine::{ArenaExtend, ConvSearch, Device};
+        use sluice_worker::engine::Device;
         // sdxl-tiny's UNet has no attention at full resolution: 16 images of 256x256 fit in
         // 100 MB, four do not in 30 MB.
         let cap = env_or(
             "SLUICE_BENCH_SD_ARENA_BYTES",
             if model == "sdxl-tiny" { 30_000_000 } else { 400_000_000 },
         );
-        let tasks = env_or("SLUICE_BENCH_SD_ADAPTIVE_TASKS", 48);
+        // On a GPU a 16-task row takes ~0.1 s, so that the rebuilds after its first OOMs would
+        // be most of an adaptive row: GPU rows run 16 times as many tasks.
+        let tasks = env_or("SLUICE_BENCH_SD_ADAPTIVE_TASKS", if on_cuda() { 768 } else { 48 });
         let (runtime, options, arena) = if on_cuda() {
-            let device = Device::Cuda {
-                device_id: 0,
-                mem_limit: Some(cap),
-                arena_extend: ArenaExtend::SameAsRequested,
-                conv_search: ConvSearch::Heuristic,
-                require: true,
-            };
-            let options = SessionOptions {
-                device,
-                ..SessionOptions::default()
-            };
+            let mut options = worker_session_options()?;
+            if let Device::Cuda { mem_limit, require, .. } = &mut options.device {
+                *mem_limit = Some(cap);
+                *require = true;
+            }
             (runtime_with(stack, None)?, options, "CUDA arena (gpu_mem_limit)")
         } else {
             (runtime_with(stack, Some(cap))?, SessionOptions::default(), "CPU arena")
