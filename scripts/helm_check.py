@@ -184,7 +184,7 @@ for profile in profiles:
             images = [c["image"] for _, d in docs_by_tag for c in containers(d)[1] if c["name"] in ("worker", "sync-models")]
         else:
             images = [wc["image"]]
-        check(all(i.endswith("-cuda") for i in images), f"{name}: the CUDA image on GPU pods: {images}")
+        check(all(i.endswith("-cuda13") for i in images), f"{name}: the CUDA 13 image on GPU pods (the default gpu.cuda): {images}")
     else:
         check(not any("gpu" in k for k in limits), f"{name}: no GPU limit in a CPU profile")
         check(wenv.get("SLUICE_DEVICE") == "cpu", f"{name}: CPU device")

@@ -241,8 +241,11 @@ create_topics() {
 write_env() {
   local assets; assets="$("$here/fetch-assets.sh")"
   local model; model="$(sed -n 's/^export SLUICE_TERRAIN_MODEL=//p' <<<"$assets")"
-  mkdir -p "$dir/models/terrain"
-  ln -sfn "$model" "$dir/models/terrain/model.onnx"
+  mkdir -p "$dir/models"
+  if [ -n "$model" ]; then # absent with SLUICE_ASSETS=no-terrain (a GPU node without network)
+    mkdir -p "$dir/models/terrain"
+    ln -sfn "$model" "$dir/models/terrain/model.onnx"
+  fi
   local sd; sd="$(sed -n 's/^export SLUICE_SD_TINY=//p' <<<"$assets")"
   ln -sfn "$sd/sd-tiny" "$dir/models/sd-tiny"
   ln -sfn "$sd/sdxl-tiny" "$dir/models/sdxl-tiny"

@@ -2,7 +2,9 @@
 #   podman build -f deploy/docker/worker.Dockerfile -t sluice-worker:cpu .
 #   podman build -f deploy/docker/worker.Dockerfile --build-arg ORT_FLAVOUR=cuda -t sluice-worker:cuda .
 # ONNX Runtime comes from the pinned, checksummed PyPI wheels scripts/fetch-assets.sh fetches (the
-# CUDA flavour with the CUDA 12 / cuDNN 9 runtime libraries, so a GPU node needs only its driver).
+# CUDA flavour with the CUDA / cuDNN 9 runtime libraries, so a GPU node needs only its driver).
+# There is no driver to detect at build time: ORT_FLAVOUR=cuda is CUDA 12 (onnxruntime-gpu 1.24.1,
+# drivers >= 525); ORT_FLAVOUR=cuda13 builds the CUDA 13 one (onnxruntime-gpu 1.31.1, >= 580).
 # The model catalog and the models are mounted (SLUICE_MODEL_CATALOG, SLUICE_MODEL_DIR), not baked
 # in. Runs as a non-root user with nothing to write but /tmp.
 ARG RUST_IMAGE=docker.io/library/rust:1.95-slim-bookworm
@@ -27,11 +29,13 @@ ARG ORT_FLAVOUR=cpu
 WORKDIR /src
 COPY scripts/fetch-assets.sh scripts/
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN SLUICE_CACHE=/cache SLUICE_ASSETS=runtime SLUICE_ORT_FLAVOUR=${ORT_FLAVOUR} scripts/fetch-assets.sh > /cache.env \
+RUN flavour=${ORT_FLAVOUR} && if [ "$flavour" = cuda ]; then flavour=cuda12; fi \
+    && SLUICE_CACHE=/cache SLUICE_ASSETS=runtime SLUICE_ORT_FLAVOUR=$flavour scripts/fetch-assets.sh > /cache.env \
     && . /cache.env \
     && mkdir -p /opt/ort \
     && cp "$ORT_DYLIB_PATH" /opt/ort/libonnxruntime.so \
-    && if [ -n "${LD_LIBRARY_PATH:-}" ]; then cp -a "${LD_LIBRARY_PATH%%:*}"/. /opt/ort/; fi
+    && IFS=: read -ra dirs <<<"${LD_LIBRARY_PATH:-}" \
+    && for d in "${dirs[@]}"; do case "$d" in /cache/*) cp -a "$d"/. /opt/ort/ ;; esac; done
 
 FROM ${RUNTIME_IMAGE}
 # hadolint ignore=DL3008

@@ -51,7 +51,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "sluice.workerTag" -}}
-{{- printf "%s-%s" .Chart.AppVersion (ternary "cuda" "cpu" .Values.worker.gpu.enabled) -}}
+{{- printf "%s-%s" .Chart.AppVersion (ternary (printf "cuda%s" .Values.worker.gpu.cuda) "cpu" .Values.worker.gpu.enabled) -}}
 {{- end -}}
 
 {{/* The worker pod's grace period: the drain, plus a margin for committing and leaving. */}}
