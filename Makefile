@@ -12,7 +12,7 @@ BIN := $(CARGO_TARGET_DIR)/release
 STACK ?= .stack
 
 
-.PHONY: assets-cuda gpu-check alerts-test images
+.PHONY: assets-cuda gpu-check gpu-bench gpu-pack alerts-test images
 .PHONY: help setup tools stack-tools assets build demo test unit-test integration-test chaos fuzz bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
@@ -24,8 +24,10 @@ help:
 	@echo "make stack-up    start the broker and the S3 server; settings in $(STACK)/env"
 	@echo "make stack-down  stop them"
 	@echo "make lint        rustfmt and clippy"
-	@echo "make assets-cuda ONNX Runtime's CUDA flavour with its CUDA/cuDNN libraries (PyPI)"
-	@echo "make gpu-check   the CUDA path on a GPU node"
+	@echo "make assets-cuda ONNX Runtime's CUDA flavour for the driver's CUDA 12 or 13, with its libraries (PyPI)"
+	@echo "make gpu-check   the CUDA path on a GPU node (SLUICE_GPU_CHECK_DEVICE=cpu rehearses it here)"
+	@echo "make gpu-bench   an SD-1.5-shaped model on a GPU node: raw vs end to end, GPU busy, share of peak"
+	@echo "make gpu-pack    what a GPU node without Rust, Java or network needs for the two above"
 	@echo "make images      build the container images (buildah; local Debian bases) and run them once"
 
 setup: tools assets build
@@ -40,13 +42,27 @@ stack-tools:
 assets:
 	@scripts/fetch-assets.sh >/dev/null
 
-# ONNX Runtime's CUDA flavour and the CUDA/cuDNN libraries it needs, from PyPI (~1.9 GB).
+# ONNX Runtime's CUDA flavour and the CUDA/cuDNN libraries it needs, from PyPI, for the CUDA major
+# the driver supports (driver >= 580: CUDA 13, ~1.4 GB, or only the 256 MB ONNX Runtime wheel
+# where the node's Python (SLUICE_CUDA_PYTHON) has torch's CUDA 13 libraries; >= 525: CUDA 12,
+# ~1.9 GB). SLUICE_ORT_FLAVOUR=cuda12 / cuda13 names the major instead (no driver needed); it
+# passes through: `make assets-cuda SLUICE_ORT_FLAVOUR=cuda13`.
 assets-cuda:
-	@SLUICE_ORT_FLAVOUR=cuda scripts/fetch-assets.sh >/dev/null
+	@SLUICE_ORT_FLAVOUR=$(or $(filter cuda12 cuda13,$(SLUICE_ORT_FLAVOUR)),cuda) scripts/fetch-assets.sh >/dev/null
 
-# The CUDA path on a GPU node (see scripts/gpu-check.sh).
+# The CUDA path on a GPU node (see scripts/gpu/check.sh); SLUICE_GPU_CHECK_DEVICE=cpu rehearses
+# the same steps on the CPU.
 gpu-check: setup
-	scripts/gpu-check.sh
+	scripts/gpu/check.sh
+
+# A real-size benchmark on a GPU node (see scripts/gpu/bench.sh): the SD-1.5-shaped model.
+gpu-bench: setup
+	scripts/gpu/bench.sh
+
+# Binaries, test executables, a Java runtime, Kafka, the S3 server and ONNX Runtime's CUDA
+# flavour for a GPU node with no Rust, Java or network, in parts (see scripts/gpu/pack.sh).
+gpu-pack: setup
+	scripts/gpu/pack.sh
 
 build:
 	$(CARGO) build --release --locked --bins
