@@ -13,8 +13,8 @@
 #      model, and a worker whose loads leak a copy stopped by the reload bound.
 # Settings: SLUICE_GPU_BENCH_ROWS (size:steps:batch, comma-separated; default
 # 512:20:1,512:20:4,512:50:1,1024:20:1,1024:20:4), _TASKS (tasks per row at 512², fewer for larger
-# images; default 16), _RELOADS (5). The worker's CUDA settings (SLUICE_CUDA_TF32, …) apply to
-# both columns.
+# images; default 16), _RELOADS (5), _STEPS ("pipeline reloads"). The worker's CUDA settings
+# (SLUICE_CUDA_TF32, …) apply to both columns.
 # SLUICE_GPU_BENCH_DEVICE=cpu rehearses the whole script on the CPU (use small sizes and steps).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -61,6 +61,11 @@ TOML
 export SLUICE_BENCH_MODEL=sd15 SLUICE_BENCH_MODEL_DIR="$work/models" SLUICE_BENCH_CATALOG="$work/catalog.toml"
 export SLUICE_BENCH_ROWS="${SLUICE_GPU_BENCH_ROWS:-512:20:1,512:20:4,512:50:1,1024:20:1,1024:20:4}"
 export SLUICE_BENCH_TASKS="${SLUICE_GPU_BENCH_TASKS:-16}" SLUICE_BENCH_RELOADS="${SLUICE_GPU_BENCH_RELOADS:-5}"
-(cd "$root" && "$BIN/sluice-bench" pipeline model) | tee "$out/pipeline.md"
-"$PY" "$here/limits.py" "$here/flops.json" "$out/pipeline.md" | tee "$out/limits.md"
-(cd "$root" && "$BIN/sluice-bench" reloads) | tee "$out/reloads.md"
+steps="${SLUICE_GPU_BENCH_STEPS:-pipeline reloads}"
+if [[ " $steps " == *" pipeline "* ]]; then
+  (cd "$root" && "$BIN/sluice-bench" pipeline model) | tee "$out/pipeline.md"
+  "$PY" "$here/limits.py" "$here/flops.json" "$out/pipeline.md" | tee "$out/limits.md"
+fi
+if [[ " $steps " == *" reloads "* ]]; then
+  (cd "$root" && "$BIN/sluice-bench" reloads) | tee "$out/reloads.md"
+fi

@@ -221,8 +221,9 @@ pub struct EngineArgs {
     #[arg(long, env = "SLUICE_RELOAD_MIN_FREE_BYTES", default_value_t = 256 << 20)]
     pub reload_min_free_bytes: u64,
     /// How much more memory may be in use right after a model is unloaded than after its first
-    /// unload, bytes (CUDA: device memory in use, as NVML reports it for the whole device; CPU:
-    /// the process's RSS). Above it a reload leaks, and the worker exits non-zero.
+    /// unload, bytes (CUDA: the device memory this process holds, from NVML's process list, or
+    /// the whole device's in use where NVML does not list the process; CPU: the process's RSS).
+    /// Above it a reload leaks, and the worker exits non-zero.
     #[arg(long, env = "SLUICE_RELOAD_LEAK_BOUND_BYTES", default_value_t = 512 << 20)]
     pub reload_leak_bound_bytes: u64,
 }

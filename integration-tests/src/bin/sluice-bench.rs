@@ -22,7 +22,7 @@ use sluice_integration_tests::process::on_cuda;
 use sluice_integration_tests::stack::Stack;
 use sluice_integration_tests::{TopicReader, publish_tasks, sd_task, terrain_task};
 use sluice_schemas::{CompletionEvent, CompletionStatus, TaskRecord};
-use sluice_worker::engine::{Backend, Call, CallTask, Engine, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
+use sluice_worker::engine::{Backend, Call, CallTask, Engine, EngineError, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
 
 struct Row {
@@ -91,30 +91,69 @@ async fn main() -> anyhow::Result<()> {
     );
     // `sluice-bench pipeline [terrain|tiny|sd|sdxl|flux|sd3]`: one model only.
     let only = std::env::args().nth(2);
-    let mut rows = Vec::new();
+    let device = if on_cuda() {
+        sluice_worker::engine::gpu::device_name(0).unwrap_or_else(|| "CUDA".into())
+    } else {
+        "CPU".into()
+    };
+    println!();
+    println!(
+        "## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (Apache Kafka 4.3.1, one KRaft node) and S3 (s3s-fs), one worker, {device}"
+    );
+    println!();
+    println!(
+        "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker / broker / S3 | GPU busy %: raw / end to end |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let report = |r: &Row| {
+        println!(
+            "| {} | {} | {} | {} | {:.2} | {} | {} / {} | {:.2} / {:.2} / {:.2} | {} |",
+            r.scenario,
+            r.batch,
+            r.tasks,
+            if r.raw.is_nan() {
+                "out of memory".into()
+            } else {
+                format!("{:.2}", r.raw)
+            },
+            r.e2e,
+            if r.raw.is_nan() {
+                "-".into()
+            } else {
+                format!("{:.2}", r.e2e / r.raw)
+            },
+            r.p50_ms,
+            r.p99_ms,
+            r.cpu[0],
+            r.cpu[1],
+            r.cpu[2],
+            r.device_busy.map_or("-".into(), |(raw, e2e)| format!("{raw:.0} / {e2e:.0}"))
+        );
+    };
+    // Each row as it is measured: a later row that fails leaves the earlier ones printed.
     if only.as_deref().is_none_or(|o| o == "terrain") {
         let terrain = stack.dir.join("models");
-        rows.push(pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 40).await?);
+        report(&pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 40).await?);
     }
     if only.as_deref().is_none_or(|o| o == "tiny") {
         let tiny = stack.tiny_models()?;
-        rows.push(pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 2_000).await?);
+        report(&pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 2_000).await?);
     }
     if only.as_deref().is_none_or(|o| o == "sd") {
-        rows.push(sd_pipeline(&stack, "sd-tiny", 64, 4, 8, 400).await?);
-        rows.push(sd_pipeline(&stack, "sd-tiny", 256, 20, 2, 16).await?);
+        report(&sd_pipeline(&stack, "sd-tiny", 64, 4, 8, 400).await?);
+        report(&sd_pipeline(&stack, "sd-tiny", 256, 20, 2, 16).await?);
     }
     if only.as_deref().is_none_or(|o| o == "sdxl") {
-        rows.push(sd_pipeline(&stack, "sdxl-tiny", 64, 4, 8, 200).await?);
-        rows.push(sd_pipeline(&stack, "sdxl-tiny", 256, 20, 2, 16).await?);
+        report(&sd_pipeline(&stack, "sdxl-tiny", 64, 4, 8, 200).await?);
+        report(&sd_pipeline(&stack, "sdxl-tiny", 256, 20, 2, 16).await?);
     }
     if only.as_deref().is_none_or(|o| o == "flux") {
-        rows.push(sd_pipeline(&stack, "flux-schnell-tiny", 64, 4, 8, 200).await?);
-        rows.push(sd_pipeline(&stack, "flux-dev-tiny", 256, 20, 2, 16).await?);
+        report(&sd_pipeline(&stack, "flux-schnell-tiny", 64, 4, 8, 200).await?);
+        report(&sd_pipeline(&stack, "flux-dev-tiny", 256, 20, 2, 16).await?);
     }
     if only.as_deref().is_none_or(|o| o == "sd3") {
-        rows.push(sd_pipeline(&stack, "sd3-tiny", 64, 4, 8, 200).await?);
-        rows.push(sd_pipeline(&stack, "sd3-tiny", 256, 20, 2, 16).await?);
+        report(&sd_pipeline(&stack, "sd3-tiny", 64, 4, 8, 200).await?);
+        report(&sd_pipeline(&stack, "sd3-tiny", 256, 20, 2, 16).await?);
     }
     // `sluice-bench pipeline model`: a diffusion model of any size outside the demo catalog,
     // what `make gpu-bench` runs on the SD-1.5-shaped model (scripts/gpu/bench.sh).
@@ -134,39 +173,8 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::bail!("SLUICE_BENCH_ROWS: {row:?} is not size:steps:batch");
             };
             let tasks = (env_or("SLUICE_BENCH_TASKS", 8) * 512 * 512 / (size * size).max(512 * 512)).max(2 * batch);
-            rows.push(diffusion_pipeline(&stack, &served, size as u32, steps as u32, batch, tasks).await?);
+            report(&diffusion_pipeline(&stack, &served, size as u32, steps as u32, batch, tasks).await?);
         }
-    }
-    println!();
-    let device = if on_cuda() {
-        sluice_worker::engine::gpu::device_name(0).unwrap_or_else(|| "CUDA".into())
-    } else {
-        "CPU".into()
-    };
-    println!(
-        "## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (Apache Kafka 4.3.1, one KRaft node) and S3 (s3s-fs), one worker, {device}"
-    );
-    println!();
-    println!(
-        "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker / broker / S3 | GPU busy %: raw / end to end |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for r in &rows {
-        println!(
-            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {} / {} | {:.2} / {:.2} / {:.2} | {} |",
-            r.scenario,
-            r.batch,
-            r.tasks,
-            r.raw,
-            r.e2e,
-            r.e2e / r.raw,
-            r.p50_ms,
-            r.p99_ms,
-            r.cpu[0],
-            r.cpu[1],
-            r.cpu[2],
-            r.device_busy.map_or("-".into(), |(raw, e2e)| format!("{raw:.0} / {e2e:.0}"))
-        );
     }
     Ok(())
 }
@@ -189,7 +197,7 @@ async fn reloads(stack: &Stack) -> anyhow::Result<()> {
     let body = serde_json::json!({ "model": model });
     let mb = |v: &serde_json::Value| v.as_u64().map_or("-".into(), |b| (b >> 20).to_string());
     let (free, what) = if on_cuda() {
-        ("device_free_bytes", "free device memory (NVML), MB")
+        ("device_process_bytes", "device memory the worker holds (NVML), MB")
     } else {
         ("rss_bytes", "RSS, MB")
     };
@@ -201,18 +209,29 @@ async fn reloads(stack: &Stack) -> anyhow::Result<()> {
         let (status, report) = worker.reload(&body).await;
         anyhow::ensure!(status == 200, "reload {i}: {report}");
         let r = &report["reloads"][0];
-        println!("| {i} | {} | {} | {} |", mb(&r["after_unload"][free]), mb(&r["after"][free]), r["total_ms"]);
+        println!(
+            "| {i} | {} | {} | {} |",
+            mb(&r["after_unload"][free]),
+            mb(&r["after"][free]),
+            r["total_ms"]
+        );
     }
     drop(worker);
     let bound = env_or("SLUICE_BENCH_LEAK_BOUND_BYTES", 1 << 30).to_string();
     let mut leaking: Vec<(&str, &str)> = settings.to_vec();
-    leaking.extend([("SLUICE_TEST_FAULTS", "leak-load=1"), ("SLUICE_RELOAD_LEAK_BOUND_BYTES", bound.as_str())]);
+    leaking.extend([
+        ("SLUICE_TEST_FAULTS", "leak-load=1"),
+        ("SLUICE_RELOAD_LEAK_BOUND_BYTES", bound.as_str()),
+    ]);
     let mut worker = Worker::start(stack, "reloads-leaking", &leaking).await?;
     for i in 1..=6 {
         let (status, report) = worker.reload(&body).await;
         if status != 200 {
             let exit = worker.service.wait(Duration::from_secs(60))?;
-            println!("\nleaking each load, bound {} MB: reload {i} answered {status}, the worker exited with {exit}: {report}", bound.parse::<u64>()? >> 20);
+            println!(
+                "\nleaking each load, bound {} MB: reload {i} answered {status}, the worker exited with {exit}: {report}",
+                bound.parse::<u64>()? >> 20
+            );
             anyhow::ensure!(!exit.success(), "the leaking worker exited cleanly");
             return Ok(());
         }
@@ -287,7 +306,9 @@ fn runtime_with(stack: &Stack, cpu_arena_max_bytes: Option<usize>) -> anyhow::Re
 /// Loads `<model_dir>/terrain/model.onnx` on ONNX Runtime with the workers' session options.
 fn ort_loader(runtime: &Arc<Runtime>, model_dir: &Path) -> anyhow::Result<Loader> {
     let (runtime, path, options) = (runtime.clone(), model_dir.join("terrain/model.onnx"), worker_session_options()?);
-    Ok(Arc::new(move || Ok(Box::new(OrtBackend::load(&runtime, &path, &options)?) as Box<dyn Backend>)))
+    Ok(Arc::new(move || {
+        Ok(Box::new(OrtBackend::load(&runtime, &path, &options)?) as Box<dyn Backend>)
+    }))
 }
 
 async fn raw_images_per_second(stack: &Stack, model_dir: &Path, batch: usize, batches: usize) -> anyhow::Result<f64> {
@@ -385,7 +406,16 @@ async fn diffusion_pipeline(stack: &Stack, served: &Served, size: u32, steps: u3
     engine.load(model, Arc::new(move || a.load(&d, &options))).await?;
     let records: Vec<TaskRecord> = (0..batch).map(|i| serde_json::from_value(make(i).1).unwrap()).collect();
     let busy = DeviceBusy::start();
-    let raw = images_per_second(&engine, model, adapter.as_ref(), &records, tasks.div_ceil(batch)).await?;
+    // A fixed batch that does not fit the device is a result (the end-to-end worker's adaptive
+    // batches still run): the raw column says so instead of ending the benchmark.
+    let raw = match images_per_second(&engine, model, adapter.as_ref(), &records, tasks.div_ceil(batch)).await {
+        Ok(rate) => rate,
+        Err(e) if matches!(e.downcast_ref(), Some(EngineError::OutOfMemory(_))) => {
+            eprintln!("== {scenario}: raw at batch {batch} ran out of memory");
+            f64::NAN
+        }
+        Err(e) => return Err(e),
+    };
     let raw_busy = busy.stop();
     engine.unload(model).await;
     let catalog = served.catalog.display().to_string();
@@ -451,7 +481,8 @@ async fn end_to_end(
     // Every task is on the topic before the worker starts, so the worker runs as fast as it
     // can and the rate measured is the pipeline's own, not the feeder's.
     eprintln!("== {scenario}: end to end ({tasks} tasks through one worker)");
-    let topics = stack.topics(&format!("bench-{tasks}"), 8)?;
+    // Topics of its own: another row's completions must not count for this one.
+    let topics = stack.topics(&format!("bench-{tasks}-{}", uuid::Uuid::new_v4().simple()), 8)?;
     let kafka = producer(stack.brokers())?;
     let all: Vec<_> = (0..tasks).map(make).collect();
     for chunk in all.chunks(2000) {

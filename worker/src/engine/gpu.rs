@@ -14,6 +14,16 @@ struct NvmlMemory {
     used: u64,
 }
 
+/// NVML's `nvmlProcessInfo_t` (the layout `nvmlDeviceGetComputeRunningProcesses_v3` fills).
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct NvmlProcessInfo {
+    pid: u32,
+    used_gpu_memory: u64,
+    gpu_instance_id: u32,
+    compute_instance_id: u32,
+}
+
 #[repr(C)]
 #[derive(Default)]
 struct NvmlUtilization {
@@ -27,6 +37,7 @@ struct Nvml {
     get_memory: unsafe extern "C" fn(*mut c_void, *mut NvmlMemory) -> i32,
     get_utilization: unsafe extern "C" fn(*mut c_void, *mut NvmlUtilization) -> i32,
     get_name: unsafe extern "C" fn(*mut c_void, *mut std::ffi::c_char, u32) -> i32,
+    get_processes: unsafe extern "C" fn(*mut c_void, *mut u32, *mut NvmlProcessInfo) -> i32,
 }
 
 fn nvml() -> Option<&'static Nvml> {
@@ -41,12 +52,14 @@ fn nvml() -> Option<&'static Nvml> {
         let get_memory = *lib.get(b"nvmlDeviceGetMemoryInfo").ok()?;
         let get_utilization = *lib.get(b"nvmlDeviceGetUtilizationRates").ok()?;
         let get_name = *lib.get(b"nvmlDeviceGetName").ok()?;
+        let get_processes = *lib.get(b"nvmlDeviceGetComputeRunningProcesses_v3").ok()?;
         Some(Nvml {
             _lib: lib,
             get_handle,
             get_memory,
             get_utilization,
             get_name,
+            get_processes,
         })
     })
     .as_ref()
@@ -79,6 +92,31 @@ pub fn device_name(index: i32) -> Option<String> {
     }
     // SAFETY: NVML writes a NUL-terminated string into the buffer.
     Some(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+/// Device memory process `pid` holds on CUDA device `index` (its CUDA context included), bytes;
+/// `None` without a driver, or where NVML does not list the process under that pid (a container
+/// with its own pid namespace sees the host's pids in NVML's list).
+pub fn process_memory(index: i32, pid: u32) -> Option<u64> {
+    const NVML_ERROR_INSUFFICIENT_SIZE: i32 = 7;
+    let nvml = nvml()?;
+    let handle = handle(nvml, index)?;
+    let mut capacity = 64u32;
+    loop {
+        let mut count = capacity;
+        let mut infos = vec![NvmlProcessInfo::default(); capacity as usize];
+        // SAFETY: a valid handle and a buffer of `count` entries of NVML's layout.
+        match unsafe { (nvml.get_processes)(handle, &mut count, infos.as_mut_ptr()) } {
+            0 => {
+                return infos[..count.min(capacity) as usize]
+                    .iter()
+                    .find(|p| p.pid == pid)
+                    .map(|p| p.used_gpu_memory);
+            }
+            NVML_ERROR_INSUFFICIENT_SIZE if capacity < 65_536 => capacity = count.max(capacity) * 2,
+            _ => return None,
+        }
+    }
 }
 
 /// Free and total memory of CUDA device `index`, bytes; `None` without a driver.

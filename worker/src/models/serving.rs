@@ -69,6 +69,9 @@ pub struct MemorySnapshot {
     pub arena_in_use_bytes: Option<u64>,
     pub available_bytes: Option<u64>,
     pub device_free_bytes: Option<u64>,
+    /// Device memory this process holds (NVML's process list; `None` where it does not list
+    /// this process, e.g. in a container with its own pid namespace).
+    pub device_process_bytes: Option<u64>,
 }
 
 /// How a reload ended, when the worker can still serve.
@@ -118,8 +121,8 @@ pub struct ReloadLimits {
     /// device memory on CUDA).
     pub min_free_bytes: u64,
     /// How much more memory may be in use right after a model is unloaded than right after its
-    /// first unload: device memory in use (NVML, the whole device) on CUDA, the process's RSS
-    /// on CPU. More means a reload leaks (seed 001's crash loop: each reload keeping the old
+    /// first unload: on CUDA the device memory this process holds (NVML's process list), or the
+    /// whole device's in use where NVML does not list the process; the process's RSS on CPU. More means a reload leaks (seed 001's crash loop: each reload keeping the old
     /// weights on the device until OOM), and the worker exits non-zero for a clean restart
     /// instead of serving on until it runs out.
     pub leak_bound_bytes: u64,
@@ -301,6 +304,7 @@ impl Serving {
             arena_in_use_bytes: arena.map(|a| a.in_use),
             available_bytes: metrics::available_memory_bytes(),
             device_free_bytes: device.and_then(crate::engine::gpu::device_memory).map(|(free, _)| free),
+            device_process_bytes: device.and_then(|id| crate::engine::gpu::process_memory(id, std::process::id())),
         }
     }
 
@@ -375,6 +379,7 @@ impl Serving {
         unsafe { libc::malloc_trim(0) };
         let after_unload = MemorySnapshot {
             device_free_bytes: self.device_free(state.placement),
+            device_process_bytes: self.device_process(state.placement),
             ..self.snapshot()
         };
         let free = match state.placement {
@@ -395,12 +400,15 @@ impl Serving {
     /// Compares the memory in use right after unloading `name` with what it was after its first
     /// unload: more than [`ReloadLimits::leak_bound_bytes`] above it is a leak, and fatal.
     fn check_leak(&self, name: &str, placement: Placement, after_unload: &MemorySnapshot) -> Result<(), ServingError> {
-        let (in_use, what) = match placement {
-            Placement::Cuda(id) => (
+        // On CUDA, this process's device memory where NVML lists it; else what the whole device
+        // has in use, which other processes on the same GPU move too.
+        let (in_use, what) = match (placement, after_unload.device_process_bytes) {
+            (Placement::Cuda(_), Some(bytes)) => (Some(bytes), "this process's device memory"),
+            (Placement::Cuda(id), None) => (
                 crate::engine::gpu::device_memory(id).map(|(free, total)| total.saturating_sub(free)),
-                "device memory in use",
+                "device memory in use (the whole device)",
             ),
-            Placement::Cpu => (Some(after_unload.rss_bytes), "RSS"),
+            (Placement::Cpu, _) => (Some(after_unload.rss_bytes), "RSS"),
         };
         let Some(in_use) = in_use else { return Ok(()) };
         let baseline = *self
@@ -502,6 +510,7 @@ impl Serving {
         .emit(&self.metrics);
         let after = MemorySnapshot {
             device_free_bytes: self.device_free(state.placement),
+            device_process_bytes: self.device_process(state.placement),
             ..self.snapshot()
         };
         let report = ReloadReport {
@@ -557,6 +566,13 @@ impl Serving {
             after: self.arena_stats().map(|a| a.total_allocated),
             baseline: *self.arena_baseline.lock().expect("baseline"),
         })
+    }
+
+    fn device_process(&self, placement: Placement) -> Option<u64> {
+        match placement {
+            Placement::Cuda(id) => crate::engine::gpu::process_memory(id, std::process::id()),
+            Placement::Cpu => None,
+        }
     }
 
     fn device_free(&self, placement: Placement) -> Option<u64> {
