@@ -9,7 +9,7 @@
 #
 #   scripts/gpu/pack.sh [OUT_DIR] [PART_MB]
 #
-# Writes OUT_DIR (default .gpu-pack) /pack.tar.xz split into parts of PART_MB MiB (default 30)
+# Writes OUT_DIR (default .gpu-pack) /pack.tar.xz split into parts of PART_MB MiB (default 32)
 # named pack.tar.xz.00, .01, …, and prints their names. On the node:
 #   cat pack.tar.xz.* | tar -xJ -C /tmp/sluice-gpu && . /tmp/sluice-gpu/env.sh
 # env.sh points SLUICE_CACHE, PATH, SLUICE_BIN_DIR and SLUICE_TEST_BIN_DIR at the unpacked tree.
@@ -19,7 +19,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 out="${1:-$root/.gpu-pack}"
-part_mb="${2:-30}"
+part_mb="${2:-32}"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 target="${CARGO_TARGET_DIR:-$CACHE/target}"
 tests=(sd_memory)  # what a node without the terrain model runs (scripts/gpu/check.sh)
