@@ -1450,3 +1450,106 @@ async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
     assert_eq!(exit.unwrap().expect("the worker started"), Exit::Clean);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// One request cannot exhaust the producer (input images on, so bodies of ~11 MB are read).
+/// With room for one such body at a time (`SLUICE_BODY_BYTES_IN_FLIGHT`), a second is answered
+/// 503 with `Retry-After` as soon as its headers arrive, before its body is read. Then 20 hostile
+/// bodies at once, each 11 MB of `"negative_prompt": [0,0,…]` (a JSON tree of ~400 MB if parsed),
+/// are each a 413 (refused by their size once images are left out, before any tree is built) or
+/// turned away unread (the 503; a client still writing its body sees the connection close). The
+/// producer's peak RSS stays under 300 MB, and it goes on accepting tasks.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
+    use sluice_integration_tests::free_port;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = cluster().await;
+    let stack = &c.stack;
+    let (port, dir) = (free_port(), stack.dir.join("hostile"));
+    let mut env = stack.vars();
+    env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+    env.push(("SLUICE_METRICS_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
+    env.push(("SLUICE_STATUS_PATH".into(), dir.join("view.redb").display().to_string()));
+    env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
+    env.push(("SLUICE_WEBHOOKS".into(), "false".into()));
+    env.push(("SLUICE_BODY_BYTES_IN_FLIGHT".into(), "1".into()));
+    assert!(
+        env.iter().any(|(k, _)| k == "SLUICE_INPUT_URL"),
+        "input images on: the large body limit"
+    );
+    let mut producer = Service::spawn("hostile-producer", &bin("sluice-producer"), &["serve"], &env, &dir).unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    producer
+        .wait_ready(&format!("{url}/healthz"), Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    // One body being read holds the room; a second is turned away at its headers.
+    let head = format!(
+        "POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\nContent-Length: 11000000\r\n\r\n"
+    );
+    let mut holder = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    holder.write_all(head.as_bytes()).await.unwrap();
+    holder.write_all(&[b' '; 1 << 20]).await.unwrap();
+    let mut second = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    second.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), second.read(&mut answer))
+        .await
+        .expect("answered before its body was sent")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).to_lowercase();
+    assert!(answer.starts_with("http/1.1 503") && answer.contains("retry-after: 1"), "{answer}");
+    drop((holder, second));
+
+    let mut hostile = br#"{"model":"terrain","prompt":"x","negative_prompt":["#.to_vec();
+    while hostile.len() < 11_000_000 {
+        hostile.extend_from_slice(b"0,0,0,0,0,0,0,0,0,0,");
+    }
+    hostile.extend_from_slice(b"0]}");
+    let client = reqwest::Client::new();
+    let sends = (0..20).map(|_| {
+        let (client, body, url) = (client.clone(), hostile.clone(), format!("{url}/v1/tasks"));
+        async move {
+            let sent = client
+                .post(url)
+                .bearer_auth(API_KEY)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await;
+            // An answer, or the connection closed while the body was still being written: the
+            // 503 above, sent before the body was read.
+            sent.map(|r| r.status().as_u16()).map_err(|e| format!("{e:?}"))
+        }
+    });
+    let answers = futures::future::join_all(sends).await;
+    let too_large = answers.iter().filter(|a| **a == Ok(413)).count();
+    let unread = answers
+        .iter()
+        .filter(|a| a.as_ref().is_err_and(|e| e.contains("BodyWrite")) || **a == Ok(503))
+        .count();
+    assert_eq!(too_large + unread, answers.len(), "{answers:?}");
+    assert!(too_large >= 1, "{answers:?}");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", producer.pid().unwrap())).unwrap();
+    let peak_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    eprintln!(
+        "20 hostile 11 MB bodies: {too_large} refused by size, {unread} turned away unread; producer peak RSS {} MB",
+        peak_kb >> 10
+    );
+    assert!(peak_kb < 300 << 10, "peak RSS {peak_kb} kB");
+    // And it goes on serving.
+    let good = json!({"model": "terrain", "width": 128, "height": 128, "seed": 5, "params": {"difficulty": 10}});
+    let r = client
+        .post(format!("{url}/v1/tasks"))
+        .bearer_auth(API_KEY)
+        .json(&good)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
+    producer.terminate(Duration::from_secs(10)).unwrap();
+}

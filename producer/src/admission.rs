@@ -35,6 +35,29 @@ pub(crate) struct InlineImages {
     pub mask: Option<String>,
 }
 
+/// The text of a body's `init_image` and `mask_image` strings, read without building anything
+/// else of the body: every other value is skipped as it is scanned (serde's `IgnoredAny`), so a
+/// body of 11 MB costs no more than its bytes, whatever it nests. A body whose images are not
+/// both strings (or not an object, or not JSON) reads as having none.
+#[derive(serde::Deserialize, Default)]
+struct ImageText<'a> {
+    #[serde(borrow, default)]
+    init_image: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    mask_image: Option<std::borrow::Cow<'a, str>>,
+}
+
+impl ImageText<'_> {
+    /// Bytes of the body that are input images (their decoded text: never longer than the JSON).
+    fn len(body: &[u8]) -> usize {
+        let text = serde_json::from_slice::<ImageText>(body).unwrap_or_default();
+        [&text.init_image, &text.mask_image]
+            .iter()
+            .map(|i| i.as_ref().map_or(0, |t| t.len()))
+            .sum()
+    }
+}
+
 /// What a deployment admits beyond the catalog and the schemas.
 pub(crate) struct Limits<'a> {
     /// What a submitted webhook must satisfy (`None`: no webhooks on this deployment).
@@ -52,15 +75,9 @@ pub(crate) fn record(catalog: &Catalog, limits: &Limits<'_>, tenant: &str, heade
     let user = user_of(headers).map_err(|message| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message).with_fields([field("X-Sluice-User", message)])
     })?;
-    let parsed = serde_json::from_slice::<Value>(body);
-    let text = |name: &str| parsed.as_ref().ok()?.get(name)?.as_str().map(str::to_owned);
-    let images = InlineImages {
-        init: text("init_image"),
-        mask: text("mask_image"),
-    };
-    // A decoded string is never longer than its JSON text, so this does not saturate in fact.
-    let images_len: usize = [&images.init, &images.mask].iter().map(|i| i.as_ref().map_or(0, String::len)).sum();
-    let rest = body.len().saturating_sub(images_len);
+    // The size rule first, on the body's bytes: only a body within it is parsed into a tree
+    // (an 11 MB `[0,0,…]` would take ~400 MB as one).
+    let rest = body.len().saturating_sub(ImageText::len(body));
     if rest > limits.max_body_bytes {
         let message = format!(
             "the body is {rest} bytes without its images; the limit is {}",
@@ -68,6 +85,12 @@ pub(crate) fn record(catalog: &Catalog, limits: &Limits<'_>, tenant: &str, heade
         );
         return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message));
     }
+    let parsed = serde_json::from_slice::<Value>(body);
+    let text = |name: &str| parsed.as_ref().ok()?.get(name)?.as_str().map(str::to_owned);
+    let images = InlineImages {
+        init: text("init_image"),
+        mask: text("mask_image"),
+    };
     let request = parsed.map_err(|e| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not JSON: {e}")).with_fields([field("", e.to_string())])
     })?;
@@ -229,5 +252,26 @@ mod tests {
             (refused.status, refused.error.as_str()),
             (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
         );
+    }
+
+    /// Only strings count as images: a large array in an image field, or anywhere else, is
+    /// judged by its size before the body is parsed into a tree.
+    #[test]
+    fn only_image_strings_are_left_out_of_the_size_rule() {
+        let zeros = vec![0u8; 200_000];
+        let image = format!("data:image/png;base64,{}", "A".repeat(200_000));
+        for body in [
+            serde_json::json!({"model": "sd", "prompt": "p", "negative_prompt": zeros}),
+            serde_json::json!({"model": "sd", "prompt": "p", "init_image": zeros}),
+            serde_json::json!({"model": "sd", "prompt": "p", "init_image": image, "mask_image": {"a": zeros}}),
+        ] {
+            let refused = admit(true, body).err().expect("refused");
+            assert_eq!(refused.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", refused.message);
+        }
+        // The same key twice is not two images' room.
+        let twice = format!(r#"{{"model":"sd","prompt":"p","init_image":"{image}","init_image":"{image}"}}"#);
+        assert_eq!(ImageText::len(twice.as_bytes()), 0);
+        assert_eq!(ImageText::len(b"[1,2]"), 0);
+        assert_eq!(ImageText::len(br#"{"init_image":"abc","mask_image":"de"}"#), 5);
     }
 }

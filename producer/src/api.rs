@@ -49,6 +49,40 @@ pub struct AppState {
     /// The most a submission's body may be, input images included: read only once the caller
     /// is authenticated.
     pub body_limit: usize,
+    /// Room for submission bodies being read and admitted at once, in KiB
+    /// (`SLUICE_BODY_BYTES_IN_FLIGHT`): see [`body_room`].
+    pub body_room: tokio::sync::Semaphore,
+}
+
+/// The room, in KiB permits, that a submission holds while its body is read and admitted: its
+/// `Content-Length`, or the whole limit for a body without one.
+fn body_room<'a>(s: &'a AppState, headers: &HeaderMap) -> Result<tokio::sync::SemaphorePermit<'a>, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if let Some(length) = declared.filter(|l| *l > s.body_limit) {
+        let message = format!("the body is {length} bytes; this endpoint reads at most {}", s.body_limit);
+        return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message));
+    }
+    let kib = u32::try_from(declared.unwrap_or(s.body_limit).div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    s.body_room.try_acquire_many(kib).map_err(|_| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy",
+            "too many request bodies are being read at once; retry shortly",
+        )
+        .with_header(header::RETRY_AFTER, "1")
+    })
+}
+
+/// KiB permits for `SLUICE_BODY_BYTES_IN_FLIGHT` bytes of bodies, never less than one body of
+/// the largest size.
+pub fn body_room_permits(bytes_in_flight: usize, body_limit: usize) -> usize {
+    bytes_in_flight
+        .max(body_limit)
+        .div_ceil(1024)
+        .min(tokio::sync::Semaphore::MAX_PERMITS)
 }
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
@@ -145,7 +179,9 @@ async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: axum::
 /// first time, and publishes anything else.
 async fn submit_inner(s: &AppState, headers: &HeaderMap, body: axum::body::Body) -> Result<Response, ApiError> {
     let tenant = tenant_of(s, headers)?;
-    // Read only for a caller with a key, and at most the limit with room for input images.
+    // Read only for a caller with a key, at most the limit with room for input images, and only
+    // while the bodies read at once stay within their room: held until the task is published.
+    let _room = body_room(s, headers)?;
     let body = axum::body::to_bytes(body, s.body_limit).await.map_err(|_| {
         let message = format!("the body is over the {} bytes this endpoint reads", s.body_limit);
         ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message)

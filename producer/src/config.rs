@@ -149,6 +149,11 @@ pub struct ServeArgs {
     /// two data URLs of SLUICE_MAX_INPUT_IMAGE_BYTES.
     #[arg(long, env = "SLUICE_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
     pub max_body_bytes: usize,
+    /// Bytes of submission bodies read and admitted at once (each counts its Content-Length, or
+    /// the whole limit without one); past it a submission is a 503 with Retry-After. At least
+    /// one body of the largest size.
+    #[arg(long, env = "SLUICE_BODY_BYTES_IN_FLIGHT", default_value_t = 64 << 20)]
+    pub body_bytes_in_flight: usize,
     /// Where input images of img2img and inpainting requests are stored (`s3://bucket/prefix`
     /// or `file:///path`; the workers' SLUICE_INPUT_URL). Unset: requests with images are
     /// refused.

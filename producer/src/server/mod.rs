@@ -112,6 +112,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
         inputs,
         max_body_bytes: args.max_body_bytes,
         body_limit: max_body_bytes,
+        body_room: tokio::sync::Semaphore::new(crate::api::body_room_permits(args.body_bytes_in_flight, max_body_bytes)),
         webhooks: Some(policy),
         catalog,
         status: Some(view.store),
