@@ -760,18 +760,49 @@ async fn a_producer_is_ready_only_once_its_status_view_caught_up() {
 /// committed offset moves past them all.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
+    crash_loop("crash-loop", None).await;
+}
+
+/// The same on a diffusion model (sd-tiny, its steps in one backend call), through the fault
+/// wrapper that now forwards every adapter method (the model's directory entry included).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_diffusion_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
+    crash_loop("crash-loop-sd", Some("sd-tiny")).await;
+}
+
+/// [`a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes`] on terrain-tiny, or on
+/// `diffusion` of the demo catalog.
+async fn crash_loop(scenario: &str, diffusion: Option<&'static str>) {
     let _one = SERIAL.lock().await;
     let stack = stack().await;
-    let topics = stack.topics("crash-loop", 1).unwrap();
+    let topics = stack.topics(scenario, 1).unwrap();
     let poison = 77_001u64;
     let fault = format!("abort-run={poison}");
+    let task = |seed: u64| match diffusion {
+        Some(model) => sluice_integration_tests::diffusion_task(model, seed, 64, 2, 1),
+        None => terrain_task(seed, 128, 128, 10),
+    };
     // Long enough that the tasks published together run as one batch with the poison.
-    let extra = [("SLUICE_TEST_FAULTS", fault.as_str()), ("SLUICE_MAX_WAIT_MS", "1000")];
-    let group = "chaos-crash-loop";
-    let mut w = worker_with(stack, "crash-loop-0", group, &topics, &extra).await;
+    let mut extra = vec![("SLUICE_TEST_FAULTS", fault.as_str()), ("SLUICE_MAX_WAIT_MS", "1000")];
+    let (models, catalog) = (
+        stack.dir.join("models").display().to_string(),
+        sluice_integration_tests::stack::repo_root()
+            .join("deploy/models.demo.toml")
+            .display()
+            .to_string(),
+    );
+    if let Some(model) = diffusion {
+        extra.extend([
+            ("SLUICE_MODEL_DIR", models.as_str()),
+            ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+            ("SLUICE_MODELS", model),
+        ]);
+    }
+    let group = format!("chaos-{scenario}");
+    let mut w = worker_with(stack, &format!("{scenario}-0"), &group, &topics, &extra).await;
     w.wait_assigned(Duration::from_secs(60)).await.unwrap();
-    let mut all = tasks(8, 77_100);
-    all[3] = terrain_task(poison, 128, 128, 10);
+    let mut all: Vec<_> = (0..8).map(|i| task(77_100 + i)).collect();
+    all[3] = task(poison);
     let poison_id = all[3].0.clone();
     publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, &all)
         .await
@@ -795,7 +826,7 @@ async fn a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
     }
     let done = waiter.await.unwrap().unwrap();
     table(
-        "crash loop (abort in the backend call, SLUICE_MAX_CRASHES=3)",
+        &format!("{scenario} (abort in the backend call, SLUICE_MAX_CRASHES=3)"),
         &[
             ("tasks", all.len().to_string()),
             ("worker deaths (restarted)", restarts.to_string()),
@@ -811,7 +842,7 @@ async fn a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
     }
     assert_eq!(restarts, 3, "one death per start of the poison record");
     sluice_integration_tests::wait_for("the commit past every record", Duration::from_secs(30), async || {
-        sluice_integration_tests::kafka::committed(stack.brokers(), group, &topics.tasks, 0).filter(|o| *o == all.len() as i64)
+        sluice_integration_tests::kafka::committed(stack.brokers(), &group, &topics.tasks, 0).filter(|o| *o == all.len() as i64)
     })
     .await
     .unwrap();
