@@ -1553,3 +1553,71 @@ async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
     assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
     producer.terminate(Duration::from_secs(10)).unwrap();
 }
+
+/// A status store never mixes two clusters: a producer run against one stack, then with the
+/// same store file against a fresh stack (another cluster id, other topic ids), shows only the
+/// new stack's tasks; it says why it rebuilt the store.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_status_store_moved_to_another_cluster_shows_only_that_clusters_tasks() {
+    use sluice_integration_tests::free_port;
+    let c = cluster().await;
+    let store = c.stack.dir.join("moved").join("view.redb").display().to_string();
+    let start = async |stack: &Stack, name: &str| {
+        let port = free_port();
+        let mut env = stack.vars();
+        env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+        env.push(("SLUICE_METRICS_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
+        env.push(("SLUICE_STATUS_PATH".into(), store.clone()));
+        env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
+        env.push(("SLUICE_WEBHOOKS".into(), "false".into()));
+        let mut producer = Service::spawn(name, &bin("sluice-producer"), &["serve"], &env, &stack.dir.join("logs")).unwrap();
+        let url = format!("http://127.0.0.1:{port}");
+        producer
+            .wait_ready(&format!("{url}/readyz"), Duration::from_secs(60))
+            .await
+            .unwrap();
+        (producer, url)
+    };
+    let submit = async |url: &str, seed: u32| {
+        let body = json!({"model": "terrain", "width": 128, "height": 128, "seed": seed, "params": {"difficulty": 10}});
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/tasks"))
+            .bearer_auth(API_KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 202);
+        r.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned()
+    };
+    let listed = async |url: &str| -> BTreeSet<String> {
+        let (status, page) = get_json(&format!("{url}/v1/tasks?limit=100"), API_KEY).await;
+        assert_eq!(status, 200, "{page}");
+        page["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["task_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    let (mut first, url) = start(&c.stack, "moved-producer-a").await;
+    let old = submit(&url, 1).await;
+    assert!(listed(&url).await.contains(&old));
+    first.terminate(Duration::from_secs(10)).unwrap();
+
+    let fresh = Stack::start("moved-b").unwrap();
+    let (mut second, url) = start(&fresh, "moved-producer-b").await;
+    let new = submit(&url, 2).await;
+    let tasks = listed(&url).await;
+    assert!(tasks.contains(&new) && !tasks.contains(&old), "{tasks:?}");
+    assert!(second.log_text().contains("another cluster"), "{}", second.log_text());
+    second.terminate(Duration::from_secs(10)).unwrap();
+    // And back on the first stack, the store (now the second's) is rebuilt again: the old task
+    // is there, the new one is not.
+    let (mut again, url) = start(&c.stack, "moved-producer-a2").await;
+    let tasks = listed(&url).await;
+    assert!(tasks.contains(&old) && !tasks.contains(&new), "{tasks:?}");
+    again.terminate(Duration::from_secs(10)).unwrap();
+    fresh.down().unwrap();
+}

@@ -1243,7 +1243,7 @@ mod status_view {
             .unwrap_or(200_000);
         let dir = std::env::temp_dir().join(format!("sluice-bench-view-{}", std::process::id()));
         let path = dir.join("view.redb");
-        let store = StatusStore::create(&path)?;
+        let store = StatusStore::create(&path, None)?;
         eprintln!("== status view: {tasks} tasks, 3 records each");
         let mut ids = Vec::with_capacity(tasks);
         let started = Instant::now();

@@ -12,6 +12,7 @@ use crate::metrics::Metrics;
 use crate::status::CaughtUp;
 use crate::status::StatusStore;
 use crate::status::feed::{self, Retention, ViewTopics};
+use crate::status::identity;
 
 /// The status view, fed.
 pub(super) struct View {
@@ -22,17 +23,21 @@ pub(super) struct View {
 
 /// Opens the store at `SLUICE_STATUS_PATH` and starts its feed.
 pub(super) fn start(args: &ServeArgs, catalog: &Catalog, metrics: &Metrics) -> Result<View, ServeError> {
-    let (store, kept) = StatusStore::open(&args.status_path).map_err(|source| ServeError::StatusStore {
-        path: args.status_path.clone(),
-        source,
-    })?;
-    tracing::info!(path = %args.status_path.display(), kept, "status view store");
-    let store = Arc::new(store);
     let topics = ViewTopics {
         tasks: args.publish.tasks_topic.clone(),
         progress: args.progress_topic.clone(),
         completions: args.completions_topic.clone(),
     };
+    let names = [topics.tasks.as_str(), topics.progress.as_str(), topics.completions.as_str()];
+    let identity = identity::fetch(&args.publish.kafka, &names, Duration::from_secs(10))
+        .inspect_err(|e| tracing::warn!(error = %e, "status view: the cluster's and topics' ids are unknown"))
+        .ok();
+    let (store, kept) = StatusStore::open(&args.status_path, identity.as_ref()).map_err(|source| ServeError::StatusStore {
+        path: args.status_path.clone(),
+        source,
+    })?;
+    tracing::info!(path = %args.status_path.display(), kept, cluster = ?identity.as_ref().map(|i| &i.cluster), "status view store");
+    let store = Arc::new(store);
     let caught_up = feed::start(
         &args.publish.kafka,
         topics,

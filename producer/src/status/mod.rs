@@ -11,10 +11,13 @@
 //! moment ago is `queued`, never a 404.
 //!
 //! In parts: the record types here; `merge`, the rules by which a state change updates a task's
-//! status (pure functions on those types); `store`, the redb tables and their transactions; and
-//! `feed`, the thread that reads the topics into the store.
+//! status (pure functions on those types); `store`, the redb tables and their transactions;
+//! `identity`, the cluster and topic ids a store is read from (a store of another cluster, or of
+//! topics since re-created, is rebuilt); and `feed`, the thread that reads the topics into the
+//! store.
 
 pub(crate) mod feed;
+pub(crate) mod identity;
 mod merge;
 mod store;
 

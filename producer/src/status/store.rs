@@ -8,6 +8,7 @@ use chrono::{DateTime, Utc};
 use redb::{Database, ReadableTable, TableDefinition};
 use uuid::Uuid;
 
+use super::identity::Identity;
 use super::{Change, Page, Status, StatusError, Stored, TaskStatus, WebhookTarget};
 
 /// task id → the stored [`Stored`] JSON.
@@ -18,6 +19,8 @@ const BY_TENANT: TableDefinition<&str, ()> = TableDefinition::new("by_tenant");
 const POSITIONS: TableDefinition<&str, i64> = TableDefinition::new("positions");
 /// `format` → [`FORMAT`]: a store written in another format is rebuilt.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+/// `cluster` → the cluster id, `topic \0 name` → the topic's id: what the store was read from.
+const IDENTITY: TableDefinition<&str, &str> = TableDefinition::new("identity");
 const FORMAT: u64 = 2;
 /// The most index entries one list request examines.
 pub const MAX_LIST_SCAN: usize = 2_000;
@@ -45,8 +48,9 @@ pub struct StatusStore {
 }
 
 impl StatusStore {
-    /// Creates the store at `path`, empty: the view is rebuilt from the topics.
-    pub fn create(path: &Path) -> Result<StatusStore, StatusError> {
+    /// Creates the store at `path`, empty, recording the cluster and topics it will be read
+    /// from when they are known: the view is rebuilt from the topics.
+    pub fn create(path: &Path, identity: Option<&Identity>) -> Result<StatusStore, StatusError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(store_error)?;
         }
@@ -60,25 +64,65 @@ impl StatusStore {
             .map_err(store_error)?
             .insert("format", FORMAT)
             .map_err(store_error)?;
+        {
+            let mut table = tx.open_table(IDENTITY).map_err(store_error)?;
+            if let Some(identity) = identity {
+                table.insert("cluster", identity.cluster.as_str()).map_err(store_error)?;
+                for (topic, id) in &identity.topics {
+                    table.insert(format!("topic\0{topic}").as_str(), id.as_str()).map_err(store_error)?;
+                }
+            }
+        }
         tx.commit().map_err(store_error)?;
         Ok(StatusStore { db })
     }
 
     /// Opens the store at `path` as a previous run left it, with how far it had read each
-    /// partition; creates it empty when there is none, or when it is unreadable or of another
-    /// format. Returns whether it was kept.
-    pub fn open(path: &Path) -> Result<(StatusStore, bool), StatusError> {
+    /// partition, if it was read from `identity` (the cluster and the topics as they are now);
+    /// creates it empty when there is none, when it is unreadable or of another format, or when
+    /// it was read from another cluster or from topics since re-created (its positions belong to
+    /// other data), or when the identity is unknown. Returns whether it was kept.
+    pub fn open(path: &Path, identity: Option<&Identity>) -> Result<(StatusStore, bool), StatusError> {
         if path.exists() {
             let kept = Database::create(path)
                 .ok()
                 .map(|db| StatusStore { db })
                 .filter(|s| s.format() == Some(FORMAT));
-            if let Some(store) = kept {
-                return Ok((store, true));
+            match (kept, identity) {
+                (Some(store), Some(now)) => match store.identity() {
+                    Some(then) if then == *now => return Ok((store, true)),
+                    then => tracing::warn!(
+                        path = %path.display(),
+                        stored = ?then,
+                        now = ?now,
+                        "status store read from another cluster or from topics since re-created; rebuilding it from the topics"
+                    ),
+                },
+                (Some(_), None) => tracing::warn!(
+                    path = %path.display(),
+                    "the cluster's and topics' ids are unknown, so the status store cannot be matched to them; rebuilding it from the topics"
+                ),
+                (None, _) => {
+                    tracing::warn!(path = %path.display(), "status store of another format or unreadable; rebuilding it from the topics")
+                }
             }
-            tracing::warn!(path = %path.display(), "status store of another format or unreadable; rebuilding it from the topics");
         }
-        Ok((StatusStore::create(path)?, false))
+        Ok((StatusStore::create(path, identity)?, false))
+    }
+
+    /// What the store was read from, as recorded when it was created.
+    fn identity(&self) -> Option<Identity> {
+        let tx = self.db.begin_read().ok()?;
+        let table = tx.open_table(IDENTITY).ok()?;
+        let cluster = table.get("cluster").ok()??.value().to_owned();
+        let mut topics = std::collections::BTreeMap::new();
+        for entry in table.iter().ok()? {
+            let (k, v) = entry.ok()?;
+            if let Some(topic) = k.value().strip_prefix("topic\0") {
+                topics.insert(topic.to_owned(), v.value().to_owned());
+            }
+        }
+        Some(Identity { cluster, topics })
     }
 
     fn format(&self) -> Option<u64> {
@@ -384,9 +428,16 @@ mod tests {
         }
     }
 
+    fn identity(cluster: &str, tasks_topic_id: &str) -> Identity {
+        Identity {
+            cluster: cluster.into(),
+            topics: [("tasks".to_owned(), tasks_topic_id.to_owned())].into(),
+        }
+    }
+
     fn store() -> (StatusStore, std::path::PathBuf) {
         let path = std::env::temp_dir().join(format!("sluice-status-{}-{}.redb", std::process::id(), Uuid::new_v4()));
-        (StatusStore::create(&path).unwrap(), path)
+        (StatusStore::create(&path, Some(&identity("c1", "t1"))).unwrap(), path)
     }
 
     #[test]
@@ -418,7 +469,7 @@ mod tests {
         s.apply_read(&[Change::Queued(record(a, "t", Utc::now()))], &[("tasks".into(), 3, 42)])
             .unwrap();
         drop(s);
-        let (s, kept) = StatusStore::open(&path).unwrap();
+        let (s, kept) = StatusStore::open(&path, Some(&identity("c1", "t1"))).unwrap();
         assert!(kept);
         assert!(s.get("t", a).unwrap().is_some());
         assert_eq!(s.positions().unwrap()[&("tasks".to_owned(), 3)], 42);
@@ -430,11 +481,38 @@ mod tests {
             tx.delete_table(META).unwrap();
             tx.commit().unwrap();
         }
-        let (s, kept) = StatusStore::open(&path).unwrap();
+        let (s, kept) = StatusStore::open(&path, Some(&identity("c1", "t1"))).unwrap();
         assert!(!kept);
         assert!(s.get("t", a).unwrap().is_none());
         assert!(s.positions().unwrap().is_empty());
         let _ = std::fs::remove_file(path);
+    }
+
+    /// A store read from another cluster, from a topic since re-created (a new topic id), or
+    /// whose cluster cannot be told now, is rebuilt; the same cluster and topics keep it.
+    #[test]
+    fn a_store_of_another_cluster_or_of_re_created_topics_is_rebuilt() {
+        for (now, keeps) in [
+            (Some(identity("c1", "t1")), true),
+            (Some(identity("c2", "t1")), false),
+            (Some(identity("c1", "t2")), false),
+            (None, false),
+        ] {
+            let (s, path) = store();
+            let a = Uuid::now_v7();
+            s.apply_read(&[Change::Queued(record(a, "t", Utc::now()))], &[("tasks".into(), 0, 1)])
+                .unwrap();
+            drop(s);
+            let (s, kept) = StatusStore::open(&path, now.as_ref()).unwrap();
+            assert_eq!(kept, keeps, "{now:?}");
+            assert_eq!(s.get("t", a).unwrap().is_some(), keeps, "{now:?}");
+            drop(s);
+            if let Some(now) = &now {
+                // Rebuilt for `now`, it is kept for `now` next time.
+                assert!(StatusStore::open(&path, Some(now)).unwrap().1, "{now:?}");
+            }
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     #[test]
