@@ -111,6 +111,29 @@ impl Worker {
 }
 
 /// `GET` with an API key: the status and the JSON body (null when there is none).
+/// A producer of its own on `stack`, beside any cluster's: tenant `acme` with [`API_KEY`],
+/// webhooks off, its status view at `store`, `extra` settings last; ready on `/readyz` (its view
+/// caught up). Returns it and its API's URL.
+pub async fn lone_producer(
+    stack: &Stack,
+    name: &str,
+    store: &std::path::Path,
+    extra: &[(&str, &str)],
+) -> anyhow::Result<(Service, String)> {
+    let port = free_port();
+    let mut env = stack.vars();
+    env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
+    env.push(("SLUICE_METRICS_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
+    env.push(("SLUICE_STATUS_PATH".into(), store.display().to_string()));
+    env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
+    env.push(("SLUICE_WEBHOOKS".into(), "false".into()));
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let mut producer = Service::spawn(name, &bin("sluice-producer"), &["serve"], &env, &stack.dir.join("logs"))?;
+    let url = format!("http://127.0.0.1:{port}");
+    producer.wait_ready(&format!("{url}/readyz"), Duration::from_secs(60)).await?;
+    Ok((producer, url))
+}
+
 /// Every model a ready worker loaded is on the device this test run asked for (`SLUICE_DEVICE`:
 /// `make gpu-check` runs the suites on CUDA, everything else on the CPU), as its `model loaded`
 /// log lines say: a worker meant for the GPU that came up on the CPU fails here, loudly.

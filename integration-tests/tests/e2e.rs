@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{ADMIN_TOKEN, API_KEY, Cluster, RIVAL_KEY, get_json, histogram_quantile, metric_value};
+use sluice_integration_tests::cluster::{
+    ADMIN_TOKEN, API_KEY, Cluster, RIVAL_KEY, get_json, histogram_quantile, lone_producer, metric_value,
+};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::receiver::{Received, Receiver};
 use sluice_integration_tests::{
@@ -1460,28 +1462,15 @@ async fn a_model_injected_through_models_custom_serves_tasks_in_process() {
 /// producer's peak RSS stays under 300 MB, and it goes on accepting tasks.
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
-    use sluice_integration_tests::free_port;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let c = cluster().await;
     let stack = &c.stack;
-    let (port, dir) = (free_port(), stack.dir.join("hostile"));
-    let mut env = stack.vars();
-    env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
-    env.push(("SLUICE_METRICS_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
-    env.push(("SLUICE_STATUS_PATH".into(), dir.join("view.redb").display().to_string()));
-    env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
-    env.push(("SLUICE_WEBHOOKS".into(), "false".into()));
-    env.push(("SLUICE_BODY_BYTES_IN_FLIGHT".into(), "1".into()));
-    assert!(
-        env.iter().any(|(k, _)| k == "SLUICE_INPUT_URL"),
-        "input images on: the large body limit"
-    );
-    let mut producer = Service::spawn("hostile-producer", &bin("sluice-producer"), &["serve"], &env, &dir).unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    producer
-        .wait_ready(&format!("{url}/healthz"), Duration::from_secs(30))
+    assert!(stack.env.contains_key("SLUICE_INPUT_URL"), "input images on: the large body limit");
+    let store = stack.dir.join("hostile/view.redb");
+    let (mut producer, url) = lone_producer(stack, "hostile-producer", &store, &[("SLUICE_BODY_BYTES_IN_FLIGHT", "1")])
         .await
         .unwrap();
+    let port: u16 = url.rsplit_once(':').unwrap().1.parse().unwrap();
 
     // One body being read holds the room; a second is turned away at its headers.
     let head = format!(
@@ -1559,25 +1548,9 @@ async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
 /// new stack's tasks; it says why it rebuilt the store.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_status_store_moved_to_another_cluster_shows_only_that_clusters_tasks() {
-    use sluice_integration_tests::free_port;
     let c = cluster().await;
-    let store = c.stack.dir.join("moved").join("view.redb").display().to_string();
-    let start = async |stack: &Stack, name: &str| {
-        let port = free_port();
-        let mut env = stack.vars();
-        env.push(("SLUICE_LISTEN".into(), format!("127.0.0.1:{port}")));
-        env.push(("SLUICE_METRICS_LISTEN".into(), format!("127.0.0.1:{}", free_port())));
-        env.push(("SLUICE_STATUS_PATH".into(), store.clone()));
-        env.push(("SLUICE_API_KEYS".into(), format!("acme:{API_KEY}")));
-        env.push(("SLUICE_WEBHOOKS".into(), "false".into()));
-        let mut producer = Service::spawn(name, &bin("sluice-producer"), &["serve"], &env, &stack.dir.join("logs")).unwrap();
-        let url = format!("http://127.0.0.1:{port}");
-        producer
-            .wait_ready(&format!("{url}/readyz"), Duration::from_secs(60))
-            .await
-            .unwrap();
-        (producer, url)
-    };
+    let store = c.stack.dir.join("moved").join("view.redb");
+    let start = async |stack: &Stack, name: &str| lone_producer(stack, name, &store, &[]).await.unwrap();
     let submit = async |url: &str, seed: u32| {
         let body = json!({"model": "terrain", "width": 128, "height": 128, "seed": seed, "params": {"difficulty": 10}});
         let r = reqwest::Client::new()
