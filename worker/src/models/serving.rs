@@ -122,9 +122,10 @@ pub struct ReloadLimits {
     pub min_free_bytes: u64,
     /// How much more memory may be in use right after a model is unloaded than right after its
     /// first unload: on CUDA the device memory this process holds (NVML's process list), or the
-    /// whole device's in use where NVML does not list the process; the process's RSS on CPU. More means a reload leaks (seed 001's crash loop: each reload keeping the old
-    /// weights on the device until OOM), and the worker exits non-zero for a clean restart
-    /// instead of serving on until it runs out.
+    /// whole device's in use where NVML does not list the process; the process's RSS on CPU.
+    /// More means a reload leaks (seed 001's crash loop: each reload keeping the old weights on
+    /// the device until OOM), and the worker exits non-zero for a clean restart instead of
+    /// serving on until it runs out.
     pub leak_bound_bytes: u64,
 }
 
@@ -292,12 +293,18 @@ impl Serving {
         self.runtime.as_ref()?.cpu_arena_stats()
     }
 
-    fn snapshot(&self) -> MemorySnapshot {
+    /// The memory figures now. The device's are those of `placement` (the model being reloaded,
+    /// whose state the caller holds locked), else of any model on CUDA whose state is not locked.
+    fn snapshot(&self, placement: Option<Placement>) -> MemorySnapshot {
         let arena = self.arena_stats();
-        let device = self.models.values().find_map(|s| match s.state.try_read().ok()?.placement {
-            Placement::Cuda(id) => Some(id),
-            Placement::Cpu => None,
-        });
+        let device = match placement {
+            Some(Placement::Cuda(id)) => Some(id),
+            Some(Placement::Cpu) => None,
+            None => self.models.values().find_map(|s| match s.state.try_read().ok()?.placement {
+                Placement::Cuda(id) => Some(id),
+                Placement::Cpu => None,
+            }),
+        };
         MemorySnapshot {
             rss_bytes: metrics::rss_bytes(),
             arena_allocated_bytes: arena.map(|a| a.total_allocated),
@@ -377,11 +384,7 @@ impl Serving {
         }
         // SAFETY: malloc_trim only returns free heap pages to the system.
         unsafe { libc::malloc_trim(0) };
-        let after_unload = MemorySnapshot {
-            device_free_bytes: self.device_free(state.placement),
-            device_process_bytes: self.device_process(state.placement),
-            ..self.snapshot()
-        };
+        let after_unload = self.snapshot(Some(state.placement));
         let free = match state.placement {
             Placement::Cuda(_) => after_unload.device_free_bytes,
             Placement::Cpu => after_unload.available_bytes,
@@ -497,7 +500,7 @@ impl Serving {
         started: Instant,
     ) -> Result<ReloadReport, ServingError> {
         let drain_ms = started.elapsed().as_millis() as u64;
-        let before = self.snapshot();
+        let before = self.snapshot(None);
 
         let after_unload = self.unload_checked(name, state).await?;
         let (result, error) = self.load_new_or_previous(name, served, state, options).await?;
@@ -508,11 +511,7 @@ impl Serving {
             result: result.as_str(),
         }
         .emit(&self.metrics);
-        let after = MemorySnapshot {
-            device_free_bytes: self.device_free(state.placement),
-            device_process_bytes: self.device_process(state.placement),
-            ..self.snapshot()
-        };
+        let after = self.snapshot(Some(state.placement));
         let report = ReloadReport {
             model: name.to_owned(),
             result,
@@ -566,20 +565,6 @@ impl Serving {
             after: self.arena_stats().map(|a| a.total_allocated),
             baseline: *self.arena_baseline.lock().expect("baseline"),
         })
-    }
-
-    fn device_process(&self, placement: Placement) -> Option<u64> {
-        match placement {
-            Placement::Cuda(id) => crate::engine::gpu::process_memory(id, std::process::id()),
-            Placement::Cpu => None,
-        }
-    }
-
-    fn device_free(&self, placement: Placement) -> Option<u64> {
-        match placement {
-            Placement::Cuda(id) => crate::engine::gpu::device_memory(id).map(|(free, _)| free),
-            Placement::Cpu => None,
-        }
     }
 }
 
