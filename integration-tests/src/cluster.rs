@@ -110,7 +110,19 @@ impl Worker {
     }
 }
 
-/// `GET` with an API key: the status and the JSON body (null when there is none).
+/// `POST /v1/tasks` to the producer at `url` with any key (or none): the status and the JSON
+/// body (null when there is none).
+pub async fn post_task(url: &str, body: &Value, key: Option<&str>) -> anyhow::Result<(u16, Value)> {
+    // A client per call: tests share one cluster across their own runtimes.
+    let mut request = reqwest::Client::new().post(format!("{url}/v1/tasks")).json(body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await?;
+    let status = response.status().as_u16();
+    Ok((status, response.json().await.unwrap_or(Value::Null)))
+}
+
 /// A producer of its own on `stack`, beside any cluster's: tenant `acme` with [`API_KEY`],
 /// webhooks off, its status view at `store`, `extra` settings last; ready on `/readyz` (its view
 /// caught up). Returns it and its API's URL.
@@ -159,6 +171,7 @@ fn check_device(service: &Service) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `GET` with an API key: the status and the JSON body (null when there is none).
 pub async fn get_json(url: &str, key: &str) -> (u16, Value) {
     let response = reqwest::Client::new().get(url).bearer_auth(key).send().await.expect("GET");
     let status = response.status().as_u16();
@@ -306,14 +319,7 @@ impl Cluster {
 
     /// `POST /v1/tasks` with any key (or none).
     pub async fn post(&self, body: &Value, key: Option<&str>) -> anyhow::Result<(u16, Value)> {
-        // A client per call: tests share one cluster across their own runtimes.
-        let mut request = reqwest::Client::new().post(format!("{}/v1/tasks", self.producer_url)).json(body);
-        if let Some(key) = key {
-            request = request.bearer_auth(key);
-        }
-        let response = request.send().await?;
-        let status = response.status().as_u16();
-        Ok((status, response.json().await.unwrap_or(Value::Null)))
+        post_task(&self.producer_url, body, key).await
     }
 
     /// Submits and returns the task id, failing unless the producer answered 202.

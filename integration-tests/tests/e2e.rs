@@ -9,7 +9,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use serde_json::{Value, json};
 use sluice_integration_tests::cluster::{
-    ADMIN_TOKEN, API_KEY, Cluster, RIVAL_KEY, get_json, histogram_quantile, lone_producer, metric_value,
+    ADMIN_TOKEN, API_KEY, Cluster, RIVAL_KEY, get_json, histogram_quantile, lone_producer, metric_value, post_task,
 };
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::receiver::{Received, Receiver};
@@ -1532,14 +1532,8 @@ async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
     assert!(peak_kb < 300 << 10, "peak RSS {peak_kb} kB");
     // And it goes on serving.
     let good = json!({"model": "terrain", "width": 128, "height": 128, "seed": 5, "params": {"difficulty": 10}});
-    let r = client
-        .post(format!("{url}/v1/tasks"))
-        .bearer_auth(API_KEY)
-        .json(&good)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
+    let (status, reply) = post_task(&url, &good, Some(API_KEY)).await.unwrap();
+    assert_eq!(status, 202, "{reply}");
     producer.terminate(Duration::from_secs(10)).unwrap();
 }
 
@@ -1553,15 +1547,9 @@ async fn a_status_store_moved_to_another_cluster_shows_only_that_clusters_tasks(
     let start = async |stack: &Stack, name: &str| lone_producer(stack, name, &store, &[]).await.unwrap();
     let submit = async |url: &str, seed: u32| {
         let body = json!({"model": "terrain", "width": 128, "height": 128, "seed": seed, "params": {"difficulty": 10}});
-        let r = reqwest::Client::new()
-            .post(format!("{url}/v1/tasks"))
-            .bearer_auth(API_KEY)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status().as_u16(), 202);
-        r.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_owned()
+        let (status, reply) = post_task(url, &body, Some(API_KEY)).await.unwrap();
+        assert_eq!(status, 202, "{reply}");
+        reply["task_id"].as_str().unwrap().to_owned()
     };
     let listed = async |url: &str| -> BTreeSet<String> {
         let (status, page) = get_json(&format!("{url}/v1/tasks?limit=100"), API_KEY).await;

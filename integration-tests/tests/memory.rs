@@ -339,8 +339,8 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
 
 /// A reload that leaks its model (`SLUICE_TEST_FAULTS=leak-load=1`: every load keeps a second
 /// copy of the 45 MB terrain model that is never dropped) trips the worker's reload bound: the
-/// memory in use right after an unload (the process's RSS on the CPU; on a GPU node, NVML's
-/// device memory in use) grows by a copy per reload, the bound here is 32 MB, and the worker exits
+/// memory in use right after an unload (the process's RSS on the CPU; on a GPU node, the device
+/// memory the worker holds, from NVML) grows by a copy per reload, the bound here is 32 MB, and the worker exits
 /// non-zero naming the leak instead of serving on until it runs out of memory. Without the leak
 /// the same worker reloads as often as it is asked (the fifty-reload test above, default bound).
 #[tokio::test(flavor = "multi_thread")]
