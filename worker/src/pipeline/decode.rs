@@ -27,6 +27,17 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         // Before anything of the partition can be committed, a record that fails at once
         // included (a partition holding only those would otherwise never be).
         stage.redelivery.know_partition(&record.origin).await;
+        if stage.offsets.announced_ahead(&record.origin) {
+            // Finished ahead of the position by an earlier owner, its outcome announced in the
+            // commit that recorded it: neither run nor announced again.
+            tracing::debug!(
+                partition = record.origin.partition,
+                offset = record.origin.offset,
+                "announced by an earlier owner; skipped"
+            );
+            stage.offsets.ack(&record.origin);
+            continue;
+        }
         let Some((bucket, mut job)) = admit(&stage, record) else {
             continue;
         };
@@ -199,6 +210,19 @@ async fn announce_if_done(stage: &DecodeStage, job: Job) -> Option<Job> {
             return None;
         }
     };
+    // Results of another request that used the same Idempotency-Key (raced past the producer's
+    // check, or sent after its view forgot the first): never announced as this one's.
+    if let (Some(idem), Some(theirs)) = (&job.task.idempotency, &manifest.request_sha256)
+        && *theirs != idem.request_sha256
+    {
+        let message = format!(
+            "Idempotency-Key {:?} was used for another request (hash {theirs}), whose results this task id holds; this request (hash {}) was not run",
+            idem.key, idem.request_sha256
+        );
+        tracing::warn!(parent: &job.span, "an idempotency key reused for another request goes to the DLQ");
+        stage.outcomes.fail(job, Failure::new(DlqReason::IdempotencyConflict, message));
+        return None;
+    }
     let timings = Timings {
         total_ms: job.age_ms(Utc::now()),
         inference_ms: manifest.inference_ms.unwrap_or(0),

@@ -176,6 +176,8 @@ fn on_done(stage: &EngineStage, bucket: &Bucket, done: Done<Item>) {
             let started_at = Utc::now() - chrono::Duration::from_std(elapsed).unwrap_or_default();
             let mut row = 0;
             for item in items {
+                // Out of the model call: a kill during render or upload is no crash of its.
+                stage.offsets.call_ended(&item.job.record.origin);
                 let rows = row..row + item.prepared.rows;
                 row = rows.end;
                 let span = item.job.span.clone();
@@ -190,6 +192,7 @@ fn on_done(stage: &EngineStage, bucket: &Bucket, done: Done<Item>) {
             }
         }
         Done::Failed { item, error } => {
+            stage.offsets.call_ended(&item.job.record.origin);
             if let Some(failure) = failure_of(stage, &item, bucket, &error) {
                 stage.outcomes.fail(item.job, failure);
             }

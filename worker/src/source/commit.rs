@@ -4,12 +4,14 @@
 //! - **at least once**: outcome records were published (and acknowledged) before their offsets
 //!   were acknowledged to the tracker; the consumer commits offsets on a timer. A worker killed
 //!   between the two announces a task twice.
-//! - **exactly once**: outcome records wait in the [`Outbox`] until their offsets can be
-//!   committed (a partition commits in order, tasks finish out of order); then the records and
-//!   the offsets that cover them go to the broker in one Kafka transaction, with the consumer's
-//!   group metadata, so a `read_committed` reader sees each outcome once and a fenced (zombie)
-//!   worker commits nothing. The cost is that an outcome is visible only once every earlier task
-//!   of its partition has finished, and a transaction's round trips.
+//! - **exactly once**: outcome records wait in the [`Outbox`] for the next transaction, which
+//!   carries them with the offsets that cover them, with the consumer's group metadata, so a
+//!   `read_committed` reader sees each outcome once and a fenced (zombie) worker commits
+//!   nothing. A partition commits in order while tasks finish out of order: a record finished
+//!   ahead of its partition's position is covered by the position's metadata instead
+//!   ([`crate::source::done_ahead`]), so its outcome is announced in the first transaction after
+//!   it finished, not after every earlier task of its partition. The cost is a transaction's
+//!   round trips.
 //!
 //! One commit runs at a time (the timer's, the revoke callback's and the final one share a lock),
 //! and each computes what to commit under that lock: offsets never move backwards.
@@ -42,9 +44,10 @@ pub(crate) fn list_of(commits: &[Commit]) -> TopicPartitionList {
         let mut e = tpl.add_partition(&c.tp.topic, c.tp.partition);
         if e.set_offset(Offset::Offset(c.offset)).is_ok() {
             e.set_metadata(format!(
-                "{}{}",
+                "{}{}{}",
                 lease_metadata(c.lease_end),
-                crate::source::crash_guard::starts_metadata(&c.started)
+                crate::source::crash_guard::starts_metadata(&c.started),
+                crate::source::done_ahead::done_metadata(&c.done)
             ));
         }
     }
@@ -80,15 +83,16 @@ impl Outbox {
         entry.1.push(record);
     }
 
-    /// Takes the records below each commit's offset that belong to its assignment; drops those
-    /// of earlier assignments.
+    /// Takes the records each commit covers (below its offset, or finished ahead of it) that
+    /// belong to its assignment; drops those of earlier assignments.
     fn take(&self, commits: &[Commit]) -> Taken {
         let mut held = self.held.lock().expect("outbox");
         let mut out = Vec::new();
         for c in commits {
             let keys: Vec<_> = held
-                .range((c.tp.clone(), i64::MIN)..(c.tp.clone(), c.offset))
+                .range((c.tp.clone(), i64::MIN)..=(c.tp.clone(), i64::MAX))
                 .map(|(k, _)| k.clone())
+                .filter(|(_, offset)| *offset < c.offset || c.done.contains(offset))
                 .collect();
             for k in keys {
                 let (generation, records) = held.remove(&k).expect("listed");
@@ -387,6 +391,7 @@ mod tests {
             lease_end: 0,
             started: BTreeMap::new(),
             starts_version: 0,
+            done: Default::default(),
         }
     }
 
@@ -409,6 +414,21 @@ mod tests {
         let taken = outbox.take(&[commit(0, 6, 1), commit(1, 1, 1)]);
         assert_eq!(topics(&taken), ["dlq-3", "failed-3", "done-5", "done-p1"]);
         assert_eq!(outbox.len(), 0);
+    }
+
+    #[test]
+    fn a_record_finished_ahead_of_the_position_goes_with_the_commit_that_lists_it() {
+        let outbox = Outbox::default();
+        outbox.push(&origin(0, 5, 1), record("done-5"));
+        outbox.push(&origin(0, 7, 1), record("done-7"));
+        outbox.push(&origin(0, 9, 1), record("done-9")); // past the metadata's bound, say
+        let ahead = Commit {
+            done: [5, 7].into(),
+            ..commit(0, 4, 1)
+        };
+        assert_eq!(topics(&outbox.take(&[ahead])), ["done-5", "done-7"]);
+        assert_eq!(outbox.len(), 1, "what the commit does not list waits for the position");
+        assert_eq!(topics(&outbox.take(&[commit(0, 10, 1)])), ["done-9"]);
     }
 
     #[test]

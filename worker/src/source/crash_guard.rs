@@ -3,24 +3,27 @@
 //! reads it after.
 //!
 //! Before a model call starts, the records it holds are written, durably, into their
-//! partitions' commit metadata next to the read lease ([`crate::source::redelivery`]), each with how
-//! many times it has been started; a finished record leaves the set with the next commit. A new
-//! owner of the partition reads the set with the lease: a record in it was running when an
-//! earlier owner stopped. Such a record runs again alone, in a call of its own and one suspect
-//! at a time, so that the tasks batched or running with it are not blamed with it again; once it has been started `SLUICE_MAX_CRASHES`
-//! times without an outcome it goes to the DLQ as `crashed` instead of running.
+//! partitions' commit metadata next to the read lease ([`crate::source::redelivery`]), each with
+//! how many times it has been started. A record leaves the set (back to its earlier owners'
+//! count) with the next commit once its model call returns, with results or an error a handler
+//! saw, and when a drain gives it up unfinished (handed off, not crashed): only an end inside the
+//! model call that nothing saw counts. A new owner of the partition reads the set with the
+//! lease: a record in it was in its model call when an earlier owner died. Such a record runs
+//! again alone, in a call of its own and one suspect at a time, so that the tasks batched or
+//! running with it are not blamed with it again; once it has been started
+//! `SLUICE_MAX_CRASHES` times without an outcome it goes to the DLQ as `crashed` instead of
+//! running.
 //!
-//! The metadata is ` started:` and comma-separated entries: `o` (offset o, started once),
-//! `a-b` (every offset from a to b, once each), either with `*n` for n starts. It is bounded
-//! (the broker refuses commit metadata over `offset.metadata.max.bytes`, 4 KiB by default):
-//! past [`MAX_METADATA_CHARS`] the highest offsets are left out, and their crashes go uncounted.
+//! The metadata is the list ` started:` ([`crate::source::offset_list`]), each offset with how
+//! many times it was started. It is bounded: past [`MAX_METADATA_CHARS`] the highest offsets are
+//! left out, and their crashes go uncounted.
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::pipeline::task::Origin;
+use crate::source::offset_list;
 use crate::source::offsets::Offsets;
 
 /// What decides a record's fate.
@@ -39,10 +42,7 @@ pub(crate) enum Verdict {
 const RECORD_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The most characters of started records in one commit's metadata.
-pub(crate) const MAX_METADATA_CHARS: usize = 3000;
-
-/// The most offsets read back from one metadata (its ranges are not trusted).
-const MAX_PARSED: usize = 16_384;
+pub(crate) const MAX_METADATA_CHARS: usize = 2900;
 
 const MARKER: &str = " started:";
 
@@ -102,63 +102,13 @@ impl CrashGuard {
 
 /// The metadata suffix that records `started` (empty when nothing is).
 pub(crate) fn starts_metadata(started: &BTreeMap<i64, u32>) -> String {
-    let mut out = String::new();
-    let mut entries = started.iter().map(|(o, n)| (*o, *n)).peekable();
-    while let Some((first, n)) = entries.next() {
-        let mut last = first;
-        while let Some(&(next, m)) = entries.peek() {
-            if next != last + 1 || m != n {
-                break;
-            }
-            last = next;
-            entries.next();
-        }
-        let mut entry = if last == first {
-            first.to_string()
-        } else {
-            format!("{first}-{last}")
-        };
-        if n != 1 {
-            let _ = write!(entry, "*{n}");
-        }
-        let separator = if out.is_empty() { MARKER } else { "," };
-        if out.len() + separator.len() + entry.len() > MAX_METADATA_CHARS {
-            break;
-        }
-        out.push_str(separator);
-        out.push_str(&entry);
-    }
-    out
+    offset_list::encode(MARKER, started, MAX_METADATA_CHARS).0
 }
 
 /// The started records in a commit's metadata (none when it has none, or was written by another
-/// tool); malformed entries are skipped, and at most [`MAX_PARSED`] offsets are read.
+/// tool); malformed entries are skipped, and the number of offsets read is bounded.
 pub(crate) fn parse_starts(metadata: &str) -> BTreeMap<i64, u32> {
-    let mut out = BTreeMap::new();
-    let Some((_, list)) = metadata.split_once(MARKER) else {
-        return out;
-    };
-    for entry in list.split(',') {
-        let (range, count) = match entry.split_once('*') {
-            Some((range, count)) => (range, count.parse::<u32>().ok()),
-            None => (entry, Some(1)),
-        };
-        let Some(count) = count.filter(|c| *c > 0) else { continue };
-        let bounds = match range.split_once('-') {
-            Some((a, b)) => a.parse::<i64>().ok().zip(b.parse::<i64>().ok()),
-            None => range.parse::<i64>().ok().map(|o| (o, o)),
-        };
-        let Some((first, last)) = bounds.filter(|(a, b)| 0 <= *a && a <= b) else {
-            continue;
-        };
-        for offset in first..=last {
-            if out.len() >= MAX_PARSED {
-                return out;
-            }
-            out.insert(offset, count);
-        }
-    }
-    out
+    offset_list::parse(metadata, MARKER)
 }
 
 #[cfg(test)]
@@ -205,7 +155,7 @@ mod tests {
         );
         // Hostile metadata: a huge range, junk, zero counts, negative offsets.
         let hostile = " started:0-9000000000000,x,-5,3*0,7*abc,9-2";
-        assert_eq!(parse_starts(hostile).len(), MAX_PARSED);
+        assert_eq!(parse_starts(hostile).len(), 16_384);
         assert!(parse_starts(" started:x,-5,3*0,7*abc,9-2").is_empty());
     }
 

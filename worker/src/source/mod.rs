@@ -8,6 +8,8 @@
 pub(crate) mod cancellations;
 pub(crate) mod commit;
 pub(crate) mod crash_guard;
+pub(crate) mod done_ahead;
+pub(crate) mod offset_list;
 pub(crate) mod offsets;
 pub(crate) mod redelivery;
 

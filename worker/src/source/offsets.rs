@@ -11,7 +11,7 @@
 //! the one wanted and the one the broker acknowledged — and the records this consumer has
 //! started and not finished, with how often each was started (see [`crate::source::crash_guard`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -79,6 +79,9 @@ pub struct Commit {
     pub started: BTreeMap<i64, u32>,
     /// The version of `started` this commit writes.
     pub starts_version: u64,
+    /// Records at or beyond `offset` that are finished, their outcomes announced with this
+    /// commit ([`crate::source::done_ahead`]); bounded.
+    pub done: BTreeSet<i64>,
 }
 
 /// Where an assigned partition is in its life (vector's `Consuming`/`Draining`).
@@ -114,6 +117,11 @@ struct Partition {
     /// Bumped when a record starts; the version the broker acknowledged.
     starts_version: u64,
     starts_confirmed: u64,
+    /// Records finished ahead of the committed position whose finishing a commit carried (or
+    /// the previous owner's commit did: those are skipped when read).
+    done_written: BTreeSet<i64>,
+    /// Records finished ahead of the position that no commit has carried yet.
+    done_new: BTreeSet<i64>,
 }
 
 impl Partition {
@@ -125,16 +133,26 @@ impl Partition {
         }
     }
 
-    /// The commit this partition needs now, if any: a new offset or a longer lease.
+    /// The commit this partition needs now, if any: a new offset, a longer lease, new starts or
+    /// records newly finished ahead of the position (within the metadata's bound).
     fn commit(&self, tp: &TopicPartition) -> Option<Commit> {
         let lease = self.lease?;
         let offset = self.committable()?;
         let moved = self.committed != Some(offset) || lease.wanted > lease.confirmed;
-        (moved || self.starts_changed()).then(|| self.commit_at(tp, offset, lease))
+        let commit = self.commit_at(tp, offset, lease, true);
+        let newly_done = commit.done.iter().any(|o| self.done_new.contains(o));
+        (moved || self.starts_changed() || newly_done).then_some(commit)
     }
 
-    /// A commit of `offset` carrying the wanted lease and the starts as they are now.
-    fn commit_at(&self, tp: &TopicPartition, offset: i64, lease: Lease) -> Commit {
+    /// A commit of `offset` carrying the wanted lease, the starts as they are now and the records
+    /// finished ahead of it: all of them (`with_new`), or only those a commit already carried.
+    fn commit_at(&self, tp: &TopicPartition, offset: i64, lease: Lease, with_new: bool) -> Commit {
+        let done = if with_new {
+            let all: BTreeSet<i64> = self.done_written.union(&self.done_new).copied().collect();
+            crate::source::done_ahead::bounded(all.range(offset..))
+        } else {
+            crate::source::done_ahead::bounded(self.done_written.range(offset..))
+        };
         Commit {
             tp: tp.clone(),
             offset,
@@ -142,11 +160,41 @@ impl Partition {
             lease_end: lease.wanted,
             started: self.started.range(offset..).map(|(o, n)| (*o, *n)).collect(),
             starts_version: self.starts_version,
+            done,
         }
     }
 
     fn starts_changed(&self) -> bool {
         self.starts_version > self.starts_confirmed
+    }
+
+    /// Takes back this owner's start of `offset` (its count back to the previous owners'):
+    /// its model call ended, or the record is handed off unfinished. True when it changed.
+    fn unstart(&mut self, offset: i64) -> bool {
+        let before = self.previous_starts.as_ref().and_then(|s| s.get(&offset)).copied().unwrap_or(0);
+        match self.started.get(&offset) {
+            Some(n) if *n > before => {
+                if before == 0 {
+                    self.started.remove(&offset);
+                } else {
+                    self.started.insert(offset, before);
+                }
+                self.starts_version += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Hands off what this owner started and has not finished: a graceful end (a drain or a
+    /// shutdown grace over), not a crash, so the next owner does not count it as one.
+    fn hand_off(&mut self) -> bool {
+        let mine: Vec<i64> = self.started.keys().copied().collect();
+        let mut changed = false;
+        for offset in mine {
+            changed |= self.unstart(offset);
+        }
+        changed
     }
 
     fn may_try(&self) -> bool {
@@ -207,6 +255,8 @@ impl Offsets {
                     previous_starts: None,
                     starts_version: 0,
                     starts_confirmed: 0,
+                    done_written: BTreeSet::new(),
+                    done_new: BTreeSet::new(),
                 },
             );
         }
@@ -243,11 +293,24 @@ impl Offsets {
             return false;
         }
         partition.started.remove(&origin.offset);
+        if !partition.done_written.contains(&origin.offset) {
+            partition.done_new.insert(origin.offset);
+        }
         state.in_flight -= 1;
         drop(state);
         self.finished.notify_all();
         self.acked.notify_one();
         true
+    }
+
+    /// Whether an earlier owner (or this one, under this assignment) announced `origin`'s
+    /// outcome ahead of the committed position: it is acknowledged without running again.
+    pub(crate) fn announced_ahead(&self, origin: &Origin) -> bool {
+        let state = self.lock();
+        state
+            .partitions
+            .get(&TopicPartition::of(origin))
+            .is_some_and(|p| p.generation == origin.generation && p.done_written.contains(&origin.offset))
     }
 
     /// The lease of `origin`'s partition, under `origin`'s assignment.
@@ -291,6 +354,19 @@ impl Offsets {
     /// Whether `origin` belongs to a current assignment (its partition was not revoked since).
     pub(crate) fn is_current(&self, origin: &Origin) -> bool {
         self.lease(origin) != LeaseState::Gone
+    }
+
+    /// Records what the previous owner of `origin`'s partition announced ahead of its committed
+    /// position (read with its lease). Kept only the first time under an assignment, and carried
+    /// in this owner's commits until the position passes each.
+    pub(crate) fn found_done(&self, origin: &Origin, done: BTreeSet<i64>) {
+        let mut state = self.lock();
+        if let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin))
+            && p.generation == origin.generation
+            && p.lease.is_none()
+        {
+            p.done_written = done;
+        }
     }
 
     /// Records what the previous owner of `origin`'s partition left started (read with its
@@ -348,6 +424,31 @@ impl Offsets {
             self.commit_wanted.notify_one();
         }
         waits
+    }
+
+    /// Notes that the model call holding `origin` ended (it returned, with results or an error
+    /// a handler saw): from here a kill of the process is no crash of the record's, and the next
+    /// commit says so.
+    pub(crate) fn call_ended(&self, origin: &Origin) {
+        let mut state = self.lock();
+        let changed = state
+            .partitions
+            .get_mut(&TopicPartition::of(origin))
+            .filter(|p| p.generation == origin.generation)
+            .is_some_and(|p| p.unstart(origin.offset));
+        drop(state);
+        if changed {
+            self.commit_wanted.notify_one();
+        }
+    }
+
+    /// Hands off every record started and not finished (the shutdown grace is over): the final
+    /// commit records them as not started by this owner.
+    pub(crate) fn hand_off_all(&self) {
+        let mut state = self.lock();
+        for p in state.partitions.values_mut() {
+            p.hand_off();
+        }
     }
 
     /// Waits until the broker acknowledged version `version` of the starts of `origin`'s
@@ -487,7 +588,7 @@ impl Offsets {
             .partitions
             .iter()
             .filter(|(_, p)| p.starts_changed())
-            .filter_map(|(tp, p)| Some(p.commit_at(tp, p.committed?, p.lease?)))
+            .filter_map(|(tp, p)| Some(p.commit_at(tp, p.committed?, p.lease?, false)))
             .collect();
         out.sort();
         out
@@ -503,6 +604,15 @@ impl Offsets {
                     lease.confirmed = lease.confirmed.max(c.lease_end);
                 }
                 p.starts_confirmed = p.starts_confirmed.max(c.starts_version);
+                for o in &c.done {
+                    if p.done_new.remove(o) {
+                        p.done_written.insert(*o);
+                    }
+                }
+                if let Some(position) = p.committed {
+                    p.done_written = p.done_written.split_off(&position);
+                    p.done_new = p.done_new.split_off(&position);
+                }
             }
         }
         drop(state);
@@ -550,8 +660,11 @@ impl Offsets {
         let mut state = self.lock();
         let mut out = Vec::new();
         for tp in partitions {
-            if let Some(p) = state.partitions.remove(tp) {
+            if let Some(mut p) = state.partitions.remove(tp) {
                 state.in_flight -= p.pending.len();
+                // Records still running are handed off, not crashed: the next owner runs them
+                // without counting this start.
+                p.hand_off();
                 out.extend(p.commit(tp));
             }
         }
@@ -620,16 +733,19 @@ mod tests {
         commits.into_iter().map(|c| (c.tp, c.offset)).collect()
     }
 
+    /// A successful commit of `offset`, with what the partition has finished ahead of it.
     fn commit(offsets: &Offsets, tp: TopicPartition, offset: i64) {
-        let generation = offsets.lock().partitions[&tp].generation;
-        offsets.committed(&[Commit {
-            tp,
-            offset,
-            generation,
-            lease_end: 0,
-            started: BTreeMap::new(),
-            starts_version: 0,
-        }]);
+        let commit = {
+            let state = offsets.lock();
+            let p = &state.partitions[&tp];
+            Commit {
+                lease_end: 0,
+                started: BTreeMap::new(),
+                starts_version: 0,
+                ..p.commit_at(&tp, offset, p.lease.expect("known"), true)
+            }
+        };
+        offsets.committed(&[commit]);
     }
 
     #[test]
@@ -648,6 +764,71 @@ mod tests {
         assert!(offsets.ack(&o[3]));
         assert_eq!(pairs(offsets.commit_candidates()), vec![(tp(0), 15)]);
         assert_eq!(offsets.in_flight(), 0);
+    }
+
+    #[test]
+    fn records_finished_ahead_of_the_position_are_committed_as_done_and_skipped_by_the_next_owner() {
+        let offsets = Offsets::new();
+        assign(&offsets, &[tp(0)]);
+        let o: Vec<_> = (10..15).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
+        commit(&offsets, tp(0), 10);
+        // 12 and 13 finish while 10 still runs: a commit that leaves the position at 10 and
+        // lists them.
+        assert!(offsets.ack(&o[2]) && offsets.ack(&o[3]));
+        // A plain commit of starts (between transactions) carries only what a commit carried.
+        offsets.start(&[&o[0]]);
+        assert!(offsets.start_candidates()[0].done.is_empty());
+        let c = offsets.commit_candidates();
+        assert_eq!((c[0].offset, c[0].done.clone()), (10, BTreeSet::from([12, 13])));
+        assert_eq!(
+            crate::source::done_ahead::done_metadata(&c[0].done),
+            " done:12-13",
+            "what the metadata says"
+        );
+        offsets.committed(&c);
+        assert!(offsets.announced_ahead(&o[2]));
+        offsets.start(&[&o[1]]);
+        let s = offsets.start_candidates();
+        assert_eq!(s[0].done, BTreeSet::from([12, 13]), "once carried, in every commit");
+        offsets.committed(&s);
+        assert!(offsets.commit_candidates().is_empty(), "nothing new finished");
+        // A new owner (another process) reads the list with the lease and skips those records,
+        // carrying them in its own commits until the position passes them.
+        let next = Offsets::new();
+        next.assign(&[tp(0)]);
+        let n: Vec<_> = (10..15).map(|i| next.track(&tp(0), i).unwrap()).collect();
+        next.found_done(&n[0], c[0].done.clone());
+        next.found_lease(&n[0], Ok(0));
+        assert!(!next.announced_ahead(&n[0]) && next.announced_ahead(&n[2]) && next.announced_ahead(&n[3]));
+        assert!(next.ack(&n[2]) && next.ack(&n[3]) && next.ack(&n[4]));
+        let c = next.commit_candidates();
+        assert_eq!((c[0].offset, c[0].done.clone()), (10, BTreeSet::from([12, 13, 14])));
+        next.committed(&c);
+        assert!(next.ack(&n[0]) && next.ack(&n[1]));
+        let c = next.commit_candidates();
+        assert_eq!((c[0].offset, c[0].done.clone()), (15, BTreeSet::new()), "passed: the list is empty");
+        next.committed(&c);
+        assert!(next.lock().partitions[&tp(0)].done_written.is_empty(), "and forgotten");
+    }
+
+    #[test]
+    fn a_start_is_taken_back_when_its_call_returns_or_its_record_is_handed_off() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0)]);
+        let o: Vec<_> = (0..3).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
+        // An earlier owner left 1 started twice.
+        offsets.found_starts(&o[0], BTreeMap::from([(1, 2)]));
+        offsets.found_lease(&o[0], Ok(0));
+        offsets.start(&[&o[0], &o[1], &o[2]]);
+        let started = |offsets: &Offsets| offsets.commit_candidates().pop().map(|c| c.started).unwrap_or_default();
+        assert_eq!(started(&offsets), BTreeMap::from([(0, 1), (1, 3), (2, 1)]));
+        // 0's call returned (its upload runs): a kill now is no crash of its.
+        offsets.call_ended(&o[0]);
+        assert_eq!(started(&offsets), BTreeMap::from([(1, 3), (2, 1)]));
+        // The partition is revoked with 1 and 2 still in their call: handed off, the earlier
+        // owner's count of 1 kept, this one's starts taken back.
+        let last = offsets.revoke(&[tp(0)]);
+        assert_eq!(last[0].started, BTreeMap::from([(1, 2)]));
     }
 
     #[test]

@@ -45,6 +45,9 @@ pub const LEASE_SPAN: i64 = 4096;
 /// The longest a lease read or write may take before the record is checked instead.
 const LEASE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How often a partition's unreadable lease is read again while its records wait.
+const LEASE_RETRY: Duration = Duration::from_millis(250);
+
 /// How a lease end is written in a commit's metadata.
 const METADATA_PREFIX: &str = "sluice-lease:";
 
@@ -91,6 +94,7 @@ impl CommitMetadataLeases {
             Ok(Ok(metadata)) => {
                 self.offsets
                     .found_starts(origin, crate::source::crash_guard::parse_starts(&metadata));
+                self.offsets.found_done(origin, crate::source::done_ahead::parse_done(&metadata));
                 self.offsets.found_lease(origin, Ok(parse_lease_metadata(&metadata)));
             }
             other => {
@@ -102,7 +106,7 @@ impl CommitMetadataLeases {
                 tracing::warn!(
                     partition = origin.partition,
                     error,
-                    "read lease unreadable; checking records for earlier results until it can be read"
+                    "read lease unreadable; the partition's records wait until it can be read"
                 );
                 self.offsets.found_lease(origin, Err(()));
             }
@@ -143,10 +147,19 @@ impl RedeliveryCheck for CommitMetadataLeases {
         Box::pin(self.admit_now(origin, replayed))
     }
 
+    /// Reads until it is known, retrying a failed read every [`LEASE_RETRY`] (the coordinator
+    /// moving, a broker restarting); ends early when the assignment does. Nothing of the
+    /// partition runs before: a record finished ahead by the previous owner
+    /// ([`crate::source::done_ahead`]) must be known as such before it could run again, and
+    /// nothing of it can be committed before either.
     fn know_partition<'a>(&'a self, origin: &'a Origin) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if self.offsets.lease(origin) == (LeaseState::Unknown { may_try: true }) {
-                self.read_previous(origin).await;
+            loop {
+                match self.offsets.lease(origin) {
+                    LeaseState::Unknown { may_try: true } => self.read_previous(origin).await,
+                    LeaseState::Unknown { may_try: false } => tokio::time::sleep(LEASE_RETRY).await,
+                    LeaseState::Known { .. } | LeaseState::Gone => return,
+                }
             }
         })
     }
@@ -273,6 +286,44 @@ mod tests {
         assert_eq!(commits.iter().map(|c| (c.offset, c.lease_end)).collect::<Vec<_>>(), [(3, 50)]);
         assert_eq!(*broker.reads.lock().unwrap(), 1);
         committer.abort();
+    }
+
+    /// A lease read that fails (the coordinator moving) is retried on its own schedule: the
+    /// partition's records wait for it, and then what the previous owner left is known.
+    #[tokio::test]
+    async fn an_unreadable_lease_is_read_again_until_it_is_known() {
+        struct Flaky {
+            broker: Broker,
+            failures: Mutex<u32>,
+        }
+        impl CommittedMetadata for Flaky {
+            fn committed_metadata(&self, tp: &TopicPartition, timeout: Duration) -> Result<String, String> {
+                let mut failures = self.failures.lock().unwrap();
+                if *failures > 0 {
+                    *failures -= 1;
+                    return Err("coordinator not available".into());
+                }
+                self.broker.committed_metadata(tp, timeout)
+            }
+        }
+        let flaky = Arc::new(Flaky {
+            broker: Broker::default(),
+            failures: Mutex::new(2),
+        });
+        flaky
+            .broker
+            .metadata
+            .lock()
+            .unwrap()
+            .insert(tp(), format!("{} done:3", lease_metadata(50)));
+        let offsets = Arc::new(Offsets::new());
+        offsets.assign(&[tp()]);
+        let check = CommitMetadataLeases::new(offsets.clone(), flaky.clone(), 10);
+        let origin = offsets.track(&tp(), 3).unwrap();
+        check.know_partition(&origin).await;
+        assert!(matches!(offsets.lease(&origin), LeaseState::Known { lease, .. } if lease.previous == 50));
+        assert!(offsets.announced_ahead(&origin), "and what it finished ahead is skipped");
+        assert_eq!(*flaky.broker.reads.lock().unwrap(), 1, "read once it could be, after two failures");
     }
 
     #[tokio::test]

@@ -50,6 +50,8 @@ pub(super) async fn drain(
             "grace period over; abandoning unfinished tasks (they will be read again)"
         );
         stages.abandon.cancel();
+        // Handed off, not crashed: the next owner must not count these starts.
+        offsets.hand_off_all();
         tasks.close();
         let _ = tokio::time::timeout(Duration::from_secs(2), tasks.wait()).await;
     }
