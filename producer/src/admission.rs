@@ -183,19 +183,61 @@ pub(crate) enum Repeat {
     Unknown,
 }
 
+/// The idempotent submissions between their check and their publication, by task id (tenant
+/// and key), with their request hash and how many hold it: within one producer, a request with
+/// a key in flight for another body is refused, not published beside it; the same body goes
+/// on (a retry: the worker runs the task once). Across replicas the worker catches the race:
+/// [`sluice_schemas::DlqReason::IdempotencyConflict`].
+#[derive(Default)]
+pub struct KeysInFlight {
+    held: std::sync::Mutex<std::collections::HashMap<uuid::Uuid, (String, usize)>>,
+}
+
+/// A key held in flight; released when dropped.
+pub(crate) struct KeyClaim<'a> {
+    keys: &'a KeysInFlight,
+    task_id: uuid::Uuid,
+}
+
+impl Drop for KeyClaim<'_> {
+    fn drop(&mut self) {
+        let mut held = self.keys.held.lock().expect("keys in flight");
+        if let Some((_, holders)) = held.get_mut(&self.task_id) {
+            *holders -= 1;
+            if *holders == 0 {
+                held.remove(&self.task_id);
+            }
+        }
+    }
+}
+
+impl KeysInFlight {
+    /// Holds `task_id`'s key for this request, or refuses it with a 422 while another request
+    /// with the key is in flight.
+    pub(crate) fn claim(&self, task_id: uuid::Uuid, idempotency: &Idempotency) -> Result<KeyClaim<'_>, ApiError> {
+        let mut held = self.held.lock().expect("keys in flight");
+        let (hash, holders) = held.entry(task_id).or_insert_with(|| (idempotency.request_sha256.clone(), 0));
+        if *hash != idempotency.request_sha256 {
+            return Err(conflict(idempotency));
+        }
+        *holders += 1;
+        Ok(KeyClaim { keys: self, task_id })
+    }
+}
+
+fn conflict(idempotency: &Idempotency) -> ApiError {
+    let message = format!("Idempotency-Key {:?} was used for another request", idempotency.key);
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_conflict", message.clone())
+        .with_fields([field("Idempotency-Key", message)])
+}
+
 /// An idempotent request against what the view knows of its task id (`known`, as
 /// [`crate::status::StatusStore::request_hash`] answers): a 422 when its key was used for
 /// another request.
 pub(crate) fn repeat(idempotency: &Idempotency, known: Option<Option<String>>) -> Result<Repeat, ApiError> {
     match known {
         Some(Some(hash)) if hash == idempotency.request_sha256 => Ok(Repeat::Retry),
-        Some(_) => {
-            let message = format!("Idempotency-Key {:?} was used for another request", idempotency.key);
-            Err(
-                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_conflict", message.clone())
-                    .with_fields([field("Idempotency-Key", message)]),
-            )
-        }
+        Some(_) => Err(conflict(idempotency)),
         None => Ok(Repeat::Unknown),
     }
 }
@@ -206,6 +248,23 @@ mod tests {
 
     fn catalog() -> Catalog {
         Catalog::parse("[[model]]\nname = \"sd\"\nkind = \"stable-diffusion\"\nwidth = { min = 64, max = 256, default = 64 }\nheight = { min = 64, max = 256, default = 64 }\nsize_multiple = 16\n").unwrap()
+    }
+
+    #[test]
+    fn a_key_in_flight_takes_the_same_body_again_and_refuses_another() {
+        let keys = KeysInFlight::default();
+        let idem = |hash: &str| Idempotency {
+            key: "k".into(),
+            request_sha256: hash.into(),
+        };
+        let id = uuid::Uuid::nil();
+        let first = keys.claim(id, &idem("a")).unwrap();
+        let retry = keys.claim(id, &idem("a")).unwrap();
+        assert_eq!(keys.claim(id, &idem("b")).err().unwrap().status, StatusCode::UNPROCESSABLE_ENTITY);
+        drop(first);
+        assert!(keys.claim(id, &idem("b")).is_err(), "held while any holder is in flight");
+        drop(retry);
+        assert!(keys.claim(id, &idem("b")).is_ok(), "released with the last");
     }
 
     fn admit(images_accepted: bool, body: serde_json::Value) -> Result<Admitted, ApiError> {

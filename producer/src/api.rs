@@ -52,6 +52,8 @@ pub struct AppState {
     /// Room for submission bodies being read and admitted at once, in KiB
     /// (`SLUICE_BODY_BYTES_IN_FLIGHT`): see [`body_room`].
     pub body_room: tokio::sync::Semaphore,
+    /// Idempotent submissions between their check and their publication.
+    pub keys_in_flight: admission::KeysInFlight,
 }
 
 /// The room, in KiB permits, that a submission holds while its body is read and admitted: its
@@ -193,6 +195,12 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: axum::body::Body)
         max_body_bytes: s.max_body_bytes,
     };
     let admission::Admitted { mut record, images } = admission::record(&s.catalog, &limits, &tenant, headers, body)?;
+    // Two requests with one key and different bodies at once: the second is refused (422)
+    // until the first is published and in the view.
+    let _key = match &record.idempotency {
+        Some(idem) => Some(s.keys_in_flight.claim(record.task_id, idem)?),
+        None => None,
+    };
     if let (Some(_), Some(idem)) = (&s.status, &record.idempotency) {
         let (who, task_id) = (tenant.clone(), record.task_id);
         let known = on_store(s, move |store| store.request_hash(&who, task_id)).await?;

@@ -89,7 +89,7 @@ pub struct RedriveArgs {
     pub dlq_topic: String,
     /// Only DLQ records with these reasons (comma-separated: malformed, schema_violation,
     /// unsupported_version, unsupported_model, too_large, resource_exhausted, model_error,
-    /// storage_rejected, retries_exhausted, crashed).
+    /// storage_rejected, retries_exhausted, crashed, idempotency_conflict).
     #[arg(long, env = "SLUICE_REDRIVE_REASONS", value_delimiter = ',', value_parser = parse_reason)]
     pub reason: Vec<sluice_schemas::DlqReason>,
 }

@@ -126,7 +126,7 @@ pub fn document() -> Value {
                         "400": error("Not JSON, or invalid fields (each named in `fields`), or a refused webhook."),
                         "401": unauthorized,
                         "413": error("The body is larger than the limit."),
-                        "422": error("The `Idempotency-Key` was used for another request."),
+                        "422": error("The `Idempotency-Key` was used for another request (`idempotency_conflict`), or is being used by one right now."),
                         "503": unavailable_or_catching_up
                     }
                 },

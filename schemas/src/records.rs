@@ -244,10 +244,13 @@ pub enum DlqReason {
     /// Started `SLUICE_MAX_CRASHES` times without an outcome: each start ended the worker
     /// running it (an abort, a segfault in native code, an OOM kill).
     Crashed,
+    /// The task's id (from its tenant and `Idempotency-Key`) already has results, made for a
+    /// request with another hash: the key was reused for another request.
+    IdempotencyConflict,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 10] = [
+    pub const ALL: [DlqReason; 11] = [
         DlqReason::Malformed,
         DlqReason::SchemaViolation,
         DlqReason::UnsupportedVersion,
@@ -258,6 +261,7 @@ impl DlqReason {
         DlqReason::StorageRejected,
         DlqReason::RetriesExhausted,
         DlqReason::Crashed,
+        DlqReason::IdempotencyConflict,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -272,6 +276,7 @@ impl DlqReason {
             DlqReason::StorageRejected => "storage_rejected",
             DlqReason::RetriesExhausted => "retries_exhausted",
             DlqReason::Crashed => "crashed",
+            DlqReason::IdempotencyConflict => "idempotency_conflict",
         }
     }
 
@@ -383,6 +388,10 @@ pub struct ResultManifest {
     pub inference_ms: Option<u64>,
     pub created_at: DateTime<Utc>,
     pub worker_id: String,
+    /// The request hash of an idempotent task (its record's `idempotency.request_sha256`): a
+    /// later record of the same task id with another hash is another request, not a retry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_sha256: Option<String>,
 }
 
 /// What a progress record reports.

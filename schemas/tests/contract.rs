@@ -215,6 +215,7 @@ fn fully_populated_types_validate() {
         inference_ms: Some(5),
         created_at: when,
         worker_id: "w".into(),
+        request_sha256: Some("ab".repeat(32)),
     };
     must_validate(RecordKind::Manifest, &manifest);
     for reason in DlqReason::ALL {

@@ -109,6 +109,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
     };
     let max_body_bytes = args.max_body_bytes + inputs.as_ref().map_or(0, InputImages::body_allowance);
     let state = Arc::new(AppState {
+        keys_in_flight: Default::default(),
         inputs,
         max_body_bytes: args.max_body_bytes,
         body_limit: max_body_bytes,

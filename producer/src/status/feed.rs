@@ -10,8 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use rdkafka::Offset;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::BaseConsumer;
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use sluice_service::kafka::{KafkaClientArgs, WholeTopics};
@@ -203,17 +202,7 @@ impl Feed {
     /// Every assigned partition's high watermark, or none: a partition left out would be
     /// "caught up" without having been read.
     fn read_targets(&mut self) {
-        let t: Result<Vec<(String, i32, i64)>, _> = self
-            .whole
-            .partitions()
-            .iter()
-            .map(|(t, p)| {
-                self.consumer
-                    .fetch_watermarks(t, *p, Duration::from_secs(5))
-                    .map(|(low, high)| (t.clone(), *p, if low == high { 0 } else { high }))
-            })
-            .collect();
-        match t {
+        match self.whole.ends(&self.consumer) {
             Ok(t) => {
                 // A stored position past a partition's end is of a topic since recreated: only
                 // what is read now counts.
@@ -266,14 +255,7 @@ impl Feed {
     fn check_caught_up(&self) {
         if !self.caught_up.get()
             && let Some(t) = &self.targets
-            && let Ok(pos) = self.consumer.position()
-            && t.iter().all(|(topic, p, high)| {
-                *high == 0
-                    || self.read_to.get(&(topic.clone(), *p)).is_some_and(|n| n >= high)
-                    || pos
-                        .find_partition(topic, *p)
-                        .is_some_and(|e| matches!(e.offset(), Offset::Offset(o) if o >= *high))
-            })
+            && WholeTopics::reached(&self.consumer, t, |topic, p| self.read_to.get(&(topic.to_owned(), p)).copied())
         {
             self.caught_up.0.store(true, Ordering::Relaxed);
             tracing::info!("status view caught up with its topics");

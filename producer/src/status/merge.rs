@@ -2,7 +2,7 @@
 //! independently, so changes of one task arrive in any order; these rules make every order end in
 //! the same state.
 
-use sluice_schemas::CompletionStatus;
+use sluice_schemas::{CompletionStatus, DlqReason};
 use uuid::Uuid;
 
 use super::{Change, Progress, Status, Stored, TaskStatus};
@@ -36,6 +36,7 @@ impl Change {
         Some(Stored {
             request_sha256: None,
             webhook: None,
+            awaiting_record: matches!(self, Change::Completed(_)),
             tenant: self.tenant().unwrap_or_default().to_owned(),
             status: TaskStatus {
                 task_id: self.task_id(),
@@ -61,6 +62,14 @@ impl Stored {
         let s = &mut self.status;
         match change {
             Change::Queued(r) => {
+                let hash = r.idempotency.as_ref().map(|i| &i.request_sha256);
+                if self.request_sha256.is_some() && hash != self.request_sha256.as_ref() {
+                    // Another request that reused the key (it raced past the check): the view
+                    // shows the one that first used it; this one is dead-lettered by the worker.
+                    return;
+                }
+                self.awaiting_record = false;
+                let s = &mut self.status;
                 s.created_at = r.submitted_at;
                 s.model = r.model.clone();
                 self.tenant = r.tenant.clone();
@@ -97,6 +106,10 @@ impl Stored {
             Change::Completed(c) => {
                 if c.attempt < s.attempt {
                     return; // an earlier attempt's, read after the redrive that replaced it
+                }
+                let conflict = c.error.as_ref().is_some_and(|e| e.reason == DlqReason::IdempotencyConflict);
+                if conflict && s.status == Status::Succeeded {
+                    return; // another request's record, refused: the task's own outcome stands
                 }
                 s.status = match c.status {
                     CompletionStatus::Succeeded => Status::Succeeded,

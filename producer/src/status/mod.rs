@@ -111,6 +111,9 @@ struct Stored {
     /// Where the task's events are pushed, from its record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     webhook: Option<sluice_schemas::WebhookSpec>,
+    /// Known from its completion only: its record (and with it its webhook) not read yet.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    awaiting_record: bool,
 }
 
 /// One state change, from a record of one of the topics.
@@ -132,8 +135,10 @@ pub enum Change {
 #[derive(Debug, Clone)]
 pub struct WebhookTarget {
     pub tenant: String,
-    /// `None`: the task has no webhook.
+    /// `None`: the task has no webhook (or its record, which would say, is not read yet).
     pub webhook: Option<sluice_schemas::WebhookSpec>,
+    /// Its record not read yet: whether it has a webhook is not known.
+    pub awaiting_record: bool,
     pub status: TaskStatus,
 }
 

@@ -224,6 +224,7 @@ impl StatusStore {
             return Ok(Some(WebhookTarget {
                 tenant: stored.tenant,
                 webhook: None,
+                awaiting_record: stored.awaiting_record,
                 status: stored.status,
             }));
         };
@@ -231,6 +232,7 @@ impl StatusStore {
         Ok(Some(WebhookTarget {
             tenant: stored.tenant,
             webhook: Some(webhook),
+            awaiting_record: false,
             status: stored.status,
         }))
     }
@@ -438,6 +440,63 @@ mod tests {
     fn store() -> (StatusStore, std::path::PathBuf) {
         let path = std::env::temp_dir().join(format!("sluice-status-{}-{}.redb", std::process::id(), Uuid::new_v4()));
         (StatusStore::create(&path, Some(&identity("c1", "t1"))).unwrap(), path)
+    }
+
+    /// A completion read before its task's record: the view says the record is awaited (the
+    /// webhook notifier waits for it, rather than take the task for one without a webhook).
+    #[test]
+    fn a_completion_read_before_its_record_awaits_the_record() {
+        let (s, path) = store();
+        let id = Uuid::now_v7();
+        let done = Change::Completed(completion(id, "t", CompletionStatus::Succeeded, 1));
+        s.apply(std::slice::from_ref(&done)).unwrap();
+        let early = s.with_webhook(id, &done).unwrap().unwrap();
+        assert!(early.awaiting_record && early.webhook.is_none());
+        let mut r = record(id, "t", Utc::now());
+        r.webhook = Some(sluice_schemas::WebhookSpec {
+            url: "https://example.com/hook".into(),
+            events: vec![sluice_schemas::WebhookEvent::Completed],
+        });
+        s.apply(&[Change::Queued(r)]).unwrap();
+        let known = s.with_webhook(id, &done).unwrap().unwrap();
+        assert!(!known.awaiting_record && known.webhook.is_some());
+        assert_eq!(known.status.status, Status::Succeeded);
+        let _ = std::fs::remove_file(path);
+    }
+
+    /// Two requests with one idempotency key (one raced past the producer's check): the view
+    /// shows the first, in either order of its outcome and the refusal of the second.
+    #[test]
+    fn a_reused_key_leaves_the_first_request_in_the_view() {
+        let (s, path) = store();
+        let keyed = |hash: &str, seed: u64| {
+            let mut r = record(Uuid::nil(), "t", Utc::now());
+            r.request.seed = seed;
+            r.idempotency = Some(sluice_schemas::Idempotency {
+                key: "k".into(),
+                request_sha256: hash.repeat(64),
+            });
+            r
+        };
+        let refused = || {
+            let mut c = completion(Uuid::nil(), "t", CompletionStatus::Failed, 1);
+            c.error = Some(sluice_schemas::CompletionError {
+                reason: sluice_schemas::DlqReason::IdempotencyConflict,
+                message: "reused".into(),
+            });
+            c
+        };
+        let succeeded = completion(Uuid::nil(), "t", CompletionStatus::Succeeded, 1);
+        for order in [[0, 1], [1, 0]] {
+            let outcomes = [Change::Completed(succeeded.clone()), Change::Completed(refused())];
+            let mut changes = vec![Change::Queued(keyed("a", 1)), Change::Queued(keyed("b", 2))];
+            changes.extend(order.map(|i| outcomes[i].clone()));
+            s.apply(&changes).unwrap();
+            let status = s.get("t", Uuid::nil()).unwrap().unwrap();
+            assert_eq!(status.status, Status::Succeeded, "order {order:?}");
+            assert_eq!(s.request_hash("t", Uuid::nil()).unwrap(), Some(Some("a".repeat(64))));
+        }
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]

@@ -65,7 +65,13 @@ pub(super) async fn finish(stage: Arc<FinishStage>, item: Item, ran: Ran) {
                 .map(|(i, image)| store.put_image(task_id, i as u32, image));
             let outputs: Vec<OutputRef> = futures::future::try_join_all(puts).await?;
             store
-                .put_manifest(task_id, &outputs, ran.inference.as_millis() as u64, &stage.worker_id)
+                .put_manifest(
+                    task_id,
+                    &outputs,
+                    ran.inference.as_millis() as u64,
+                    &stage.worker_id,
+                    job.task.idempotency.as_ref().map(|i| i.request_sha256.as_str()),
+                )
                 .await?;
             Ok::<_, crate::storage::images::StorageError>(outputs)
         })

@@ -218,13 +218,15 @@ impl ImageStore {
         })
     }
 
-    /// Writes the manifest, after every image.
+    /// Writes the manifest, after every image; `request_sha256` is an idempotent task's
+    /// request hash.
     pub(crate) async fn put_manifest(
         &self,
         task_id: Uuid,
         outputs: &[OutputRef],
         inference_ms: u64,
         worker_id: &str,
+        request_sha256: Option<&str>,
     ) -> Result<ResultManifest, StorageError> {
         let manifest = ResultManifest {
             version: SCHEMA_VERSION,
@@ -233,6 +235,7 @@ impl ImageStore {
             inference_ms: Some(inference_ms),
             created_at: Utc::now(),
             worker_id: worker_id.to_owned(),
+            request_sha256: request_sha256.map(str::to_owned),
         };
         let body = serde_json::to_vec(&manifest).expect("manifest serializes");
         let _permit = self.permit().await;
@@ -310,7 +313,7 @@ mod tests {
         assert!(first.url.starts_with("file://") && first.url.ends_with(&format!("{task}/0.png")));
 
         assert!(sink.manifest(task).await.unwrap().is_none());
-        sink.put_manifest(task, std::slice::from_ref(&first), 5, "w").await.unwrap();
+        sink.put_manifest(task, std::slice::from_ref(&first), 5, "w", None).await.unwrap();
         let manifest = sink.manifest(task).await.unwrap().unwrap();
         assert_eq!(manifest.outputs, vec![first]);
         std::fs::remove_dir_all(dir).unwrap();
