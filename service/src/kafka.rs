@@ -182,6 +182,42 @@ impl WholeTopics {
     pub fn partitions(&self) -> &std::collections::BTreeSet<(String, i32)> {
         &self.assigned
     }
+
+    /// Every assigned partition's end now (its high watermark; 0 for an empty one): having read
+    /// to all of them is being caught up with the topics. An error leaves none out: a
+    /// partition left out would count as read.
+    pub fn ends(&self, consumer: &rdkafka::consumer::BaseConsumer) -> rdkafka::error::KafkaResult<Vec<(String, i32, i64)>> {
+        use rdkafka::consumer::Consumer;
+        self.assigned
+            .iter()
+            .map(|(t, p)| {
+                consumer
+                    .fetch_watermarks(t, *p, std::time::Duration::from_secs(5))
+                    .map(|(low, high)| (t.clone(), *p, if low == high { 0 } else { high }))
+            })
+            .collect()
+    }
+
+    /// Whether every one of `ends` is reached: by `read_to` (the next offset to read, as the
+    /// caller counts it) or by the consumer's position (which also passes transaction markers).
+    pub fn reached(
+        consumer: &rdkafka::consumer::BaseConsumer,
+        ends: &[(String, i32, i64)],
+        read_to: impl Fn(&str, i32) -> Option<i64>,
+    ) -> bool {
+        use rdkafka::Offset;
+        use rdkafka::consumer::Consumer;
+        let Ok(positions) = consumer.position() else {
+            return false;
+        };
+        ends.iter().all(|(topic, p, high)| {
+            *high == 0
+                || read_to(topic, *p).is_some_and(|n| n >= *high)
+                || positions
+                    .find_partition(topic, *p)
+                    .is_some_and(|e| matches!(e.offset(), Offset::Offset(o) if o >= *high))
+        })
+    }
 }
 
 #[cfg(test)]

@@ -3,8 +3,10 @@
 //! 2xx is delivered. Connection errors, timeouts, 408, 429 and 5xx are retried (honouring
 //! `Retry-After`); a 410 stops deliveries to that URL; anything else — a 3xx (redirects are not
 //! followed) or another 4xx — is not retried. Each receiver host gets a bounded share of the
-//! concurrent deliveries, and after repeated failures its circuit opens for a while (attempts
-//! then fail at once), so a slow or dead receiver cannot hold up everybody else's.
+//! concurrent deliveries of each tenant, and after repeated failures its circuit opens for a
+//! while for that tenant (attempts then fail at once), so a slow or dead receiver cannot hold
+//! up everybody else's, and one tenant's failing endpoints on a shared host cannot use up
+//! another tenant's attempts there.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -16,14 +18,15 @@ use tokio::sync::Semaphore;
 use super::guard::{Guard, GuardedResolver, refusal_in};
 use super::signing::Secrets;
 
-/// Failures in a row after which a host's circuit opens.
+/// Failures in a row after which a tenant's circuit to a host opens.
 const BREAKER_FAILURES: u32 = 5;
 /// How long an open circuit fails attempts at once.
 const BREAKER_OPEN: Duration = Duration::from_secs(30);
 /// URLs remembered as gone (410), at most.
 const MAX_GONE: usize = 100_000;
-/// Hosts with failures remembered, at most; past it those with nothing in flight and no open
-/// circuit are forgotten. (A host with no failures and nothing in flight has no entry at all.)
+/// Tenant and host pairs with failures remembered, at most; past it those with nothing in
+/// flight and no open circuit are forgotten. (A pair with no failures and nothing in flight has
+/// no entry at all.)
 const MAX_HOSTS: usize = 10_000;
 
 /// How an attempt ended.
@@ -69,7 +72,8 @@ pub struct Deliverer {
     https: reqwest::Client,
     http: reqwest::Client,
     host_concurrency: usize,
-    hosts: Mutex<HashMap<String, Host>>,
+    /// By tenant and receiver host.
+    hosts: Mutex<HashMap<(String, String), Host>>,
     gone: Mutex<HashSet<String>>,
 }
 
@@ -98,12 +102,12 @@ impl Deliverer {
         })
     }
 
-    /// Concurrent attempts per receiver host.
+    /// Concurrent attempts per tenant and receiver host.
     pub fn host_concurrency(&self) -> usize {
         self.host_concurrency
     }
 
-    /// Hosts with an entry (failures, an open circuit or attempts in flight).
+    /// Tenant and host pairs with an entry (failures, an open circuit or attempts in flight).
     #[cfg(test)]
     pub(crate) fn hosts_known(&self) -> usize {
         self.hosts.lock().expect("not poisoned").len()
@@ -129,9 +133,10 @@ impl Deliverer {
         let Some(signature) = self.secrets.signature(request.tenant, request.event_id, timestamp, request.body) else {
             return give_up(Refused, format!("no webhook secret is configured for tenant {:?}", request.tenant));
         };
+        let key = (request.tenant.to_owned(), host.clone());
         let permits = {
             let mut hosts = self.hosts.lock().expect("not poisoned");
-            let h = hosts.entry(host.clone()).or_default();
+            let h = hosts.entry(key.clone()).or_default();
             if let Some(until) = h.open_until {
                 if Instant::now() < until {
                     return Attempt::Retry {
@@ -173,7 +178,7 @@ impl Deliverer {
         };
         drop(permit);
         let mut hosts = self.hosts.lock().expect("not poisoned");
-        let h = hosts.entry(host.clone()).or_default();
+        let h = hosts.entry(key.clone()).or_default();
         match &outcome {
             Attempt::Retry { .. } => {
                 h.failures += 1;
@@ -186,7 +191,7 @@ impl Deliverer {
         // In use: held by the map, by this attempt (`permits`) and by any other attempt.
         let idle = |h: &Host| h.permits.as_ref().is_none_or(|p| Arc::strong_count(p) <= 2);
         if h.failures == 0 && idle(h) {
-            hosts.remove(&host);
+            hosts.remove(&key);
         } else if hosts.len() > MAX_HOSTS {
             let now = Instant::now();
             hosts.retain(|_, h| !idle(h) || h.open_until.is_some_and(|t| t > now));
@@ -318,6 +323,38 @@ mod tests {
         let failing = receiver("503 Service Unavailable").await;
         assert!(matches!(attempt(&failing).await, Attempt::Retry { .. }));
         assert_eq!(deliverer.hosts_known(), 1, "a failing host's count is kept");
+    }
+
+    #[tokio::test]
+    async fn one_tenants_open_circuit_leaves_another_tenant_its_attempts_on_a_shared_host() {
+        let guard = Guard::new(&["127.0.0.0/8".into()], false).unwrap();
+        let secret = "whsec_c2x1aWNlLXRlc3Qtd2ViaG9vay1zZWNyZXQtMzJieXQ=";
+        let secrets = super::super::signing::Secrets::load(&[format!("acme:{secret}"), format!("rival:{secret}")], None).unwrap();
+        let deliverer = Deliverer::new(guard, secrets, Duration::from_secs(5), 2).unwrap();
+        let failing = receiver("503 Service Unavailable").await;
+        let attempt = async |tenant: &str| {
+            deliverer
+                .attempt(&Request {
+                    url: &failing,
+                    tenant,
+                    event_id: "msg_1",
+                    event: sluice_schemas::WebhookEvent::Completed,
+                    body: b"{}",
+                    traceparent: None,
+                })
+                .await
+        };
+        for _ in 0..BREAKER_FAILURES {
+            assert!(matches!(attempt("acme").await, Attempt::Retry { status: Some(503), .. }));
+        }
+        assert!(
+            matches!(attempt("acme").await, Attempt::Retry { status: None, .. }),
+            "acme's circuit to the host is open: failed at once"
+        );
+        assert!(
+            matches!(attempt("rival").await, Attempt::Retry { status: Some(503), .. }),
+            "rival's attempt still reaches the host"
+        );
     }
 
     #[test]

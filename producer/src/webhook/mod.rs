@@ -596,12 +596,16 @@ impl Notifier {
             let read = tokio::task::spawn_blocking(move || store.with_webhook(task_id, &c))
                 .await
                 .unwrap_or_else(|e| Err(crate::status::StatusError::Store(e.to_string())));
+            let may_wait = Utc::now() - at < RECENT && started.elapsed() < VIEW_WAIT;
             match read {
+                // Known from its completion only (the completions topic read ahead of the
+                // tasks topic): whether it has a webhook comes with its record.
+                Ok(Some(t)) if t.awaiting_record && may_wait => {}
                 Ok(Some(t)) => {
                     let webhook = t.webhook?;
                     return webhook.events.contains(&event).then_some((t.tenant, webhook.url, t.status));
                 }
-                Ok(None) if Utc::now() - at < RECENT && started.elapsed() < VIEW_WAIT => {}
+                Ok(None) if may_wait => {}
                 Ok(None) => return None,
                 Err(e) => tracing::warn!(error = %e, "webhook notifier: reading the status view"),
             }

@@ -33,6 +33,9 @@ struct TaskEvents {
 pub(super) struct EventOrder {
     interval: Duration,
     tasks: Mutex<HashMap<Uuid, TaskEvents>>,
+    /// The size at which the next prune runs: a prune scans every task, so it runs only after
+    /// half as many tasks again were added (O(1) amortised per event, however many are recent).
+    prune_at: Mutex<usize>,
 }
 
 /// Tasks remembered before idle ones are forgotten.
@@ -45,15 +48,30 @@ impl EventOrder {
         EventOrder {
             interval,
             tasks: Mutex::default(),
+            prune_at: Mutex::new(REMEMBERED),
         }
     }
 
     /// The task's turn: hold its lock while deciding and making the first attempt.
     pub(super) fn turn(&self, task: Uuid) -> Arc<tokio::sync::Mutex<()>> {
         let mut tasks = self.tasks.lock().expect("not poisoned");
-        if tasks.len() > REMEMBERED {
-            tasks.retain(|_, t| Arc::strong_count(&t.turn) > 1 || t.touched.elapsed() < MEMORY);
+        let mut prune_at = self.prune_at.lock().expect("not poisoned");
+        if tasks.len() > *prune_at {
+            let idle = |t: &TaskEvents| Arc::strong_count(&t.turn) == 1;
+            tasks.retain(|_, t| !idle(t) || t.touched.elapsed() < MEMORY);
+            if tasks.len() > 2 * REMEMBERED {
+                // Sustained load: more recent tasks than remembered. The least recently touched
+                // idle ones go, down to the bound (an O(n log n) sort, after n/2 additions).
+                let mut by_age: Vec<(Instant, Uuid)> = tasks.iter().filter(|(_, t)| idle(t)).map(|(id, t)| (t.touched, *id)).collect();
+                by_age.sort_unstable();
+                let excess = tasks.len() - REMEMBERED;
+                for (_, id) in by_age.into_iter().take(excess) {
+                    tasks.remove(&id);
+                }
+            }
+            *prune_at = tasks.len().max(REMEMBERED) + REMEMBERED / 2;
         }
+        drop(prune_at);
         let entry = tasks.entry(task).or_insert_with(|| TaskEvents {
             turn: Arc::default(),
             last_progress: None,
@@ -112,6 +130,20 @@ mod tests {
         assert_eq!(order.admit(task, WebhookEvent::Progress, 4), Verdict::Superseded);
         // A completion announced again (a replay) goes out again: receivers dedupe by webhook-id.
         assert_eq!(order.admit(task, WebhookEvent::Completed, 0), Verdict::Send);
+    }
+
+    #[test]
+    fn remembered_tasks_stay_bounded_under_sustained_load() {
+        let order = EventOrder::new(Duration::from_secs(1));
+        // Three times as many tasks as remembered, all recent: the least recently touched go.
+        let first = Uuid::new_v4();
+        drop(order.turn(first));
+        for _ in 0..3 * REMEMBERED {
+            drop(order.turn(Uuid::new_v4()));
+        }
+        let tasks = order.tasks.lock().unwrap();
+        assert!(tasks.len() <= 2 * REMEMBERED + 1, "{}", tasks.len());
+        assert!(!tasks.contains_key(&first), "the oldest went first");
     }
 
     #[tokio::test]

@@ -160,7 +160,7 @@ mod tests {
         // A cancel from the control topic reaches the task's hooks too.
         let other = sink.start(Uuid::now_v7(), "sd", 4, None);
         assert!(!other.cancelled());
-        cancellations.insert(other.task_id, chrono::Utc::now());
+        cancellations.insert(other.task_id, "acme", chrono::Utc::now());
         assert!(other.cancelled());
     }
 }

@@ -120,10 +120,11 @@ impl Clients {
     }
 }
 
-/// Tasks cancelled by their clients, followed on the whole control topic by a thread of its own.
-pub(super) fn cancellations(config: &Config, worker_id: &str) -> Result<Cancellations, StartError> {
+/// Tasks cancelled by their clients, followed on the whole control topic by a thread of its own;
+/// each cancel kept for `keep` (the longest a task may wait).
+pub(super) fn cancellations(config: &Config, worker_id: &str, keep: Duration) -> Result<Cancellations, StartError> {
     let k = &config.kafka;
-    let cancellations = Cancellations::default();
+    let cancellations = Cancellations::new(keep);
     let consumer: BaseConsumer = k
         .client
         .whole_topic_config(&format!("{worker_id}-control"))

@@ -53,6 +53,11 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
     let abandon = CancellationToken::new();
     let (decode, engine) = contexts(setup, loaded, clients, adaptive.clone(), &abandon)?;
     let (decode, engine) = (Arc::new(decode), Arc::new(engine));
+    // Cancels first: a task cancelled while queued must not run because this worker joined the
+    // group before it read the cancel.
+    if !engine.cancellations.caught_up(crate::source::cancellations::CATCH_UP).await {
+        tracing::warn!("the control topic was not read to its end in time; starting anyway (a cancel not read yet may be missed)");
+    }
 
     let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * 2 + 16);
     let (job_tx, job_rx) = mpsc::channel(d.max_in_flight + 16);
@@ -146,7 +151,15 @@ fn contexts(
     let (k, d) = (&config.kafka, &config.delivery);
     let tasks = TaskTracker::new();
     let outcomes = outcomes(setup, clients, abandon, &tasks);
-    let cancellations = kafka::cancellations(config, worker_id)?;
+    // A cancel is kept as long as the catalog lets a task wait (its longest deadline).
+    let catalog = &loaded.catalog;
+    let longest_wait = catalog
+        .names()
+        .into_iter()
+        .filter_map(|name| catalog.get(name).map(|m| m.max_ttl_seconds))
+        .max()
+        .unwrap_or(0);
+    let cancellations = kafka::cancellations(config, worker_id, Duration::from_secs(longest_wait))?;
     let (progress, progress_rx) = ProgressSink::new(worker_id.to_owned(), cancellations.clone());
     tokio::spawn(progress::publish(progress_rx, clients.producer.clone(), k.progress_topic.clone()));
     let offsets = &clients.offsets;
