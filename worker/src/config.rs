@@ -29,6 +29,8 @@ pub struct Config {
     pub batching: BatchingArgs,
     #[command(flatten)]
     pub delivery: DeliveryArgs,
+    #[command(flatten)]
+    pub identity: IdentityArgs,
     /// Address of the HTTP server (`/metrics`, `/healthz`, `/readyz`, `/admin/reload`).
     #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:9090")]
     pub listen: SocketAddr,
@@ -55,7 +57,7 @@ pub struct KafkaArgs {
     #[arg(long, env = "SLUICE_GROUP_ID", default_value = "sluice-workers")]
     pub group_id: String,
     /// Static group membership (`group.instance.id`), e.g. the pod name: a restarted worker gets
-    /// its partitions back without a rebalance.
+    /// its partitions back without a rebalance. Unset: the host slot (`SLUICE_IDENTITY`).
     #[arg(long, env = "SLUICE_GROUP_INSTANCE_ID")]
     pub group_instance_id: Option<String>,
     /// The consumer group protocol: `classic` (cooperative-sticky assignment, static membership)
@@ -82,6 +84,41 @@ pub struct KafkaArgs {
     /// Records larger than this go to the DLQ as `too_large` without being parsed.
     #[arg(long, env = "SLUICE_MAX_TASK_BYTES", default_value_t = 1 << 20)]
     pub max_task_bytes: usize,
+}
+
+/// Who the worker is when `SLUICE_GROUP_INSTANCE_ID` does not say.
+#[derive(Debug, Clone, Args)]
+pub struct IdentityArgs {
+    /// `host-slot`: the lowest free slot of the worker's group on this host, held by a lock file
+    /// (`SLUICE_RUNTIME_DIR/<group>/slot-<n>.lock`), names its group instance id and
+    /// transactional id, so a worker restarted by a supervisor gets them back and fences its
+    /// previous instance at once; `process`: `<host>-<pid>`, a new group member on every start.
+    #[arg(long, env = "SLUICE_IDENTITY", value_enum, default_value_t = IdentityKind::HostSlot)]
+    pub identity: IdentityKind,
+    /// Where host-slot lock files live (default: `$XDG_RUNTIME_DIR/sluice`, else
+    /// `<temporary directory>/sluice-<user>`).
+    #[arg(long, env = "SLUICE_RUNTIME_DIR")]
+    pub runtime_dir: Option<std::path::PathBuf>,
+}
+
+impl IdentityArgs {
+    pub fn runtime_dir(&self) -> std::path::PathBuf {
+        self.runtime_dir
+            .clone()
+            .unwrap_or_else(|| match std::env::var_os("XDG_RUNTIME_DIR") {
+                Some(run) if !run.is_empty() => std::path::PathBuf::from(run).join("sluice"),
+                _ => {
+                    let user = std::env::var("USER").unwrap_or_else(|_| "worker".into());
+                    std::env::temp_dir().join(format!("sluice-{user}"))
+                }
+            })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum IdentityKind {
+    HostSlot,
+    Process,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

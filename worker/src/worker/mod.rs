@@ -6,6 +6,7 @@
 
 mod admin;
 mod drain;
+mod identity;
 mod kafka;
 mod load;
 mod stages;
@@ -82,7 +83,9 @@ impl Exit {
 
 /// Runs a worker until `shutdown` resolves (or a reload fails for good). Everything that can be
 /// wrong with the setup fails here, with a message, before the worker joins the group.
-pub async fn run(config: Config, models: Models, shutdown: impl Future<Output = ()>) -> Result<Exit, StartError> {
+pub async fn run(mut config: Config, models: Models, shutdown: impl Future<Output = ()>) -> Result<Exit, StartError> {
+    // Held for as long as the worker runs: the kernel lets go of it when the process ends.
+    let _slot = identity::settle(&mut config);
     let worker_id = config.worker_id();
     let metrics = Metrics::new();
     let fatal = CancellationToken::new();
