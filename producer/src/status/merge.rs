@@ -2,7 +2,7 @@
 //! independently, so changes of one task arrive in any order; these rules make every order end in
 //! the same state.
 
-use sluice_schemas::{CompletionStatus, DlqReason};
+use sluice_schemas::CompletionStatus;
 use uuid::Uuid;
 
 use super::{Change, Progress, Status, Stored, TaskStatus};
@@ -107,16 +107,14 @@ impl Stored {
                 if c.attempt < s.attempt {
                     return; // an earlier attempt's, read after the redrive that replaced it
                 }
-                let conflict = c.error.as_ref().is_some_and(|e| e.reason == DlqReason::IdempotencyConflict);
-                if conflict && s.status == Status::Succeeded {
-                    return; // another request's record, refused: the task's own outcome stands
+                // An attempt that succeeded stays succeeded, in either order: a late outcome of
+                // the same attempt (from an owner that lost the partition while it ran, or
+                // another request's record refused as an idempotency conflict) does not
+                // overwrite it; its images exist.
+                if c.attempt == s.attempt && s.status == Status::Succeeded && c.status != CompletionStatus::Succeeded {
+                    return;
                 }
-                s.status = match c.status {
-                    CompletionStatus::Succeeded => Status::Succeeded,
-                    CompletionStatus::Failed => Status::Failed,
-                    CompletionStatus::Cancelled => Status::Cancelled,
-                    CompletionStatus::Expired => Status::Expired,
-                };
+                s.status = c.status.into();
                 s.outputs = c.outputs.clone();
                 s.error = c.error.clone();
                 s.timings = Some(c.timings);

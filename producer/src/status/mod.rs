@@ -50,6 +50,19 @@ pub enum Status {
     Expired,
 }
 
+impl From<sluice_schemas::CompletionStatus> for Status {
+    /// Where a completion leaves its task.
+    fn from(status: sluice_schemas::CompletionStatus) -> Status {
+        use sluice_schemas::CompletionStatus::*;
+        match status {
+            Succeeded => Status::Succeeded,
+            Failed => Status::Failed,
+            Cancelled => Status::Cancelled,
+            Expired => Status::Expired,
+        }
+    }
+}
+
 impl Status {
     pub fn is_terminal(self) -> bool {
         matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled | Status::Expired)

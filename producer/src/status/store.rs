@@ -464,6 +464,35 @@ mod tests {
         let _ = std::fs::remove_file(path);
     }
 
+    /// Two outcomes of one attempt (an owner that lost the partition while the task ran
+    /// announced it late): a success stands, in either order.
+    #[test]
+    fn a_late_outcome_of_an_attempt_never_overwrites_its_success() {
+        let (s, path) = store();
+        let crashed = |id| {
+            let mut c = completion(id, "t", CompletionStatus::Failed, 1);
+            c.error = Some(sluice_schemas::CompletionError {
+                reason: sluice_schemas::DlqReason::Crashed,
+                message: "started 3 times".into(),
+            });
+            Change::Completed(c)
+        };
+        let succeeded = |id| Change::Completed(completion(id, "t", CompletionStatus::Succeeded, 1));
+        let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+        s.apply(&[Change::Queued(record(a, "t", Utc::now())), succeeded(a), crashed(a)])
+            .unwrap();
+        s.apply(&[Change::Queued(record(b, "t", Utc::now())), crashed(b), succeeded(b)])
+            .unwrap();
+        for id in [a, b] {
+            assert_eq!(s.get("t", id).unwrap().unwrap().status, Status::Succeeded);
+        }
+        // A later attempt (a redrive) is another matter: its outcome replaces the first's.
+        s.apply(&[Change::Completed(completion(a, "t", CompletionStatus::Failed, 2))])
+            .unwrap();
+        assert_eq!(s.get("t", a).unwrap().unwrap().status, Status::Failed);
+        let _ = std::fs::remove_file(path);
+    }
+
     /// Two requests with one idempotency key (one raced past the producer's check): the view
     /// shows the first, in either order of its outcome and the refusal of the second.
     #[test]

@@ -34,8 +34,8 @@ use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::{Map, Value};
 use sluice_schemas::{
-    CompletionEvent, HEADER_SCHEMA_VERSION, ProgressEvent, ProgressRecord, SCHEMA_VERSION, WebhookDelivery, WebhookDlqRecord, WebhookEvent,
-    WebhookFailure,
+    CompletionEvent, CompletionStatus, HEADER_SCHEMA_VERSION, ProgressEvent, ProgressRecord, SCHEMA_VERSION, WebhookDelivery,
+    WebhookDlqRecord, WebhookEvent, WebhookFailure,
 };
 use sluice_service::backpressure::Backpressure;
 use sluice_service::ordered_acks::OrderedAcks;
@@ -487,7 +487,15 @@ impl Notifier {
                 Ok(c) => Job::Event {
                     event: WebhookEvent::Completed,
                     task_id: c.task_id,
-                    step: 0,
+                    // Each outcome of an attempt is its own event (succeeded keeps the ids of
+                    // earlier releases): a receiver deduplicating by id never drops the one that
+                    // stands because another outcome of the attempt came first.
+                    step: match c.status {
+                        CompletionStatus::Succeeded => 0,
+                        CompletionStatus::Failed => 1,
+                        CompletionStatus::Cancelled => 2,
+                        CompletionStatus::Expired => 3,
+                    },
                     at: c.completed_at,
                     change: Box::new(Change::Completed(c)),
                 },
@@ -533,6 +541,18 @@ impl Notifier {
                 let Some((tenant, url, status)) = self.target(task_id, event, &change, at).await else {
                     return;
                 };
+                if let Change::Completed(c) = &*change
+                    && status.status != c.status.into()
+                {
+                    // An outcome that does not stand (the attempt succeeded already): the view
+                    // and the receiver agree on the one that does.
+                    WebhookNotSent {
+                        event,
+                        outcome: "superseded",
+                    }
+                    .emit(&self.metrics);
+                    return;
+                }
                 // The task's events take turns; `completed` is the last one a receiver gets.
                 let turn = self.order.turn(task_id);
                 let _turn = turn.lock().await;

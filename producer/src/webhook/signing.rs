@@ -97,10 +97,11 @@ pub fn sign(key: &[u8], id: &str, timestamp: i64, body: &[u8]) -> String {
     STANDARD.encode(mac.finalize().into_bytes())
 }
 
-/// The `webhook-id` of an event: derived from the task, its attempt, the event and the step, so
-/// that every delivery attempt and every replica gives the same one, and a redriven task's
-/// events (attempt 2 on) are new events to a receiver that deduplicates by id. (Attempt 1
-/// keeps the ids of releases before attempts counted.)
+/// The `webhook-id` of an event: derived from the task, its attempt, the event and the step (for
+/// `completed`, its status: 0 succeeded, 1 failed, 2 cancelled, 3 expired), so that every
+/// delivery attempt and every replica gives the same one, and a redriven task's events (attempt 2
+/// on), or another outcome of one attempt, are new events to a receiver that deduplicates by id.
+/// (Attempt 1 keeps the ids of releases before attempts counted.)
 pub fn event_id(task_id: Uuid, attempt: u32, event: sluice_schemas::WebhookEvent, step: u32) -> String {
     let mut text = format!("sluice-webhook\0{task_id}\0{}\0{step}", event.as_str());
     if attempt > 1 {
