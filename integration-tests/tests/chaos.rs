@@ -257,6 +257,96 @@ async fn workers_killed_and_restarted(mode: &str) {
     }
 }
 
+/// A crash loop as a process supervisor runs it (systemd, a shell loop), with default settings:
+/// no `SLUICE_GROUP_INSTANCE_ID`. Two workers, tasks arriving, one worker killed with `kill -9`
+/// every 5 s and restarted at once. Each restart takes its host slot back (the same group
+/// instance id and transactional id): it rejoins with its partitions and fences its previous
+/// instance's open transaction at once, so every task completes and none is seen twice
+/// `read_committed`. Before, each start was a new member and a new transactional id, whose
+/// predecessors' partitions and transactions waited out their timeouts while more kills came:
+/// after 10 minutes and 117 kills, 128 of 300 tasks had not completed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_supervisor_crash_loop_with_default_identity_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("supervised", 8).unwrap();
+    let group = "chaos-supervised";
+    let (models, run_dir) = (
+        stack.tiny_models().unwrap().display().to_string(),
+        stack.dir.join("run").display().to_string(),
+    );
+    let env = [
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("SLUICE_RUNTIME_DIR", run_dir.as_str()),
+        ("SLUICE_MAX_WAIT_MS", "20"),
+    ];
+    let mut workers = Vec::new();
+    for id in ["supervised-a", "supervised-b"] {
+        workers.push(Worker::on_topics(stack, id, group, &topics, &env).await.unwrap());
+    }
+    for w in &workers {
+        w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    }
+    // The identity a worker took, from its log: the last one (a restart may append).
+    let identity = |w: &Worker| -> Option<String> {
+        let log = w.service.log_text();
+        let line = log
+            .lines()
+            .rev()
+            .find(|l| l.contains("identity from this host's lowest free slot"))?;
+        let at = line.find("identity=")? + "identity=".len();
+        Some(line[at..].split([' ', ',', '}']).next()?.trim_matches('"').to_owned())
+    };
+    let (first, other) = (identity(&workers[0]), identity(&workers[1]));
+    assert!(
+        first.is_some() && other.is_some() && first != other,
+        "two slots: {first:?}, {other:?}"
+    );
+    let n = 300;
+    let all = tasks(n, 6_000);
+    let ids = ids_of(&all);
+    let started = Instant::now();
+    let publisher = publish_paced(stack, &topics.tasks, all.clone(), Duration::from_secs(30));
+    let waiter = {
+        let (brokers, topics, ids) = (stack.brokers().to_owned(), topics.clone(), ids.clone());
+        tokio::task::spawn_blocking(move || Outcomes::wait(&brokers, &topics, &ids, Duration::from_secs(300)))
+    };
+    // Kills go on until every task completed: the group must make progress between them.
+    let mut kills = 0;
+    while !waiter.is_finished() && kills < 30 {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        workers[0].service.kill9();
+        kills += 1;
+        workers[0].restart(stack).await.unwrap();
+        assert_eq!(identity(&workers[0]), first, "the restarted worker took its slot back");
+    }
+    assert!(
+        waiter.is_finished(),
+        "not every task completed while the kills went on ({kills} kills)"
+    );
+    let acked = publisher.await.unwrap();
+    assert_eq!(acked.len(), n, "the broker took every task");
+    let done = waiter.await.unwrap().unwrap();
+    let (extra, _) = duplicates(&done);
+    table(
+        "supervisor crash loop, default identity (host slots): kill -9 one of 2 workers every 5 s, restart at once",
+        &[
+            ("tasks", n.to_string()),
+            ("kills", kills.to_string()),
+            ("completed", done.with_status(CompletionStatus::Succeeded).len().to_string()),
+            ("lost", (n - done.completions.len()).to_string()),
+            ("duplicate completions, read_committed", extra.to_string()),
+            ("wall time", format!("{:.0} s", started.elapsed().as_secs_f64())),
+        ],
+    );
+    assert!(kills >= 3, "the run saw {kills} kills");
+    assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), n, "every task completed");
+    assert_eq!(extra, 0, "a read_committed reader saw a task's completion twice");
+    for w in &mut workers {
+        w.service.terminate(Duration::from_secs(30)).unwrap();
+    }
+}
+
 /// How long the poll loop may go without polling while S3 is out. It polls every 100 ms and
 /// never waits on storage; a stall of seconds would mean storage I/O crept back onto it (before
 /// the redelivery check moved off it: 27 s with S3 hung, against max.poll.interval.ms of 30 s).
@@ -768,6 +858,56 @@ async fn a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_diffusion_record_that_kills_its_worker_is_dead_lettered_after_three_crashes() {
     crash_loop("crash-loop-sd", Some("sd-tiny")).await;
+}
+
+/// A graceful handoff is not a crash: a task held in its model call (`hold-run`) whose worker
+/// is stopped with SIGTERM four times, with a grace shorter than the task
+/// (`SLUICE_SHUTDOWN_GRACE_MS=1000`), and then run by a worker without the fault, succeeds,
+/// once, and is never dead-lettered as `crashed` (SLUICE_MAX_CRASHES is 3: before, the fourth
+/// start was refused as a crash loop).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_whose_worker_is_stopped_four_times_is_handed_off_not_crashed() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("handoff", 1).unwrap();
+    let seed = 88_001u64;
+    let fault = format!("hold-run={seed}");
+    let group = "chaos-handoff";
+    let task = terrain_task(seed, 128, 128, 10);
+    let id = task.0.clone();
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, std::slice::from_ref(&task))
+        .await
+        .unwrap();
+    let held = [("SLUICE_TEST_FAULTS", fault.as_str()), ("SLUICE_SHUTDOWN_GRACE_MS", "1000")];
+    for stop in 1..=4 {
+        let mut w = worker_with(stack, "handoff-0", group, &topics, &held).await;
+        w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+        sluice_integration_tests::wait_for("the task in flight", Duration::from_secs(60), async || {
+            (w.metric("sluice_worker_in_flight_tasks").await? >= 1.0).then_some(())
+        })
+        .await
+        .unwrap();
+        // Into its model call, its start recorded.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let t = Instant::now();
+        w.service.terminate(Duration::from_secs(30)).unwrap();
+        eprintln!("stop {stop}: SIGTERM, exited in {:.1} s", t.elapsed().as_secs_f64());
+    }
+    let mut w = worker_with(stack, "handoff-0", group, &topics, &[]).await;
+    let done = Outcomes::wait(stack.brokers(), &topics, &BTreeSet::from([id.clone()]), Duration::from_secs(120)).unwrap();
+    let completions = &done.completions[&id];
+    table(
+        "one task held in its model call, its worker stopped with SIGTERM 4 times (grace 1 s)",
+        &[
+            ("completions", completions.len().to_string()),
+            ("status", format!("{:?}", completions[0].status)),
+            ("DLQ reason", format!("{:?}", done.dlq_reason(&id))),
+        ],
+    );
+    assert_eq!(completions.len(), 1, "{completions:?}");
+    assert_eq!(completions[0].status, CompletionStatus::Succeeded, "{completions:?}");
+    assert_eq!(done.dlq_reason(&id), None);
+    w.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
 /// [`a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes`] on terrain-tiny, or on

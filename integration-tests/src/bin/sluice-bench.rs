@@ -555,7 +555,13 @@ async fn end_to_end(
 /// stack. Throughput: tasks all on the topic before the worker starts, counted as a
 /// `read_committed` consumer sees their completions (in exactly-once mode a completion is
 /// visible only once its transaction commits). Latency: tasks fed at a steady rate well below
-/// capacity, from the send to the completion being visible to that consumer.
+/// capacity, from the send to the completion being visible to that consumer. Mixed: in every
+/// partition a slow task ahead of fast ones, on a worker with two engine slots so that the
+/// engine lets the fast ones pass; the fast tasks' latency, send to visible, is what a delivery
+/// mode adds when a neighbour is slow. The slow task is held in its model call
+/// (`SLUICE_TEST_FAULTS=hold-run`) until it is cancelled after `SLUICE_BENCH_DELIVERY_SLOW_S`
+/// (6 s): a model call that costs no CPU, so that what is measured is the delivery, not two
+/// model calls sharing this machine's two cores.
 mod delivery {
     use super::*;
     use std::collections::HashMap;
@@ -575,11 +581,24 @@ mod delivery {
         let tasks = env_or("SLUICE_BENCH_DELIVERY_TASKS", 10_000);
         let paced = env_or("SLUICE_BENCH_DELIVERY_PACED_TASKS", 2_000);
         let rate = env_or("SLUICE_BENCH_DELIVERY_RATE", 200);
+        let mixed = Mixed {
+            // One partition: its slow task is one held call, in one of the two slots.
+            partitions: env_or("SLUICE_BENCH_DELIVERY_MIXED_PARTITIONS", 1) as i32,
+            slow: Duration::from_secs(env_or("SLUICE_BENCH_DELIVERY_SLOW_S", 6) as u64),
+            fast: env_or("SLUICE_BENCH_DELIVERY_FAST_PER_PARTITION", 40),
+        };
+        // `SLUICE_BENCH_DELIVERY_ROWS=mixed`: the mixed rows alone.
+        let only_mixed = std::env::var("SLUICE_BENCH_DELIVERY_ROWS").is_ok_and(|r| r == "mixed");
         let mut rows = Vec::new();
+        let mut mixed_rows = Vec::new();
         // Twice, alternating, so neither mode always runs on the warmer machine.
         for round in 0..2 {
             for mode in MODES {
                 eprintln!("== delivery {mode}, round {}", round + 1);
+                mixed_rows.push((mode, mixed.run(stack, mode).await?));
+                if only_mixed {
+                    continue;
+                }
                 let throughput = throughput(stack, mode, tasks).await?;
                 let (p50_ms, p99_ms, max_ms) = latency(stack, mode, paced, rate).await?;
                 rows.push(Row {
@@ -605,7 +624,7 @@ mod delivery {
                 r.mode, r.throughput, r.p50_ms, r.p99_ms, r.max_ms, r.rate
             );
         }
-        for mode in MODES {
+        for mode in MODES.into_iter().filter(|_| !rows.is_empty()) {
             let of: Vec<&Row> = rows.iter().filter(|r| r.mode == mode).collect();
             let mean = |f: fn(&Row) -> f64| of.iter().map(|r| f(r)).sum::<f64>() / of.len() as f64;
             println!(
@@ -617,10 +636,171 @@ mod delivery {
                 mean(|r| r.max_ms)
             );
         }
+        println!();
+        println!(
+            "## delivery modes, mixed: per partition ({}) a task held {} s in its model call ahead of {} tasks of the ~1 ms model, two engine slots",
+            mixed.partitions,
+            mixed.slow.as_secs(),
+            mixed.fast
+        );
+        println!();
+        println!("| mode | slow tasks, s (min) | fast tasks' completion latency, ms p50 / p99 |");
+        println!("|---|---|---|");
+        for (mode, m) in &mixed_rows {
+            println!("| {mode} | {:.1} | {:.0} / {:.0} |", m.slow_s, m.p50_ms, m.p99_ms);
+        }
+        let p50 = |mode: &str| {
+            let of: Vec<f64> = mixed_rows.iter().filter(|(m, _)| *m == mode).map(|(_, r)| r.p50_ms).collect();
+            of.iter().sum::<f64>() / of.len() as f64
+        };
+        println!(
+            "| exactly-once p50 / at-least-once p50, mean of rounds | | {:.2}× |",
+            p50("exactly-once") / p50("at-least-once")
+        );
         Ok(())
     }
 
-    async fn worker(stack: &Stack, mode: &str, topics: &sluice_integration_tests::stack::Topics) -> anyhow::Result<Worker> {
+    /// The mixed row's shape.
+    struct Mixed {
+        partitions: i32,
+        slow: Duration,
+        fast: usize,
+    }
+
+    struct MixedRow {
+        /// The quickest slow task, send to visible: the fast ones are measured while it runs.
+        slow_s: f64,
+        p50_ms: f64,
+        p99_ms: f64,
+    }
+
+    impl Mixed {
+        async fn run(&self, stack: &Stack, mode: &str) -> anyhow::Result<MixedRow> {
+            let topics = stack.topics(&format!("delivery-mix-{}", uuid::Uuid::new_v4().simple()), self.partitions as u32)?;
+            let kafka = producer(stack.brokers())?;
+            // The slow tasks, one per partition, in one call that their seed holds (a diffusion
+            // model: a held call notices a cancel through its step hooks); the fast ones on the
+            // ~1 ms model.
+            const HELD: u64 = 3_000_000;
+            let slow: Vec<_> = (0..self.partitions)
+                .map(|_| sluice_integration_tests::diffusion_task("sd-tiny", HELD, 64, 2, 1))
+                .collect();
+            let fast: Vec<_> = (0..self.fast * self.partitions as usize)
+                .map(|i| terrain_task(i as u64 + 2_000_000, 128, 128, 1 + (i % 100) as u32))
+                .collect();
+            // Warm-up: the worker's first tasks on these topics (first transactions, first calls
+            // of the bucket) are not what is measured.
+            let warm: Vec<_> = (0..10 * self.partitions as usize)
+                .map(|i| terrain_task(i as u64 + 1_000_000, 128, 128, 1 + (i % 100) as u32))
+                .collect();
+            let reader = read(stack, &topics.completions, warm.len() + slow.len() + fast.len());
+            let fault = format!("hold-run={HELD}");
+            let models = mixed_models(stack)?;
+            let catalog = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
+            let catalog = catalog.display().to_string();
+            // A bucket down to batch 1 (as every new one starts) otherwise takes the whole
+            // device for each call: the held call would hold the fast ones too.
+            let more = [
+                ("SLUICE_ENGINE_SLOTS", "2"),
+                ("SLUICE_NO_SERIALIZE_SINGLES", "true"),
+                ("SLUICE_TEST_FAULTS", fault.as_str()),
+                ("SLUICE_MODEL_DIR", models.as_str()),
+                ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+                ("SLUICE_MODELS", "terrain,sd-tiny"),
+            ];
+            let w = worker(stack, mode, &topics, &more).await?;
+            for (i, task) in warm.iter().enumerate() {
+                to_partition(&kafka, &topics.tasks, i as i32 % self.partitions, task).await?;
+            }
+            let warm_ids: std::collections::HashSet<&String> = warm.iter().map(|(id, _)| id).collect();
+            let warmed = tokio::task::spawn_blocking({
+                let ids: std::collections::BTreeSet<String> = warm_ids.iter().map(|id| (*id).clone()).collect();
+                let (brokers, topics) = (stack.brokers().to_owned(), topics.clone());
+                move || sluice_integration_tests::Outcomes::wait(&brokers, &topics, &ids, Duration::from_secs(120))
+            });
+            warmed.await??;
+            let mut sent: HashMap<String, Instant> = HashMap::new();
+            for (p, task) in slow.iter().enumerate() {
+                to_partition(&kafka, &topics.tasks, p as i32, task).await?;
+                sent.insert(task.0.clone(), Instant::now());
+            }
+            let slow_sent = Instant::now();
+            tokio::time::sleep(Duration::from_millis(500)).await; // the slow ones are in their call
+            for (i, task) in fast.iter().enumerate() {
+                to_partition(&kafka, &topics.tasks, i as i32 % self.partitions, task).await?;
+                sent.insert(task.0.clone(), Instant::now());
+            }
+            // The slow ones' call ends when they are cancelled.
+            tokio::time::sleep_until((slow_sent + self.slow).into()).await;
+            for (id, _) in &slow {
+                let cancel = serde_json::json!({"version": 1, "task_id": id, "tenant": "acme", "action": "cancel", "at": Utc::now()});
+                let cancel = serde_json::to_vec(&cancel)?;
+                sluice_integration_tests::produce_raw(&kafka, sluice_schemas::topics::CONTROL, Some(id.as_bytes()), &cancel, &[]).await?;
+            }
+            let seen = tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
+            drop(w);
+            let seen: Vec<_> = seen.into_iter().filter(|(id, _)| !warm_ids.contains(id)).collect();
+            let latency = |id: &String, at: &Instant| (*at - sent[id]).as_secs_f64();
+            let is_slow = |id: &String| slow.iter().any(|(s, _)| s == id);
+            let slow_s = seen
+                .iter()
+                .filter(|(id, _)| is_slow(id))
+                .map(|(id, at)| latency(id, at))
+                .fold(f64::INFINITY, f64::min);
+            let mut ms: Vec<f64> = seen
+                .iter()
+                .filter(|(id, _)| !is_slow(id))
+                .map(|(id, at)| latency(id, at) * 1000.0)
+                .collect();
+            anyhow::ensure!(ms.len() == fast.len(), "{} fast completions of {}", ms.len(), fast.len());
+            ms.sort_by(f64::total_cmp);
+            let at = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+            Ok(MixedRow {
+                slow_s,
+                p50_ms: at(0.5),
+                p99_ms: at(0.99),
+            })
+        }
+    }
+
+    /// A model directory with the ~1 ms model as `terrain` and the stack's tiny `sd-tiny`.
+    fn mixed_models(stack: &Stack) -> anyhow::Result<String> {
+        let dir = stack.dir.join("models-mixed");
+        if !dir.exists() {
+            std::fs::create_dir_all(&dir)?;
+            std::os::unix::fs::symlink(stack.tiny_models()?.join("terrain"), dir.join("terrain"))?;
+            std::os::unix::fs::symlink(stack.dir.join("models/sd-tiny"), dir.join("sd-tiny"))?;
+        }
+        Ok(dir.display().to_string())
+    }
+
+    /// Publishes one task to `partition`.
+    async fn to_partition(
+        kafka: &rdkafka::producer::FutureProducer,
+        topic: &str,
+        partition: i32,
+        task: &(String, serde_json::Value),
+    ) -> anyhow::Result<()> {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let value = serde_json::to_vec(&task.1)?;
+        let record = rdkafka::producer::FutureRecord::<[u8], [u8]>::to(topic)
+            .partition(partition)
+            .key(task.0.as_bytes())
+            .payload(&value)
+            .headers(OwnedHeaders::new().insert(Header {
+                key: sluice_schemas::HEADER_SCHEMA_VERSION,
+                value: Some(b"1"),
+            }));
+        kafka.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
+        Ok(())
+    }
+
+    async fn worker(
+        stack: &Stack,
+        mode: &str,
+        topics: &sluice_integration_tests::stack::Topics,
+        more: &[(&str, &str)],
+    ) -> anyhow::Result<Worker> {
         let models = stack.tiny_models()?.display().to_string();
         let group = format!("delivery-{}", uuid::Uuid::new_v4());
         let mut settings = vec![
@@ -632,6 +812,8 @@ mod delivery {
             ("SLUICE_DELIVERY", mode),
         ];
         settings.extend(topics.worker_env());
+        settings.retain(|(k, _)| !more.iter().any(|(m, _)| m == k));
+        settings.extend(more.iter().copied());
         // Extra worker settings, as in the pipeline benchmark.
         let extra = std::env::var("SLUICE_BENCH_WORKER_ENV").unwrap_or_default();
         settings.extend(extra.split(';').filter_map(|kv| kv.split_once('=')));
@@ -663,7 +845,7 @@ mod delivery {
             publish_tasks(&kafka, &topics.tasks, chunk).await?;
         }
         let reader = read(stack, &topics.completions, tasks);
-        let w = worker(stack, mode, &topics).await?;
+        let w = worker(stack, mode, &topics, &[]).await?;
         let mut seen = tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
         drop(w);
         seen.sort_by_key(|(_, t)| *t);
@@ -677,7 +859,7 @@ mod delivery {
         let topics = stack.topics(&format!("delivery-lat-{}", uuid::Uuid::new_v4().simple()), 8)?;
         let kafka = producer(stack.brokers())?;
         let reader = read(stack, &topics.completions, tasks);
-        let w = worker(stack, mode, &topics).await?;
+        let w = worker(stack, mode, &topics, &[]).await?;
         // Tasks in groups of 10 every 10 / rate seconds; each group's send time noted.
         let all: Vec<_> = (0..tasks)
             .map(|i| terrain_task(i as u64 + 1_000_000, 128, 128, 1 + (i % 100) as u32))
