@@ -114,9 +114,12 @@ struct Partition {
     started: BTreeMap<i64, u32>,
     /// What the previous owner left started and unfinished (read with its lease).
     previous_starts: Option<BTreeMap<i64, u32>>,
-    /// Bumped when a record starts; the version the broker acknowledged.
+    /// Bumped when the started set changes; the version the broker acknowledged.
     starts_version: u64,
     starts_confirmed: u64,
+    /// The version a model call waits for (a start): a start is recorded at once, an end rides
+    /// along with the next commit.
+    starts_awaited: u64,
     /// Records finished ahead of the committed position whose finishing a commit carried (or
     /// the previous owner's commit did: those are skipped when read).
     done_written: BTreeSet<i64>,
@@ -255,6 +258,7 @@ impl Offsets {
                     previous_starts: None,
                     starts_version: 0,
                     starts_confirmed: 0,
+                    starts_awaited: 0,
                     done_written: BTreeSet::new(),
                     done_new: BTreeSet::new(),
                 },
@@ -416,6 +420,7 @@ impl Offsets {
                 .any(|(o, _)| o.topic == origin.topic && o.partition == origin.partition)
             {
                 p.starts_version += 1;
+                p.starts_awaited = p.starts_version;
                 waits.push(((*origin).clone(), p.starts_version));
             }
         }
@@ -427,18 +432,17 @@ impl Offsets {
     }
 
     /// Notes that the model call holding `origin` ended (it returned, with results or an error
-    /// a handler saw): from here a kill of the process is no crash of the record's, and the next
-    /// commit says so.
+    /// a handler saw): from here a kill of the process is no crash of the record's. The next
+    /// commit says so (no commit of its own: the task's outcome follows in moments, and with it
+    /// a commit).
     pub(crate) fn call_ended(&self, origin: &Origin) {
         let mut state = self.lock();
-        let changed = state
+        if let Some(p) = state
             .partitions
             .get_mut(&TopicPartition::of(origin))
             .filter(|p| p.generation == origin.generation)
-            .is_some_and(|p| p.unstart(origin.offset));
-        drop(state);
-        if changed {
-            self.commit_wanted.notify_one();
+        {
+            p.unstart(origin.offset);
         }
     }
 
@@ -577,17 +581,17 @@ impl Offsets {
         out
     }
 
-    /// Commits that record starts and nothing else: each partition whose starts changed, at the
-    /// offset it last committed (so none moves) with its lease and starts as metadata. For
-    /// exactly-once delivery, where a plain commit between transactions is a round trip
-    /// instead of a whole transaction. Partitions that have committed nothing under this
-    /// assignment are left to the next transaction.
+    /// Commits that record starts and nothing else: each partition with a start a model call
+    /// waits for, at the offset it last committed (so none moves) with its lease and starts as
+    /// metadata. For exactly-once delivery, where a plain commit between transactions is a
+    /// round trip instead of a whole transaction. Partitions that have committed nothing under
+    /// this assignment are left to the next transaction.
     pub(crate) fn start_candidates(&self) -> Vec<Commit> {
         let state = self.lock();
         let mut out: Vec<Commit> = state
             .partitions
             .iter()
-            .filter(|(_, p)| p.starts_changed())
+            .filter(|(_, p)| p.starts_awaited > p.starts_confirmed)
             .filter_map(|(tp, p)| Some(p.commit_at(tp, p.committed?, p.lease?, false)))
             .collect();
         out.sort();
