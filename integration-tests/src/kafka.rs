@@ -203,12 +203,27 @@ pub async fn produce_raw(
     value: &[u8],
     headers: &[(&str, &[u8])],
 ) -> anyhow::Result<(i32, i64)> {
+    produce_to(producer, topic, None, key, value, headers).await
+}
+
+/// [`produce_raw`] to `partition` (`None`: the partitioner's choice, by key).
+pub async fn produce_to(
+    producer: &FutureProducer,
+    topic: &str,
+    partition: Option<i32>,
+    key: Option<&[u8]>,
+    value: &[u8],
+    headers: &[(&str, &[u8])],
+) -> anyhow::Result<(i32, i64)> {
     let headers = headers
         .iter()
         .fold(OwnedHeaders::new(), |h, (k, v)| h.insert(Header { key: k, value: Some(*v) }));
     let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(value).headers(headers);
     if let Some(key) = key {
         record = record.key(key);
+    }
+    if let Some(partition) = partition {
+        record = record.partition(partition);
     }
     let delivery = producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
     Ok((delivery.partition, delivery.offset))

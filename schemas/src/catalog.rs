@@ -499,6 +499,11 @@ impl Catalog {
         self.models.iter().map(|m| m.name.as_str()).collect()
     }
 
+    /// The furthest deadline any model allows (`max_ttl_seconds`): the longest a task may wait.
+    pub fn longest_ttl_seconds(&self) -> u64 {
+        self.models.iter().map(|m| m.max_ttl_seconds).max().unwrap_or(0)
+    }
+
     /// Checks a request (already valid against `task-request.schema.json`) against its model's
     /// entry and fills every default; `seed` is called only when the request has none. Every
     /// violation names its field.

@@ -357,9 +357,14 @@ impl Config {
     }
 
     pub fn worker_id(&self) -> String {
-        self.worker_id.clone().unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "worker".into());
-            format!("{}-{}", host.trim(), std::process::id())
-        })
+        self.worker_id
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", host_name(), std::process::id()))
     }
+}
+
+/// This host's name (`worker` where it cannot be read): the first part of a worker's default
+/// names.
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "worker".into(), |h| h.trim().to_owned())
 }

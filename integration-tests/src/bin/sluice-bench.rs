@@ -781,17 +781,9 @@ mod delivery {
         partition: i32,
         task: &(String, serde_json::Value),
     ) -> anyhow::Result<()> {
-        use rdkafka::message::{Header, OwnedHeaders};
         let value = serde_json::to_vec(&task.1)?;
-        let record = rdkafka::producer::FutureRecord::<[u8], [u8]>::to(topic)
-            .partition(partition)
-            .key(task.0.as_bytes())
-            .payload(&value)
-            .headers(OwnedHeaders::new().insert(Header {
-                key: sluice_schemas::HEADER_SCHEMA_VERSION,
-                value: Some(b"1"),
-            }));
-        kafka.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
+        let headers: &[(&str, &[u8])] = &[(sluice_schemas::HEADER_SCHEMA_VERSION, b"1")];
+        sluice_integration_tests::kafka::produce_to(kafka, topic, Some(partition), Some(task.0.as_bytes()), &value, headers).await?;
         Ok(())
     }
 

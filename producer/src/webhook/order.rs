@@ -32,10 +32,37 @@ struct TaskEvents {
 
 pub(super) struct EventOrder {
     interval: Duration,
-    tasks: Mutex<HashMap<Uuid, TaskEvents>>,
+    tasks: Mutex<Tasks>,
+}
+
+/// The tasks remembered, and when to prune them.
+struct Tasks {
+    by_id: HashMap<Uuid, TaskEvents>,
     /// The size at which the next prune runs: a prune scans every task, so it runs only after
     /// half as many tasks again were added (O(1) amortised per event, however many are recent).
-    prune_at: Mutex<usize>,
+    prune_at: usize,
+}
+
+impl Tasks {
+    /// Forgets idle tasks past their memory once the map has grown by half since the last
+    /// prune; under sustained load, the least recently touched idle ones down to the bound.
+    fn prune_if_due(&mut self) {
+        if self.by_id.len() <= self.prune_at {
+            return;
+        }
+        let idle = |t: &TaskEvents| Arc::strong_count(&t.turn) == 1;
+        self.by_id.retain(|_, t| !idle(t) || t.touched.elapsed() < MEMORY);
+        if self.by_id.len() > 2 * REMEMBERED {
+            // More recent tasks than remembered (an O(n log n) sort, after n/2 additions).
+            let mut by_age: Vec<(Instant, Uuid)> = self.by_id.iter().filter(|(_, t)| idle(t)).map(|(id, t)| (t.touched, *id)).collect();
+            by_age.sort_unstable();
+            let excess = self.by_id.len() - REMEMBERED;
+            for (_, id) in by_age.into_iter().take(excess) {
+                self.by_id.remove(&id);
+            }
+        }
+        self.prune_at = self.by_id.len().max(REMEMBERED) + REMEMBERED / 2;
+    }
 }
 
 /// Tasks remembered before idle ones are forgotten.
@@ -47,32 +74,18 @@ impl EventOrder {
     pub(super) fn new(interval: Duration) -> EventOrder {
         EventOrder {
             interval,
-            tasks: Mutex::default(),
-            prune_at: Mutex::new(REMEMBERED),
+            tasks: Mutex::new(Tasks {
+                by_id: HashMap::new(),
+                prune_at: REMEMBERED,
+            }),
         }
     }
 
     /// The task's turn: hold its lock while deciding and making the first attempt.
     pub(super) fn turn(&self, task: Uuid) -> Arc<tokio::sync::Mutex<()>> {
         let mut tasks = self.tasks.lock().expect("not poisoned");
-        let mut prune_at = self.prune_at.lock().expect("not poisoned");
-        if tasks.len() > *prune_at {
-            let idle = |t: &TaskEvents| Arc::strong_count(&t.turn) == 1;
-            tasks.retain(|_, t| !idle(t) || t.touched.elapsed() < MEMORY);
-            if tasks.len() > 2 * REMEMBERED {
-                // Sustained load: more recent tasks than remembered. The least recently touched
-                // idle ones go, down to the bound (an O(n log n) sort, after n/2 additions).
-                let mut by_age: Vec<(Instant, Uuid)> = tasks.iter().filter(|(_, t)| idle(t)).map(|(id, t)| (t.touched, *id)).collect();
-                by_age.sort_unstable();
-                let excess = tasks.len() - REMEMBERED;
-                for (_, id) in by_age.into_iter().take(excess) {
-                    tasks.remove(&id);
-                }
-            }
-            *prune_at = tasks.len().max(REMEMBERED) + REMEMBERED / 2;
-        }
-        drop(prune_at);
-        let entry = tasks.entry(task).or_insert_with(|| TaskEvents {
+        tasks.prune_if_due();
+        let entry = tasks.by_id.entry(task).or_insert_with(|| TaskEvents {
             turn: Arc::default(),
             last_progress: None,
             completed: false,
@@ -85,7 +98,7 @@ impl EventOrder {
     /// Decides on one event; call it in the task's turn.
     pub(super) fn admit(&self, task: Uuid, event: WebhookEvent, step: u32) -> Verdict {
         let mut tasks = self.tasks.lock().expect("not poisoned");
-        let Some(t) = tasks.get_mut(&task) else {
+        let Some(t) = tasks.by_id.get_mut(&task) else {
             return Verdict::Send;
         };
         match event {
@@ -141,7 +154,8 @@ mod tests {
         for _ in 0..3 * REMEMBERED {
             drop(order.turn(Uuid::new_v4()));
         }
-        let tasks = order.tasks.lock().unwrap();
+        let remembered = order.tasks.lock().unwrap();
+        let tasks = &remembered.by_id;
         assert!(tasks.len() <= 2 * REMEMBERED + 1, "{}", tasks.len());
         assert!(!tasks.contains_key(&first), "the oldest went first");
     }

@@ -10,7 +10,6 @@
 //! the most loses its oldest: one tenant's cancels never evict another's within its share.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -68,8 +67,8 @@ pub(crate) struct Cancellations {
     keep: Duration,
     max_per_tenant: usize,
     max: usize,
-    /// Set once the topic was read to the end it had when reading began.
-    caught_up: Arc<(AtomicBool, tokio::sync::Notify)>,
+    /// True once the topic was read to the end it had when reading began.
+    caught_up: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Default for Cancellations {
@@ -90,7 +89,7 @@ impl Cancellations {
             keep: keep.max(MIN_KEEP),
             max_per_tenant: max_per_tenant.max(1),
             max: max.max(1),
-            caught_up: Arc::default(),
+            caught_up: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
 
@@ -134,26 +133,8 @@ impl Cancellations {
     /// Waits until the topic was read to the end it had when reading began, or `timeout`
     /// passed; whether it was.
     pub(crate) async fn caught_up(&self, timeout: Duration) -> bool {
-        let (done, notify) = &*self.caught_up;
-        let _ = tokio::time::timeout(timeout, async {
-            loop {
-                let notified = notify.notified();
-                if done.load(Ordering::Acquire) {
-                    return;
-                }
-                notified.await;
-            }
-        })
-        .await;
-        done.load(Ordering::Acquire)
-    }
-
-    fn now_caught_up(&self) {
-        let (done, notify) = &*self.caught_up;
-        if !done.swap(true, Ordering::AcqRel) {
-            tracing::info!("control topic read to its end: cancels known");
-            notify.notify_waiters();
-        }
+        let mut caught_up = self.caught_up.subscribe();
+        matches!(tokio::time::timeout(timeout, caught_up.wait_for(|done| *done)).await, Ok(Ok(_)))
     }
 
     /// Reads `topic` whole on a thread of its own until the process exits.
@@ -189,10 +170,12 @@ impl Cancellations {
                     Some(Err(e)) => tracing::debug!(error = %e, "control topic: poll"),
                     None => {}
                 }
-                if let Some(ends) = &ends
+                if !*this.caught_up.borrow()
+                    && let Some(ends) = &ends
                     && WholeTopics::reached(&consumer, ends, |_, _| None)
                 {
-                    this.now_caught_up();
+                    tracing::info!("control topic read to its end: cancels known");
+                    this.caught_up.send_replace(true);
                 }
             }
         })?;

@@ -102,7 +102,7 @@ impl CrashGuard {
 
 /// The metadata suffix that records `started` (empty when nothing is).
 pub(crate) fn starts_metadata(started: &BTreeMap<i64, u32>) -> String {
-    offset_list::encode(MARKER, started, MAX_METADATA_CHARS).0
+    offset_list::encode(MARKER, started.iter().map(|(o, n)| (*o, *n)), MAX_METADATA_CHARS).0
 }
 
 /// The started records in a commit's metadata (none when it has none, or was written by another

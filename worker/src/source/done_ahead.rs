@@ -18,7 +18,7 @@
 //! exactly once their records wait in the outbox, as before, until the position or the list
 //! reaches them. A partition whose tasks finish in order never writes the list at all.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use crate::source::offset_list;
 
@@ -27,21 +27,16 @@ const MARKER: &str = " done:";
 /// The most characters of finished records in one commit's metadata.
 pub(crate) const MAX_METADATA_CHARS: usize = 1100;
 
-fn as_list(done: impl IntoIterator<Item = i64>) -> BTreeMap<i64, u32> {
-    done.into_iter().map(|o| (o, 1)).collect()
-}
-
 /// The metadata suffix that records `done` (empty when nothing is). Callers pass what
 /// [`bounded`] kept, so nothing is cut here.
 pub(crate) fn done_metadata(done: &BTreeSet<i64>) -> String {
-    offset_list::encode(MARKER, &as_list(done.iter().copied()), MAX_METADATA_CHARS).0
+    offset_list::encode(MARKER, done.iter().map(|o| (*o, 1)), MAX_METADATA_CHARS).0
 }
 
-/// The lowest offsets of `done` that fit in the metadata.
-pub(crate) fn bounded<'a>(done: impl Iterator<Item = &'a i64>) -> BTreeSet<i64> {
-    let list = as_list(done.copied());
-    let (_, fitted) = offset_list::encode(MARKER, &list, MAX_METADATA_CHARS);
-    list.into_keys().take(fitted).collect()
+/// The lowest offsets of `done` (ascending) that fit in the metadata.
+pub(crate) fn bounded<'a>(done: impl Iterator<Item = &'a i64> + Clone) -> BTreeSet<i64> {
+    let (_, fitted) = offset_list::encode(MARKER, done.clone().map(|o| (*o, 1)), MAX_METADATA_CHARS);
+    done.take(fitted).copied().collect()
 }
 
 /// The records a commit's metadata says were finished ahead of its offset.

@@ -14,13 +14,13 @@ use std::fmt::Write;
 /// The most offsets read back from one list (its ranges are not trusted).
 const MAX_PARSED: usize = 16_384;
 
-/// `entries` as the list named `marker` (` started:`, say) in at most `max_chars` characters,
-/// lowest offsets first; and how many entries fit (all of them, or the lowest that many). Empty
-/// when `entries` is.
-pub(crate) fn encode(marker: &str, entries: &BTreeMap<i64, u32>, max_chars: usize) -> (String, usize) {
+/// `entries` (offset and count, in ascending offset order) as the list named `marker`
+/// (` started:`, say) in at most `max_chars` characters, lowest offsets first; and how many
+/// entries fit (all of them, or the lowest that many). Empty when `entries` is.
+pub(crate) fn encode(marker: &str, entries: impl IntoIterator<Item = (i64, u32)>, max_chars: usize) -> (String, usize) {
     let mut out = String::new();
     let mut fitted = 0;
-    let mut entries = entries.iter().map(|(o, n)| (*o, *n)).peekable();
+    let mut entries = entries.into_iter().peekable();
     while let Some((first, n)) = entries.next() {
         let mut last = first;
         let mut span = 1;
@@ -93,8 +93,8 @@ mod tests {
         let done: BTreeMap<i64, u32> = [(5, 1), (6, 1), (7, 1), (9, 1)].into();
         let metadata = format!(
             "sluice-lease:10{}{}",
-            encode(" started:", &started, 100).0,
-            encode(" done:", &done, 100).0
+            encode(" started:", started.clone(), 100).0,
+            encode(" done:", done.clone(), 100).0
         );
         assert_eq!(metadata, "sluice-lease:10 started:1-2 done:5-7,9");
         assert_eq!(parse(&metadata, " started:"), started);
@@ -104,8 +104,8 @@ mod tests {
     #[test]
     fn a_cut_list_says_how_many_entries_it_holds() {
         let done: BTreeMap<i64, u32> = [(5, 1), (6, 1), (7, 1), (9, 1), (11, 1)].into();
-        assert_eq!(encode(" done:", &done, 100), (" done:5-7,9,11".to_string(), 5));
-        assert_eq!(encode(" done:", &done, 10), (" done:5-7".to_string(), 3));
-        assert_eq!(encode(" done:", &done, 5), (String::new(), 0));
+        assert_eq!(encode(" done:", done.clone(), 100), (" done:5-7,9,11".to_string(), 5));
+        assert_eq!(encode(" done:", done.clone(), 10), (" done:5-7".to_string(), 3));
+        assert_eq!(encode(" done:", done.clone(), 5), (String::new(), 0));
     }
 }

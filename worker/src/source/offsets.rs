@@ -141,10 +141,13 @@ impl Partition {
     fn commit(&self, tp: &TopicPartition) -> Option<Commit> {
         let lease = self.lease?;
         let offset = self.committable()?;
-        let moved = self.committed != Some(offset) || lease.wanted > lease.confirmed;
+        let due = self.committed != Some(offset) || lease.wanted > lease.confirmed || self.starts_changed();
+        if !due && self.done_new.range(offset..).next().is_none() {
+            return None; // the common case, asked on every acknowledgement: nothing to build
+        }
         let commit = self.commit_at(tp, offset, lease, true);
-        let newly_done = commit.done.iter().any(|o| self.done_new.contains(o));
-        (moved || self.starts_changed() || newly_done).then_some(commit)
+        // Records finished ahead all past the metadata's bound wait for the position.
+        (due || commit.done.iter().any(|o| self.done_new.contains(o))).then_some(commit)
     }
 
     /// A commit of `offset` carrying the wanted lease, the starts as they are now and the records
@@ -172,32 +175,26 @@ impl Partition {
     }
 
     /// Takes back this owner's start of `offset` (its count back to the previous owners'):
-    /// its model call ended, or the record is handed off unfinished. True when it changed.
-    fn unstart(&mut self, offset: i64) -> bool {
+    /// its model call ended, or the record is handed off unfinished.
+    fn unstart(&mut self, offset: i64) {
         let before = self.previous_starts.as_ref().and_then(|s| s.get(&offset)).copied().unwrap_or(0);
-        match self.started.get(&offset) {
-            Some(n) if *n > before => {
-                if before == 0 {
-                    self.started.remove(&offset);
-                } else {
-                    self.started.insert(offset, before);
-                }
-                self.starts_version += 1;
-                true
+        if self.started.get(&offset).is_some_and(|n| *n > before) {
+            if before == 0 {
+                self.started.remove(&offset);
+            } else {
+                self.started.insert(offset, before);
             }
-            _ => false,
+            self.starts_version += 1;
         }
     }
 
     /// Hands off what this owner started and has not finished: a graceful end (a drain or a
     /// shutdown grace over), not a crash, so the next owner does not count it as one.
-    fn hand_off(&mut self) -> bool {
+    fn hand_off(&mut self) {
         let mine: Vec<i64> = self.started.keys().copied().collect();
-        let mut changed = false;
         for offset in mine {
-            changed |= self.unstart(offset);
+            self.unstart(offset);
         }
-        changed
     }
 
     fn may_try(&self) -> bool {

@@ -77,8 +77,7 @@ pub(super) fn settle(config: &mut Config) -> Option<HostSlot> {
             return None;
         }
     };
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "worker".into());
-    let identity = format!("{}-{}", host.trim(), held.slot);
+    let identity = format!("{}-{}", crate::config::host_name(), held.slot);
     // Under KIP-848 a static member restarted after a kill is fenced until its session expires:
     // there the slot names the transactional id only.
     if k.group_protocol == GroupProtocol::Classic {

@@ -152,14 +152,8 @@ fn contexts(
     let tasks = TaskTracker::new();
     let outcomes = outcomes(setup, clients, abandon, &tasks);
     // A cancel is kept as long as the catalog lets a task wait (its longest deadline).
-    let catalog = &loaded.catalog;
-    let longest_wait = catalog
-        .names()
-        .into_iter()
-        .filter_map(|name| catalog.get(name).map(|m| m.max_ttl_seconds))
-        .max()
-        .unwrap_or(0);
-    let cancellations = kafka::cancellations(config, worker_id, Duration::from_secs(longest_wait))?;
+    let longest_wait = Duration::from_secs(loaded.catalog.longest_ttl_seconds());
+    let cancellations = kafka::cancellations(config, worker_id, longest_wait)?;
     let (progress, progress_rx) = ProgressSink::new(worker_id.to_owned(), cancellations.clone());
     tokio::spawn(progress::publish(progress_rx, clients.producer.clone(), k.progress_topic.clone()));
     let offsets = &clients.offsets;
