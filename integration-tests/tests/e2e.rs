@@ -1540,22 +1540,35 @@ async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
         .unwrap();
     let port: u16 = url.rsplit_once(':').unwrap().1.parse().unwrap();
 
-    // One body being read holds the room; a second is turned away at its headers.
+    // One body being read holds the room; a second is turned away at its headers. The two
+    // connections race for the room, so either may be the one turned away: whichever is
+    // answered first must be answered 503 before any of its body was read.
     let head = format!(
         "POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\nContent-Length: 11000000\r\n\r\n"
     );
-    let mut holder = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    holder.write_all(head.as_bytes()).await.unwrap();
-    holder.write_all(&[b' '; 1 << 20]).await.unwrap();
+    let (mut holder, mut holder_writes) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap().into_split();
+    holder_writes.write_all(head.as_bytes()).await.unwrap();
+    let holding = tokio::spawn(async move {
+        // Part of the body, never all of it, and the connection kept open until aborted; a
+        // refused holder sees its writes fail.
+        let _ = holder_writes.write_all(&[b' '; 1 << 20]).await;
+        std::future::pending::<()>().await;
+        drop(holder_writes);
+    });
     let mut second = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     second.write_all(head.as_bytes()).await.unwrap();
-    let mut answer = vec![0; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(10), second.read(&mut answer))
-        .await
-        .expect("answered before its body was sent")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer[..n]).to_lowercase();
+    let (mut one, mut other) = (vec![0; 4096], vec![0; 4096]);
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::select! {
+            n = holder.read(&mut one) => (true, n),
+            n = second.read(&mut other) => (false, n),
+        }
+    });
+    let (holder_answered, n) = answered.await.expect("neither was answered before its body was sent");
+    let answer = if holder_answered { &one } else { &other };
+    let answer = String::from_utf8_lossy(&answer[..n.unwrap()]).to_lowercase();
     assert!(answer.starts_with("http/1.1 503") && answer.contains("retry-after: 1"), "{answer}");
+    holding.abort();
     drop((holder, second));
 
     let mut hostile = br#"{"model":"terrain","prompt":"x","negative_prompt":["#.to_vec();
@@ -1563,7 +1576,27 @@ async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
         hostile.extend_from_slice(b"0,0,0,0,0,0,0,0,0,0,");
     }
     hostile.extend_from_slice(b"0]}");
+    // The room comes back once the producer sees the held body's connection closed: one hostile
+    // body alone is read, and refused by size.
     let client = reqwest::Client::new();
+    let alone = async {
+        loop {
+            let reply = client
+                .post(format!("{url}/v1/tasks"))
+                .bearer_auth(API_KEY)
+                .body(hostile.clone())
+                .send()
+                .await;
+            match reply.map(|r| r.status().as_u16()) {
+                Ok(503) | Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                answer => break answer.unwrap(),
+            }
+        }
+    };
+    let alone = tokio::time::timeout(Duration::from_secs(10), alone)
+        .await
+        .expect("the held room was given back");
+    assert_eq!(alone, 413);
     let sends = (0..20).map(|_| {
         let (client, body, url) = (client.clone(), hostile.clone(), format!("{url}/v1/tasks"));
         async move {
