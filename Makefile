@@ -12,7 +12,7 @@ BIN := $(CARGO_TARGET_DIR)/release
 STACK ?= .stack
 
 
-.PHONY: assets-cuda gpu-check gpu-bench gpu-pack alerts-test images
+.PHONY: assets-cuda gpu-check gpu-bench gpu-pack alerts-test images python-client
 .PHONY: help setup tools stack-tools assets build demo test unit-test integration-test chaos fuzz bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
@@ -82,11 +82,11 @@ demo: stack-tools assets build stack-up
 unit-test: assets build
 	$(CARGO) test --release --locked --workspace --exclude sluice-integration-tests
 
-integration-test: setup alerts-test helm-lint
+integration-test: setup alerts-test helm-lint python-client
 	rm -rf .stack-test
 	$(CARGO) test --release --locked -p sluice-integration-tests
 
-test: setup alerts-test helm-lint
+test: setup alerts-test helm-lint python-client
 	rm -rf .stack-test
 	$(CARGO) test --release --locked --workspace
 
@@ -114,6 +114,11 @@ helm-lint:
 # The container images, built from deploy/docker/*.Dockerfile on local bases (scripts/images.sh).
 images: build
 	scripts/images.sh
+
+# The Python client (clients/python): its wheel, mypy --strict and its unit tests; its stack
+# suite runs in the integration tests (python_client).
+python-client:
+	scripts/python-client.sh check
 
 # The alert rules' unit tests (promtool).
 alerts-test:

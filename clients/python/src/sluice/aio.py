@@ -1,0 +1,274 @@
+"""The asynchronous client: `AsyncClient` and its `AsyncTask`, the twins of `sluice.Client` and
+`sluice.Task` with the same methods, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, cast
+
+import httpx
+
+from . import _protocol as p
+from .errors import APIError, NotFound, RateLimited, ServiceUnavailable, SluiceError, WaitTimeout
+from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
+
+_UNKNOWN_GRACE = 30.0
+
+
+class AsyncClient:
+    """A producer's HTTP API, for asyncio. See `sluice.Client`."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = 30.0,
+        retries: p.Retries | None = None,
+        user: str | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._settings = p.settings(url, api_key, timeout, retries, user)
+        self._http = http_client or httpx.AsyncClient(timeout=self._settings.timeout)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str | int] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        retries = self._settings.retries
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(
+                    method,
+                    self._settings.url + path,
+                    json=json,
+                    params=params,
+                    headers={**self._settings.headers, **(headers or {})},
+                )
+            except httpx.TransportError:
+                if attempt >= retries.max_retries:
+                    raise
+                await asyncio.sleep(retries.delay(attempt, None))
+                attempt += 1
+                continue
+            if response.status_code < 400:
+                return response
+            error = p.api_error(response)
+            if response.status_code not in p.RETRY_STATUSES or attempt >= retries.max_retries:
+                raise error
+            await asyncio.sleep(retries.delay(attempt, error.retry_after))
+            attempt += 1
+
+    async def submit(
+        self,
+        model: str,
+        prompt: str | None = None,
+        *,
+        idempotency_key: str | None = None,
+        webhook: str | WebhookSpec | None = None,
+        deadline: str | None = None,
+        ttl_seconds: int | None = None,
+        user: str | None = None,
+        **params: Any,
+    ) -> AsyncTask:
+        """See `sluice.Client.submit`."""
+        body = p.submission(model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds)
+        headers = p.submission_headers(idempotency_key, user or self._settings.user)
+        reply = p.json_body(await self._request("POST", "/v1/tasks", json=body, headers=headers))
+        return AsyncTask(self, str(reply["task_id"]))
+
+    async def submit_many(
+        self,
+        requests: Iterable[Mapping[str, Any]],
+        *,
+        concurrency: int = 8,
+        key_prefix: str | None = None,
+        on_progress: Callable[[p.BatchProgress], None] | None = None,
+    ) -> list[AsyncTask | APIError]:
+        """See `sluice.Client.submit_many`."""
+        items = list(requests)
+        gate = asyncio.Semaphore(max(1, concurrency))
+        counts = [0, 0]
+
+        async def one(index: int) -> AsyncTask | APIError:
+            request = items[index]
+            model, prompt, fields = p.batch_fields(request)
+            async with gate:
+                try:
+                    result: AsyncTask | APIError = await self.submit(
+                        model, prompt, idempotency_key=p.batch_key(key_prefix, index, request), **fields
+                    )
+                except APIError as e:
+                    result = e
+            counts[0] += 1
+            counts[1] += isinstance(result, APIError)
+            if on_progress is not None:
+                on_progress(p.BatchProgress(counts[0], len(items), counts[1]))
+            return result
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(items)))))
+
+    def task(self, task_id: str) -> AsyncTask:
+        return AsyncTask(self, task_id)
+
+    async def get(self, task_id: str) -> TaskStatus:
+        return cast(TaskStatus, p.json_body(await self._request("GET", f"/v1/tasks/{task_id}")))
+
+    async def tasks(
+        self, *, status: TaskState | None = None, since: str | None = None, page_size: int = 100
+    ) -> AsyncIterator[TaskStatus]:
+        params: dict[str, str | int] = {"limit": page_size}
+        if status:
+            params["status"] = status
+        if since:
+            params["since"] = since
+        while True:
+            page = cast(TaskPage, p.json_body(await self._request("GET", "/v1/tasks", params=params)))
+            for task in page["tasks"]:
+                yield task
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+            params["cursor"] = cursor
+
+    async def models(self) -> list[ModelInfo]:
+        return cast(list[ModelInfo], p.json_body(await self._request("GET", "/v1/models"))["models"])
+
+    async def cancel(self, task_id: str) -> None:
+        await self._request("POST", f"/v1/tasks/{task_id}/cancel")
+
+    async def download(self, url: str) -> bytes:
+        retries = self._settings.retries
+        for attempt in range(retries.max_retries + 1):
+            try:
+                response = await self._http.get(url, headers={"User-Agent": p.USER_AGENT})
+            except httpx.TransportError:
+                if attempt >= retries.max_retries:
+                    raise
+                await asyncio.sleep(retries.delay(attempt, None))
+                continue
+            if response.status_code in p.RETRY_STATUSES and attempt < retries.max_retries:
+                await asyncio.sleep(retries.delay(attempt, p.retry_after(response.headers)))
+                continue
+            response.raise_for_status()
+            return response.content
+        raise SluiceError("unreachable")
+
+    async def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> AsyncIterator[p.Event]:
+        headers = {**self._settings.headers, "Accept": "text/event-stream"}
+        if last_event_id:
+            headers["Last-Event-ID"] = last_event_id
+        read = 30.0 if deadline is None else max(0.1, min(30.0, deadline - time.monotonic()))
+        timeout = httpx.Timeout(self._settings.timeout.connect or 10.0, read=read)
+        async with self._http.stream(
+            "GET", f"{self._settings.url}/v1/tasks/{task_id}/events", headers=headers, timeout=timeout
+        ) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise p.api_error(response)
+            decoder = p.SSEDecoder()
+            async for line in response.aiter_lines():
+                sse = decoder.line(line)
+                if sse is not None:
+                    event = p.event_of(*sse)
+                    if event is not None:
+                        yield event
+
+
+class AsyncTask:
+    """A submitted task, for asyncio. See `sluice.Task`."""
+
+    def __init__(self, client: AsyncClient, task_id: str) -> None:
+        self._client = client
+        self.id = task_id
+
+    def __repr__(self) -> str:
+        return f"AsyncTask({self.id!r})"
+
+    async def status(self) -> TaskStatus:
+        return await self._client.get(self.id)
+
+    async def cancel(self) -> None:
+        await self._client.cancel(self.id)
+
+    async def events(self, timeout: float | None = None) -> AsyncIterator[p.Event]:
+        """See `sluice.Task.events`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_id: str | None = None
+        last_status: str | None = None
+        unknown_since: float | None = None
+        failures = 0
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(self.id, timeout or 0.0, last_status)
+            got = False
+            try:
+                async for event in self._client._events(self.id, deadline, last_id):
+                    last_id, last_status, failures, unknown_since, got = event.id, event.task["status"], 0, None, True
+                    yield event
+                    if event.terminal:
+                        return
+                if not got:
+                    await asyncio.sleep(0.2)
+            except NotFound:
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                    raise
+                await asyncio.sleep(0.2)
+            except (httpx.TransportError, RateLimited, ServiceUnavailable) as e:
+                failures += 1
+                if failures > self._client._settings.retries.max_retries:
+                    raise
+                retry_after = e.retry_after if isinstance(e, APIError) else None
+                await asyncio.sleep(self._client._settings.retries.delay(failures - 1, retry_after))
+
+    async def wait(self, timeout: float | None = None, *, poll_interval: float = 1.0) -> TaskStatus:
+        """See `sluice.Task.wait`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last: str | None = None
+        try:
+            async for event in self.events(timeout):
+                last = event.task["status"]
+                if event.terminal:
+                    return event.task
+        except (httpx.TransportError, RateLimited, ServiceUnavailable):
+            pass
+        unknown_since: float | None = None
+        while True:
+            try:
+                status = await self.status()
+                unknown_since = None
+                last = status["status"]
+                if p.is_terminal(status):
+                    return status
+            except NotFound:
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                    raise
+            if deadline is not None and time.monotonic() + poll_interval > deadline:
+                raise WaitTimeout(self.id, timeout or 0.0, last)
+            await asyncio.sleep(poll_interval)
+
+    async def images(self, timeout: float | None = None) -> list[p.Image]:
+        """See `sluice.Task.images`; the images are downloaded concurrently."""
+        status = await self.wait(timeout)
+        outputs = p.outputs_to_fetch(status)
+        data = await asyncio.gather(*(self._client.download(o["url"]) for o in outputs))
+        return [p.image_of(o, d) for o, d in zip(outputs, data)]

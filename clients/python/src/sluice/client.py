@@ -1,0 +1,301 @@
+"""The synchronous client: `Client` and its `Task`. `sluice.aio` is its asynchronous twin."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+import httpx
+
+from . import _protocol as p
+from .errors import APIError, NotFound, RateLimited, ServiceUnavailable, SluiceError, WaitTimeout
+from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
+
+# How long a task just accepted may still be unknown to the status view (it reads the tasks
+# topic after the broker acknowledged the record).
+_UNKNOWN_GRACE = 30.0
+
+
+class Client:
+    """A producer's HTTP API.
+
+    `url` and `api_key` default to the `SLUICE_URL` and `SLUICE_API_KEY` environment variables.
+    Requests answered 429/502/503/504, or not answered, are retried as `retries` says, honouring
+    `Retry-After`; submissions are safe to retry because each carries an idempotency key.
+    Thread-safe; use it as a context manager or `close()` it.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = 30.0,
+        retries: p.Retries | None = None,
+        user: str | None = None,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        self._settings = p.settings(url, api_key, timeout, retries, user)
+        self._http = http_client or httpx.Client(timeout=self._settings.timeout)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str | int] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        retries = self._settings.retries
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(
+                    method,
+                    self._settings.url + path,
+                    json=json,
+                    params=params,
+                    headers={**self._settings.headers, **(headers or {})},
+                )
+            except httpx.TransportError:
+                if attempt >= retries.max_retries:
+                    raise
+                time.sleep(retries.delay(attempt, None))
+                attempt += 1
+                continue
+            if response.status_code < 400:
+                return response
+            error = p.api_error(response)
+            if response.status_code not in p.RETRY_STATUSES or attempt >= retries.max_retries:
+                raise error
+            time.sleep(retries.delay(attempt, error.retry_after))
+            attempt += 1
+
+    # -- the API --------------------------------------------------------------------------
+
+    def submit(
+        self,
+        model: str,
+        prompt: str | None = None,
+        *,
+        idempotency_key: str | None = None,
+        webhook: str | WebhookSpec | None = None,
+        deadline: str | None = None,
+        ttl_seconds: int | None = None,
+        user: str | None = None,
+        **params: Any,
+    ) -> Task:
+        """Queues a task: `params` are the request's other fields (`width`, `steps`, `seed`,
+        `num_images`, `params` for model-specific values, …). Returns once the broker holds it."""
+        body = p.submission(model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds)
+        headers = p.submission_headers(idempotency_key, user or self._settings.user)
+        reply = p.json_body(self._request("POST", "/v1/tasks", json=body, headers=headers))
+        return Task(self, str(reply["task_id"]))
+
+    def submit_many(
+        self,
+        requests: Iterable[Mapping[str, Any]],
+        *,
+        concurrency: int = 8,
+        key_prefix: str | None = None,
+        on_progress: Callable[[p.BatchProgress], None] | None = None,
+    ) -> list[Task | APIError]:
+        """Submits many requests, `concurrency` at a time: each a mapping of the request's
+        fields (`model`, `prompt`, …, and optionally its own `idempotency_key`). With
+        `key_prefix`, request `i` has the key `<key_prefix>-<i>`, so running the same batch again
+        after a crash submits nothing twice. Returns, in order, each request's `Task` or the
+        `APIError` that refused it; `on_progress` is called after each answer."""
+        items = list(requests)
+        done = failed = 0
+
+        def one(index: int) -> Task | APIError:
+            request = items[index]
+            model, prompt, fields = p.batch_fields(request)
+            try:
+                return self.submit(model, prompt, idempotency_key=p.batch_key(key_prefix, index, request), **fields)
+            except APIError as e:
+                return e
+
+        results: list[Task | APIError] = []
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            for result in pool.map(one, range(len(items))):
+                results.append(result)
+                done += 1
+                failed += isinstance(result, APIError)
+                if on_progress is not None:
+                    on_progress(p.BatchProgress(done, len(items), failed))
+        return results
+
+    def task(self, task_id: str) -> Task:
+        """A handle on a task submitted earlier."""
+        return Task(self, task_id)
+
+    def get(self, task_id: str) -> TaskStatus:
+        """`GET /v1/tasks/{id}`: the task as the status view holds it."""
+        return cast(TaskStatus, p.json_body(self._request("GET", f"/v1/tasks/{task_id}")))
+
+    def tasks(self, *, status: TaskState | None = None, since: str | None = None, page_size: int = 100) -> Iterator[TaskStatus]:
+        """The caller's tasks, newest first, following the pages."""
+        params: dict[str, str | int] = {"limit": page_size}
+        if status:
+            params["status"] = status
+        if since:
+            params["since"] = since
+        while True:
+            page = cast(TaskPage, p.json_body(self._request("GET", "/v1/tasks", params=params)))
+            yield from page["tasks"]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+            params["cursor"] = cursor
+
+    def models(self) -> list[ModelInfo]:
+        """`GET /v1/models`: every served model, its bounds and defaults."""
+        return cast(list[ModelInfo], p.json_body(self._request("GET", "/v1/models"))["models"])
+
+    def cancel(self, task_id: str) -> None:
+        """Cancels a task (a queued task never runs; a running diffusion task stops between
+        steps). Raises `AlreadyFinished` once it finished."""
+        self._request("POST", f"/v1/tasks/{task_id}/cancel")
+
+    def download(self, url: str) -> bytes:
+        """The bytes behind a presigned output URL (no API key is sent there)."""
+        retries = self._settings.retries
+        for attempt in range(retries.max_retries + 1):
+            try:
+                response = self._http.get(url, headers={"User-Agent": p.USER_AGENT})
+            except httpx.TransportError:
+                if attempt >= retries.max_retries:
+                    raise
+                time.sleep(retries.delay(attempt, None))
+                continue
+            if response.status_code in p.RETRY_STATUSES and attempt < retries.max_retries:
+                time.sleep(retries.delay(attempt, p.retry_after(response.headers)))
+                continue
+            response.raise_for_status()
+            return response.content
+        raise SluiceError("unreachable")
+
+    def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> Iterator[p.Event]:
+        """One connection to the task's event stream, from `last_event_id`."""
+        headers = {**self._settings.headers, "Accept": "text/event-stream"}
+        if last_event_id:
+            headers["Last-Event-ID"] = last_event_id
+        read = 30.0 if deadline is None else max(0.1, min(30.0, deadline - time.monotonic()))
+        timeout = httpx.Timeout(self._settings.timeout.connect or 10.0, read=read)
+        with self._http.stream(
+            "GET", f"{self._settings.url}/v1/tasks/{task_id}/events", headers=headers, timeout=timeout
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise p.api_error(response)
+            decoder = p.SSEDecoder()
+            for line in response.iter_lines():
+                sse = decoder.line(line)
+                if sse is not None:
+                    event = p.event_of(*sse)
+                    if event is not None:
+                        yield event
+
+
+class Task:
+    """A submitted task: follow it, cancel it, fetch its images."""
+
+    def __init__(self, client: Client, task_id: str) -> None:
+        self._client = client
+        self.id = task_id
+
+    def __repr__(self) -> str:
+        return f"Task({self.id!r})"
+
+    def status(self) -> TaskStatus:
+        """The task now (`GET /v1/tasks/{id}`)."""
+        return self._client.get(self.id)
+
+    def cancel(self) -> None:
+        """See `Client.cancel`."""
+        self._client.cancel(self.id)
+
+    def events(self, timeout: float | None = None) -> Iterator[p.Event]:
+        """The task's events as they happen, the current state first, until its end (then the
+        iterator stops). Reconnects with `Last-Event-ID` when the stream is cut; waits through
+        the moments after a submission when the status view does not know the task yet. Raises
+        `WaitTimeout` after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_id: str | None = None
+        last_status: str | None = None
+        unknown_since: float | None = None
+        failures = 0
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(self.id, timeout or 0.0, last_status)
+            got = False
+            try:
+                for event in self._client._events(self.id, deadline, last_id):
+                    last_id, last_status, failures, unknown_since, got = event.id, event.task["status"], 0, None, True
+                    yield event
+                    if event.terminal:
+                        return
+                if not got:
+                    time.sleep(0.2)  # a stream that ended at once: do not spin
+            except NotFound:
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                    raise
+                time.sleep(0.2)
+            except (httpx.TransportError, RateLimited, ServiceUnavailable) as e:
+                failures += 1
+                if failures > self._client._settings.retries.max_retries:
+                    raise
+                retry_after = e.retry_after if isinstance(e, APIError) else None
+                time.sleep(self._client._settings.retries.delay(failures - 1, retry_after))
+
+    def wait(self, timeout: float | None = None, *, poll_interval: float = 1.0) -> TaskStatus:
+        """Waits until the task ends (succeeded, failed, cancelled or expired) and returns its
+        final state. Follows the event stream, and falls back to polling every `poll_interval`
+        seconds where streams are refused (too many open) or cut. Raises `WaitTimeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last: str | None = None
+        try:
+            for event in self.events(timeout):
+                last = event.task["status"]
+                if event.terminal:
+                    return event.task
+        except (httpx.TransportError, RateLimited, ServiceUnavailable):
+            pass
+        unknown_since: float | None = None
+        while True:
+            try:
+                status = self.status()
+                unknown_since = None
+                last = status["status"]
+                if p.is_terminal(status):
+                    return status
+            except NotFound:
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                    raise
+            if deadline is not None and time.monotonic() + poll_interval > deadline:
+                raise WaitTimeout(self.id, timeout or 0.0, last)
+            time.sleep(poll_interval)
+
+    def images(self, timeout: float | None = None) -> list[p.Image]:
+        """Waits for the task, then downloads its images through their presigned URLs, each
+        checked against its announced size and SHA-256. Raises `TaskNotSucceeded` if it did not
+        succeed."""
+        status = self.wait(timeout)
+        return [p.image_of(o, self._client.download(o["url"])) for o in p.outputs_to_fetch(status)]

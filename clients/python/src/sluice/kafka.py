@@ -1,0 +1,233 @@
+"""The completion topic, read `read_committed`: typed completion and DLQ records, each committed
+after the caller's handler returns. Needs the `kafka` extra (`pip install 'sluice-client[kafka]'`).
+
+    from sluice.kafka import completions
+    with completions("localhost:9092", "billing") as records:
+        for record in records:           # the previous record is committed here
+            if record.completion:
+                charge(record.completion["tenant"], record.completion["task_id"])
+
+In exactly-once mode (the workers' default) each finished attempt is on the topic once, so with
+`read_committed` a handler sees each of them once, unless it fails before its record is
+committed: then that record is delivered again (commit after handling: at least once to the
+handler, never lost).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, cast
+
+from .errors import RecordDecodeError, SluiceError
+from .types import CompletionEvent, DlqRecord
+
+COMPLETIONS_TOPIC = "sluice.completions.v1"
+DLQ_TOPIC = "sluice.dlq.v1"
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded record: `completion` on the completion topic, `dlq` on the dead-letter topic."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: str | None
+    kind: Literal["completion", "dlq"]
+    completion: CompletionEvent | None
+    dlq: DlqRecord | None
+
+    @property
+    def task_id(self) -> str | None:
+        if self.completion is not None:
+            return self.completion["task_id"]
+        return self.dlq.get("task_id") if self.dlq is not None else None
+
+
+def decode(topic: str, partition: int, offset: int, timestamp_ms: int | None, key: bytes | None, value: bytes | None, dlq_topic: str) -> Record:
+    """A record of the completion topic or of `dlq_topic`, checked to be version 1."""
+    where = f"{topic}/{partition}@{offset}"
+    try:
+        body: Any = json.loads(value or b"")
+    except ValueError as e:
+        raise RecordDecodeError(f"{where}: not JSON") from e
+    if not isinstance(body, dict) or body.get("version") != 1:
+        raise RecordDecodeError(f"{where}: not a version 1 record")
+    is_dlq = topic == dlq_topic
+    required = ("reason", "original") if is_dlq else ("task_id", "status", "outputs")
+    if any(k not in body for k in required):
+        raise RecordDecodeError(f"{where}: missing {', '.join(k for k in required if k not in body)}")
+    return Record(
+        topic,
+        partition,
+        offset,
+        timestamp_ms,
+        key.decode("utf-8", "replace") if key is not None else None,
+        "dlq" if is_dlq else "completion",
+        None if is_dlq else cast(CompletionEvent, body),
+        cast(DlqRecord, body) if is_dlq else None,
+    )
+
+
+class Completions:
+    """A consumer of the completion topic (and the DLQ topic, unless `dlq_topic=None`) in group
+    `group`, `read_committed`, committing each record after it was handled.
+
+    `from_time` replays: each partition is read from the first record at or after that time
+    the first time it is assigned, whatever the group committed. `config` adds or overrides
+    librdkafka settings (security, for instance).
+    """
+
+    def __init__(
+        self,
+        brokers: str,
+        group: str,
+        *,
+        topic: str = COMPLETIONS_TOPIC,
+        dlq_topic: str | None = DLQ_TOPIC,
+        from_time: datetime | None = None,
+        config: Mapping[str, Any] | None = None,
+        poll_timeout: float = 1.0,
+    ) -> None:
+        try:
+            from confluent_kafka import Consumer
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise SluiceError("sluice.kafka needs the kafka extra: pip install 'sluice-client[kafka]'") from e
+        settings: dict[str, Any] = {
+            "bootstrap.servers": brokers,
+            "group.id": group,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+        }
+        settings.update(config or {})
+        self._consumer = Consumer(settings)
+        self._dlq_topic = dlq_topic or ""
+        self._poll_timeout = poll_timeout
+        self._from_ms = None if from_time is None else int(from_time.timestamp() * 1000)
+        self._positioned: set[tuple[str, int]] = set()
+        self._pending: Any = None
+        self._closed = False
+        topics = [topic] + ([dlq_topic] if dlq_topic else [])
+        self._consumer.subscribe(topics, on_assign=self._on_assign)
+
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        if self._from_ms is None:
+            return
+        from confluent_kafka import TopicPartition
+
+        fresh = [tp for tp in partitions if (tp.topic, tp.partition) not in self._positioned]
+        if not fresh:
+            return
+        found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, self._from_ms) for tp in fresh], timeout=30)
+        positions = {(tp.topic, tp.partition): tp.offset for tp in found}
+        for tp in partitions:
+            offset = positions.get((tp.topic, tp.partition))
+            if offset is not None:
+                # -1: nothing at or after that time; read from the end.
+                tp.offset = offset if offset >= 0 else -1
+            self._positioned.add((tp.topic, tp.partition))
+        consumer.assign(partitions)
+
+    def __enter__(self) -> Completions:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _commit(self, record: Any) -> None:
+        from confluent_kafka import TopicPartition
+
+        self._consumer.commit(
+            offsets=[TopicPartition(record.topic(), record.partition(), record.offset() + 1)], asynchronous=False
+        )
+
+    def poll(self, timeout: float | None = None) -> tuple[Record, Any] | None:
+        """The next record and its raw message (pass it to `commit`), or `None` after `timeout`."""
+        message = self._consumer.poll(self._poll_timeout if timeout is None else timeout)
+        if message is None:
+            return None
+        error = message.error()
+        if error is not None:
+            from confluent_kafka import KafkaError
+
+            if error.code() == KafkaError._PARTITION_EOF:
+                return None
+            if error.fatal() or not error.retriable():
+                raise SluiceError(f"consuming the completion topic: {error}")
+            return None
+        _, stamp = message.timestamp()
+        record = decode(
+            message.topic() or "",
+            message.partition() or 0,
+            message.offset() or 0,
+            stamp if stamp >= 0 else None,
+            message.key(),
+            message.value(),
+            self._dlq_topic,
+        )
+        return record, message
+
+    def commit(self, message: Any) -> None:
+        """Commits a record returned by `poll` (the position after it)."""
+        self._commit(message)
+
+    def __iter__(self) -> Iterator[Record]:
+        """Records as they come; each is committed when the next one is asked for, so a record
+        whose handling raised is delivered again to the group's next reader."""
+        while not self._closed:
+            if self._pending is not None:
+                self._commit(self._pending)
+                self._pending = None
+            polled = self.poll()
+            if polled is None:
+                continue
+            record, self._pending = polled
+            yield record
+
+    def run(
+        self,
+        handler: Callable[[Record], None],
+        *,
+        stop: threading.Event | None = None,
+        max_records: int | None = None,
+        idle_timeout: float | None = None,
+    ) -> int:
+        """Calls `handler` for each record and commits it once `handler` returned. Stops when
+        `stop` is set, after `max_records`, or after `idle_timeout` seconds without a record;
+        returns how many were handled. An exception from `handler` propagates and its record is
+        not committed."""
+        import time
+
+        handled = 0
+        idle_since = time.monotonic()
+        while not (stop is not None and stop.is_set()) and (max_records is None or handled < max_records):
+            polled = self.poll()
+            if polled is None:
+                if idle_timeout is not None and time.monotonic() - idle_since > idle_timeout:
+                    break
+                continue
+            record, message = polled
+            handler(record)
+            self._commit(message)
+            handled += 1
+            idle_since = time.monotonic()
+        return handled
+
+    def close(self) -> None:
+        """Leaves the group. A record yielded by the iterator and not yet committed stays
+        uncommitted (it is delivered again)."""
+        if not self._closed:
+            self._closed = True
+            self._consumer.close()
+
+
+def completions(brokers: str, group: str, **options: Any) -> Completions:
+    """A `Completions` consumer; see its options."""
+    return Completions(brokers, group, **options)
