@@ -207,3 +207,63 @@ def test_records_decode_by_topic_and_refuse_what_is_not_the_schema() -> None:
     for bad in (b"not json", b'{"version": 2}', b'{"version": 1}'):
         with pytest.raises(sluice.RecordDecodeError):
             decode("sluice.completions.v1", 0, 0, None, None, bad, "sluice.dlq.v1")
+
+
+def _sse(*events: tuple[str, str, dict[str, Any]]) -> bytes:
+    return b"".join(f"event: {name}\nid: {eid}\ndata: {json.dumps(data)}\n\n".encode() for name, eid, data in events)
+
+
+def test_a_cut_stream_is_resumed_with_last_event_id() -> None:
+    asked: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.headers.get("last-event-id"))
+        if len(asked) == 1:
+            return httpx.Response(200, content=_sse(("status", "1-queued-0", _status("queued"))))
+        return httpx.Response(200, content=_sse(("completed", "2-succeeded-0", _status("succeeded"))))
+
+    client = _client(handler, retries=sluice.Retries(backoff=0.0))
+    assert [e.type for e in client.task("t").events(timeout=10)] == ["status", "completed"]
+    assert asked == [None, "1-queued-0"]
+
+
+def test_wait_polls_where_streams_are_refused() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            return httpx.Response(429, headers={"Retry-After": "0"}, json={"error": "too_many_streams", "message": "m", "fields": []})
+        return httpx.Response(200, json=_status("succeeded"))
+
+    client = _client(handler, retries=sluice.Retries(max_retries=1, backoff=0.0))
+    assert client.task("t").wait(timeout=10, poll_interval=0.01)["status"] == "succeeded"
+
+
+def test_only_a_fresh_submission_waits_for_the_status_view() -> None:
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        if request.method == "POST":
+            return httpx.Response(202, json={"task_id": "t", "status": "queued"})
+        calls += 1
+        if calls < 3:
+            return httpx.Response(404, json={"error": "not_found", "message": "m", "fields": []})
+        return httpx.Response(200, content=_sse(("completed", "1-succeeded-0", _status("succeeded"))))
+
+    client = _client(handler)
+    assert client.submit("m").wait(timeout=10)["status"] == "succeeded" and calls == 3
+    with pytest.raises(sluice.NotFound):
+        calls = 0
+        client.task("t").wait(timeout=10)
+
+
+def test_wait_times_out() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            return httpx.Response(200, content=_sse(("status", "1-running-0", _status("running"))))
+        return httpx.Response(200, json=_status("running"))
+
+    client = _client(handler, retries=sluice.Retries(backoff=0.01))
+    started = time.monotonic()
+    with pytest.raises(sluice.WaitTimeout) as e:
+        client.task("t").wait(timeout=0.5, poll_interval=0.05)
+    assert e.value.last_status == "running" and time.monotonic() - started < 3

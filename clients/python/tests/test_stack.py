@@ -287,11 +287,15 @@ def test_the_completion_consumer_sees_each_task_once_across_a_worker_kill(client
     ids = {t.id for t in submitted if isinstance(t, sluice.Task)}
     assert len(ids) == 40, submitted
     seen: dict[str, list[Record]] = {}
+    before: list[Record] = []
     killed = False
     group = f"python-client-{uuid.uuid4()}"
+    started_ms = started.timestamp() * 1000 - 1000
 
     def handle(record: Record) -> None:
         nonlocal killed
+        if record.timestamp_ms is not None and record.timestamp_ms < started_ms:
+            before.append(record)  # from_time reads from the first record at or after it
         if record.completion is not None and record.task_id in ids:
             seen.setdefault(record.completion["task_id"], []).append(record)
         if not killed and len(seen) >= 5:
@@ -304,6 +308,7 @@ def test_the_completion_consumer_sees_each_task_once_across_a_worker_kill(client
             consumer.run(handle, max_records=1, idle_timeout=5)
         consumer.run(handle, idle_timeout=5)  # anything duplicated would come by now
     assert killed and len(seen) >= 5
+    assert not before, f"{len(before)} records from before from_time"
     state = Path(f"/proc/{pids[0]}/status")
     assert not state.exists() or "State:\tZ" in state.read_text(), "the worker is dead"
     assert set(seen) == ids, f"{len(ids - set(seen))} never completed"

@@ -17,7 +17,18 @@ from typing import Any, Literal, cast
 
 import httpx
 
-from .errors import APIError, ImageIntegrityError, ImagesNotReachable, SluiceError, TaskNotSucceeded, error_from_body
+from .errors import (
+    APIError,
+    ConnectionFailed,
+    ImageIntegrityError,
+    ImagesNotReachable,
+    RateLimited,
+    ServerError,
+    ServiceUnavailable,
+    SluiceError,
+    TaskNotSucceeded,
+    error_from_body,
+)
 from .types import TERMINAL_STATES, Output, TaskStatus, WebhookSpec
 
 USER_AGENT = "sluice-client-python/0.1.0"
@@ -36,6 +47,18 @@ ENDPOINTS: tuple[tuple[str, str], ...] = (
 # Answers worth trying again: busy, overloaded or briefly unreachable. A submission is retried
 # only because it carries an idempotency key (the client sets one when the caller does not).
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+
+# How long a task just accepted may still be unknown to the status view (it reads the tasks
+# topic after the broker acknowledged the record).
+UNKNOWN_GRACE = 30.0
+
+
+class StreamsFailing(SluiceError):
+    """A task's event stream keeps ending without an event."""
+
+
+# What makes `wait` give up on the event stream and poll instead.
+STREAM_FALLBACK = (httpx.TransportError, ConnectionFailed, RateLimited, ServiceUnavailable, ServerError, StreamsFailing)
 
 
 @dataclass(frozen=True)
@@ -141,6 +164,11 @@ def api_error(response: httpx.Response) -> APIError:
     except ValueError:
         body = response.text
     return error_from_body(response.status_code, body, retry_after(response.headers))
+
+
+def download_error(response: httpx.Response) -> SluiceError:
+    """The error of a refused download of an output (the object store's answer, not JSON)."""
+    return SluiceError(f"downloading an output: HTTP {response.status_code} from the object store")
 
 
 def json_body(response: httpx.Response) -> Any:

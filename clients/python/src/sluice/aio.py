@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from contextlib import aclosing
 from typing import Any, cast
 
 import httpx
 
 from . import _protocol as p
-from .errors import APIError, NotFound, RateLimited, ServiceUnavailable, SluiceError, WaitTimeout
+from .errors import APIError, ConnectionFailed, NotFound, SluiceError, WaitTimeout
 from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
-
-_UNKNOWN_GRACE = 30.0
-
 
 class AsyncClient:
     """A producer's HTTP API, for asyncio. See `sluice.Client`."""
@@ -31,6 +29,7 @@ class AsyncClient:
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
         self._settings = p.settings(url, api_key, timeout, retries, user)
+        self._owns_http = http_client is None
         self._http = http_client or httpx.AsyncClient(timeout=self._settings.timeout)
 
     async def __aenter__(self) -> AsyncClient:
@@ -40,7 +39,9 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Closes the HTTP client this client made (not one passed in)."""
+        if self._owns_http:
+            await self._http.aclose()
 
     async def _request(
         self,
@@ -62,9 +63,9 @@ class AsyncClient:
                     params=params,
                     headers={**self._settings.headers, **(headers or {})},
                 )
-            except httpx.TransportError:
+            except httpx.TransportError as e:
                 if attempt >= retries.max_retries:
-                    raise
+                    raise ConnectionFailed(f"{method} {path}: {e}") from e
                 await asyncio.sleep(retries.delay(attempt, None))
                 attempt += 1
                 continue
@@ -92,7 +93,7 @@ class AsyncClient:
         body = p.submission(model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds)
         headers = p.submission_headers(idempotency_key, user or self._settings.user)
         reply = p.json_body(await self._request("POST", "/v1/tasks", json=body, headers=headers))
-        return AsyncTask(self, str(reply["task_id"]))
+        return AsyncTask(self, str(reply["task_id"]), submitted=True)
 
     async def submit_many(
         self,
@@ -101,24 +102,24 @@ class AsyncClient:
         concurrency: int = 8,
         key_prefix: str | None = None,
         on_progress: Callable[[p.BatchProgress], None] | None = None,
-    ) -> list[AsyncTask | APIError]:
+    ) -> list[AsyncTask | SluiceError]:
         """See `sluice.Client.submit_many`."""
         items = list(requests)
         gate = asyncio.Semaphore(max(1, concurrency))
         counts = [0, 0]
 
-        async def one(index: int) -> AsyncTask | APIError:
+        async def one(index: int) -> AsyncTask | SluiceError:
             request = items[index]
             model, prompt, fields = p.batch_fields(request)
             async with gate:
                 try:
-                    result: AsyncTask | APIError = await self.submit(
+                    result: AsyncTask | SluiceError = await self.submit(
                         model, prompt, idempotency_key=p.batch_key(key_prefix, index, request), **fields
                     )
-                except APIError as e:
+                except SluiceError as e:
                     result = e
             counts[0] += 1
-            counts[1] += isinstance(result, APIError)
+            counts[1] += isinstance(result, SluiceError)
             if on_progress is not None:
                 on_progress(p.BatchProgress(counts[0], len(items), counts[1]))
             return result
@@ -156,22 +157,25 @@ class AsyncClient:
 
     async def download(self, url: str) -> bytes:
         retries = self._settings.retries
-        for attempt in range(retries.max_retries + 1):
+        attempt = 0
+        while True:
             try:
                 response = await self._http.get(url, headers={"User-Agent": p.USER_AGENT})
-            except httpx.TransportError:
+            except httpx.TransportError as e:
                 if attempt >= retries.max_retries:
-                    raise
+                    raise ConnectionFailed(f"downloading an output: {e}") from e
                 await asyncio.sleep(retries.delay(attempt, None))
+                attempt += 1
                 continue
             if response.status_code in p.RETRY_STATUSES and attempt < retries.max_retries:
                 await asyncio.sleep(retries.delay(attempt, p.retry_after(response.headers)))
+                attempt += 1
                 continue
-            response.raise_for_status()
+            if response.status_code >= 400:
+                raise p.download_error(response)
             return response.content
-        raise SluiceError("unreachable")
 
-    async def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> AsyncIterator[p.Event]:
+    async def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> AsyncGenerator[p.Event, None]:
         headers = {**self._settings.headers, "Accept": "text/event-stream"}
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
@@ -185,6 +189,8 @@ class AsyncClient:
                 raise p.api_error(response)
             decoder = p.SSEDecoder()
             async for line in response.aiter_lines():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
                 sse = decoder.line(line)
                 if sse is not None:
                     event = p.event_of(*sse)
@@ -195,9 +201,10 @@ class AsyncClient:
 class AsyncTask:
     """A submitted task, for asyncio. See `sluice.Task`."""
 
-    def __init__(self, client: AsyncClient, task_id: str) -> None:
+    def __init__(self, client: AsyncClient, task_id: str, *, submitted: bool = False) -> None:
         self._client = client
         self.id = task_id
+        self._unknown_until = time.monotonic() + p.UNKNOWN_GRACE if submitted else 0.0
 
     def __repr__(self) -> str:
         return f"AsyncTask({self.id!r})"
@@ -208,59 +215,63 @@ class AsyncTask:
     async def cancel(self) -> None:
         await self._client.cancel(self.id)
 
-    async def events(self, timeout: float | None = None) -> AsyncIterator[p.Event]:
+    async def events(self, timeout: float | None = None) -> AsyncGenerator[p.Event, None]:
         """See `sluice.Task.events`."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        retries = self._client._settings.retries
         last_id: str | None = None
         last_status: str | None = None
-        unknown_since: float | None = None
         failures = 0
         while True:
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeout(self.id, timeout or 0.0, last_status)
             got = False
             try:
-                async for event in self._client._events(self.id, deadline, last_id):
-                    last_id, last_status, failures, unknown_since, got = event.id, event.task["status"], 0, None, True
-                    yield event
-                    if event.terminal:
-                        return
-                if not got:
-                    await asyncio.sleep(0.2)
+                async with aclosing(self._client._events(self.id, deadline, last_id)) as stream:
+                    async for event in stream:
+                        last_id, last_status, failures, got = event.id, event.task["status"], 0, True
+                        yield event
+                        if event.terminal:
+                            return
+                if not got and (deadline is None or time.monotonic() < deadline):
+                    failures += 1
+                    if failures > retries.max_retries:
+                        raise p.StreamsFailing(f"the event stream of task {self.id} keeps ending at once")
+                    await asyncio.sleep(retries.delay(failures - 1, None))
             except NotFound:
-                unknown_since = unknown_since or time.monotonic()
-                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                if time.monotonic() > self._unknown_until:
                     raise
                 await asyncio.sleep(0.2)
-            except (httpx.TransportError, RateLimited, ServiceUnavailable) as e:
-                failures += 1
-                if failures > self._client._settings.retries.max_retries:
+            except (httpx.TransportError, APIError) as e:
+                if isinstance(e, APIError) and e.status not in p.RETRY_STATUSES:
                     raise
-                retry_after = e.retry_after if isinstance(e, APIError) else None
-                await asyncio.sleep(self._client._settings.retries.delay(failures - 1, retry_after))
+                failures += 1
+                if failures > retries.max_retries:
+                    if isinstance(e, httpx.TransportError):
+                        raise ConnectionFailed(f"the event stream of task {self.id}: {e}") from e
+                    raise
+                await asyncio.sleep(retries.delay(failures - 1, e.retry_after if isinstance(e, APIError) else None))
 
     async def wait(self, timeout: float | None = None, *, poll_interval: float = 1.0) -> TaskStatus:
         """See `sluice.Task.wait`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         last: str | None = None
         try:
-            async for event in self.events(timeout):
-                last = event.task["status"]
-                if event.terminal:
-                    return event.task
-        except (httpx.TransportError, RateLimited, ServiceUnavailable):
+            async with aclosing(self.events(timeout)) as events:
+                async for event in events:
+                    last = event.task["status"]
+                    if event.terminal:
+                        return event.task
+        except p.STREAM_FALLBACK:
             pass
-        unknown_since: float | None = None
         while True:
             try:
                 status = await self.status()
-                unknown_since = None
                 last = status["status"]
                 if p.is_terminal(status):
                     return status
             except NotFound:
-                unknown_since = unknown_since or time.monotonic()
-                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                if time.monotonic() > self._unknown_until:
                     raise
             if deadline is not None and time.monotonic() + poll_interval > deadline:
                 raise WaitTimeout(self.id, timeout or 0.0, last)

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import closing
 from typing import Any, cast
 
 import httpx
 
 from . import _protocol as p
-from .errors import APIError, NotFound, RateLimited, ServiceUnavailable, SluiceError, WaitTimeout
+from .errors import APIError, ConnectionFailed, NotFound, SluiceError, WaitTimeout
 from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
-
-# How long a task just accepted may still be unknown to the status view (it reads the tasks
-# topic after the broker acknowledged the record).
-_UNKNOWN_GRACE = 30.0
-
 
 class Client:
     """A producer's HTTP API.
@@ -38,6 +34,7 @@ class Client:
         http_client: httpx.Client | None = None,
     ) -> None:
         self._settings = p.settings(url, api_key, timeout, retries, user)
+        self._owns_http = http_client is None
         self._http = http_client or httpx.Client(timeout=self._settings.timeout)
 
     def __enter__(self) -> Client:
@@ -47,7 +44,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._http.close()
+        """Closes the HTTP client this client made (not one passed in)."""
+        if self._owns_http:
+            self._http.close()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -71,9 +70,9 @@ class Client:
                     params=params,
                     headers={**self._settings.headers, **(headers or {})},
                 )
-            except httpx.TransportError:
+            except httpx.TransportError as e:
                 if attempt >= retries.max_retries:
-                    raise
+                    raise ConnectionFailed(f"{method} {path}: {e}") from e
                 time.sleep(retries.delay(attempt, None))
                 attempt += 1
                 continue
@@ -104,7 +103,7 @@ class Client:
         body = p.submission(model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds)
         headers = p.submission_headers(idempotency_key, user or self._settings.user)
         reply = p.json_body(self._request("POST", "/v1/tasks", json=body, headers=headers))
-        return Task(self, str(reply["task_id"]))
+        return Task(self, str(reply["task_id"]), submitted=True)
 
     def submit_many(
         self,
@@ -113,32 +112,34 @@ class Client:
         concurrency: int = 8,
         key_prefix: str | None = None,
         on_progress: Callable[[p.BatchProgress], None] | None = None,
-    ) -> list[Task | APIError]:
+    ) -> list[Task | SluiceError]:
         """Submits many requests, `concurrency` at a time: each a mapping of the request's
         fields (`model`, `prompt`, …, and optionally its own `idempotency_key`). With
         `key_prefix`, request `i` has the key `<key_prefix>-<i>`, so running the same batch again
         after a crash submits nothing twice. Returns, in order, each request's `Task` or the
-        `APIError` that refused it; `on_progress` is called after each answer."""
+        error that refused it (an `APIError`, or `ConnectionFailed`); `on_progress` is called
+        after each answer, as answers come."""
         items = list(requests)
         done = failed = 0
 
-        def one(index: int) -> Task | APIError:
+        def one(index: int) -> Task | SluiceError:
             request = items[index]
             model, prompt, fields = p.batch_fields(request)
             try:
                 return self.submit(model, prompt, idempotency_key=p.batch_key(key_prefix, index, request), **fields)
-            except APIError as e:
+            except SluiceError as e:
                 return e
 
-        results: list[Task | APIError] = []
+        results: dict[int, Task | SluiceError] = {}
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-            for result in pool.map(one, range(len(items))):
-                results.append(result)
+            futures = {pool.submit(one, i): i for i in range(len(items))}
+            for future in as_completed(futures):
+                result = results[futures[future]] = future.result()
                 done += 1
-                failed += isinstance(result, APIError)
+                failed += isinstance(result, SluiceError)
                 if on_progress is not None:
                     on_progress(p.BatchProgress(done, len(items), failed))
-        return results
+        return [results[i] for i in range(len(items))]
 
     def task(self, task_id: str) -> Task:
         """A handle on a task submitted earlier."""
@@ -175,22 +176,25 @@ class Client:
     def download(self, url: str) -> bytes:
         """The bytes behind a presigned output URL (no API key is sent there)."""
         retries = self._settings.retries
-        for attempt in range(retries.max_retries + 1):
+        attempt = 0
+        while True:
             try:
                 response = self._http.get(url, headers={"User-Agent": p.USER_AGENT})
-            except httpx.TransportError:
+            except httpx.TransportError as e:
                 if attempt >= retries.max_retries:
-                    raise
+                    raise ConnectionFailed(f"downloading an output: {e}") from e
                 time.sleep(retries.delay(attempt, None))
+                attempt += 1
                 continue
             if response.status_code in p.RETRY_STATUSES and attempt < retries.max_retries:
                 time.sleep(retries.delay(attempt, p.retry_after(response.headers)))
+                attempt += 1
                 continue
-            response.raise_for_status()
+            if response.status_code >= 400:
+                raise p.download_error(response)
             return response.content
-        raise SluiceError("unreachable")
 
-    def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> Iterator[p.Event]:
+    def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> Generator[p.Event, None, None]:
         """One connection to the task's event stream, from `last_event_id`."""
         headers = {**self._settings.headers, "Accept": "text/event-stream"}
         if last_event_id:
@@ -205,6 +209,8 @@ class Client:
                 raise p.api_error(response)
             decoder = p.SSEDecoder()
             for line in response.iter_lines():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return  # heartbeats keep a stream alive: the caller's deadline ends it
                 sse = decoder.line(line)
                 if sse is not None:
                     event = p.event_of(*sse)
@@ -215,9 +221,11 @@ class Client:
 class Task:
     """A submitted task: follow it, cancel it, fetch its images."""
 
-    def __init__(self, client: Client, task_id: str) -> None:
+    def __init__(self, client: Client, task_id: str, *, submitted: bool = False) -> None:
         self._client = client
         self.id = task_id
+        # Just accepted: the status view may not know it for a moment.
+        self._unknown_until = time.monotonic() + p.UNKNOWN_GRACE if submitted else 0.0
 
     def __repr__(self) -> str:
         return f"Task({self.id!r})"
@@ -230,64 +238,69 @@ class Task:
         """See `Client.cancel`."""
         self._client.cancel(self.id)
 
-    def events(self, timeout: float | None = None) -> Iterator[p.Event]:
+    def events(self, timeout: float | None = None) -> Generator[p.Event, None, None]:
         """The task's events as they happen, the current state first, until its end (then the
-        iterator stops). Reconnects with `Last-Event-ID` when the stream is cut; waits through
-        the moments after a submission when the status view does not know the task yet. Raises
-        `WaitTimeout` after `timeout` seconds."""
+        iterator stops). Reconnects with `Last-Event-ID` when the stream is cut; right after a
+        submission, waits until the status view knows the task. Raises `WaitTimeout` after
+        `timeout` seconds (checked at each event and heartbeat, every 15 s at most), and the
+        last error once streams keep failing."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        retries = self._client._settings.retries
         last_id: str | None = None
         last_status: str | None = None
-        unknown_since: float | None = None
         failures = 0
         while True:
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeout(self.id, timeout or 0.0, last_status)
             got = False
             try:
-                for event in self._client._events(self.id, deadline, last_id):
-                    last_id, last_status, failures, unknown_since, got = event.id, event.task["status"], 0, None, True
-                    yield event
-                    if event.terminal:
-                        return
-                if not got:
-                    time.sleep(0.2)  # a stream that ended at once: do not spin
+                with closing(self._client._events(self.id, deadline, last_id)) as stream:
+                    for event in stream:
+                        last_id, last_status, failures, got = event.id, event.task["status"], 0, True
+                        yield event
+                        if event.terminal:
+                            return
+                if not got and (deadline is None or time.monotonic() < deadline):
+                    failures += 1  # a stream that ended at once
+                    if failures > retries.max_retries:
+                        raise p.StreamsFailing(f"the event stream of task {self.id} keeps ending at once")
+                    time.sleep(retries.delay(failures - 1, None))
             except NotFound:
-                unknown_since = unknown_since or time.monotonic()
-                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                if time.monotonic() > self._unknown_until:
                     raise
                 time.sleep(0.2)
-            except (httpx.TransportError, RateLimited, ServiceUnavailable) as e:
-                failures += 1
-                if failures > self._client._settings.retries.max_retries:
+            except (httpx.TransportError, APIError) as e:
+                if isinstance(e, APIError) and e.status not in p.RETRY_STATUSES:
                     raise
-                retry_after = e.retry_after if isinstance(e, APIError) else None
-                time.sleep(self._client._settings.retries.delay(failures - 1, retry_after))
+                failures += 1
+                if failures > retries.max_retries:
+                    if isinstance(e, httpx.TransportError):
+                        raise ConnectionFailed(f"the event stream of task {self.id}: {e}") from e
+                    raise
+                time.sleep(retries.delay(failures - 1, e.retry_after if isinstance(e, APIError) else None))
 
     def wait(self, timeout: float | None = None, *, poll_interval: float = 1.0) -> TaskStatus:
         """Waits until the task ends (succeeded, failed, cancelled or expired) and returns its
         final state. Follows the event stream, and falls back to polling every `poll_interval`
-        seconds where streams are refused (too many open) or cut. Raises `WaitTimeout`."""
+        seconds where streams are refused (too many open) or keep failing. Raises `WaitTimeout`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         last: str | None = None
         try:
-            for event in self.events(timeout):
-                last = event.task["status"]
-                if event.terminal:
-                    return event.task
-        except (httpx.TransportError, RateLimited, ServiceUnavailable):
+            with closing(self.events(timeout)) as events:
+                for event in events:
+                    last = event.task["status"]
+                    if event.terminal:
+                        return event.task
+        except p.STREAM_FALLBACK:
             pass
-        unknown_since: float | None = None
         while True:
             try:
                 status = self.status()
-                unknown_since = None
                 last = status["status"]
                 if p.is_terminal(status):
                     return status
             except NotFound:
-                unknown_since = unknown_since or time.monotonic()
-                if time.monotonic() - unknown_since > _UNKNOWN_GRACE:
+                if time.monotonic() > self._unknown_until:
                     raise
             if deadline is not None and time.monotonic() + poll_interval > deadline:
                 raise WaitTimeout(self.id, timeout or 0.0, last)

@@ -107,6 +107,10 @@ def error_from_body(status: int, body: Any, retry_after: float | None) -> APIErr
     return cls(status, "http_error", text[:500] or f"HTTP {status}", (), retry_after)
 
 
+class ConnectionFailed(SluiceError):
+    """The producer (or the object store) could not be reached, after the retries."""
+
+
 class WaitTimeout(SluiceError, TimeoutError):
     """A task did not finish within the time `wait` was given."""
 
@@ -140,4 +144,12 @@ class WebhookVerificationError(SluiceError):
 
 
 class RecordDecodeError(SluiceError):
-    """A record of the completion or DLQ topic that is not the schema's JSON."""
+    """A record of the completion or DLQ topic that is not the schema's JSON. The consumer is
+    left before it: call `Completions.skip(error)` to commit past it, or it comes again."""
+
+    def __init__(self, message: str, topic: str = "", partition: int = -1, offset: int = -1, value: bytes | None = None) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.value = value
+        super().__init__(message)

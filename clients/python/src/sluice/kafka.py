@@ -52,16 +52,20 @@ class Record:
 def decode(topic: str, partition: int, offset: int, timestamp_ms: int | None, key: bytes | None, value: bytes | None, dlq_topic: str) -> Record:
     """A record of the completion topic or of `dlq_topic`, checked to be version 1."""
     where = f"{topic}/{partition}@{offset}"
+
+    def refused(why: str) -> RecordDecodeError:
+        return RecordDecodeError(f"{where}: {why}", topic, partition, offset, value)
+
     try:
         body: Any = json.loads(value or b"")
     except ValueError as e:
-        raise RecordDecodeError(f"{where}: not JSON") from e
+        raise refused("not JSON") from e
     if not isinstance(body, dict) or body.get("version") != 1:
-        raise RecordDecodeError(f"{where}: not a version 1 record")
+        raise refused("not a version 1 record")
     is_dlq = topic == dlq_topic
     required = ("reason", "original") if is_dlq else ("task_id", "status", "outputs")
     if any(k not in body for k in required):
-        raise RecordDecodeError(f"{where}: missing {', '.join(k for k in required if k not in body)}")
+        raise refused(f"missing {', '.join(k for k in required if k not in body)}")
     return Record(
         topic,
         partition,
@@ -78,9 +82,10 @@ class Completions:
     """A consumer of the completion topic (and the DLQ topic, unless `dlq_topic=None`) in group
     `group`, `read_committed`, committing each record after it was handled.
 
-    `from_time` replays: each partition is read from the first record at or after that time
-    the first time it is assigned, whatever the group committed. `config` adds or overrides
-    librdkafka settings (security, for instance).
+    `from_time` (timezone-aware) is where to start in partitions the group has not committed
+    yet: the first record at or after that time, instead of the topic's beginning. To replay a
+    range again, use a new group name. `config` adds or overrides librdkafka settings
+    (security, for instance).
     """
 
     def __init__(
@@ -107,33 +112,39 @@ class Completions:
             "auto.offset.reset": "earliest",
         }
         settings.update(config or {})
+        if from_time is not None and from_time.tzinfo is None:
+            raise ValueError("from_time must be timezone-aware (datetime.now(timezone.utc), for instance)")
+        self._cooperative = "cooperative" in str(settings.get("partition.assignment.strategy", ""))
         self._consumer = Consumer(settings)
         self._dlq_topic = dlq_topic or ""
         self._poll_timeout = poll_timeout
         self._from_ms = None if from_time is None else int(from_time.timestamp() * 1000)
-        self._positioned: set[tuple[str, int]] = set()
-        self._pending: Any = None
         self._closed = False
         topics = [topic] + ([dlq_topic] if dlq_topic else [])
         self._consumer.subscribe(topics, on_assign=self._on_assign)
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
-        if self._from_ms is None:
+        if self._from_ms is None or not partitions:
             return
         from confluent_kafka import TopicPartition
 
-        fresh = [tp for tp in partitions if (tp.topic, tp.partition) not in self._positioned]
-        if not fresh:
-            return
-        found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, self._from_ms) for tp in fresh], timeout=30)
-        positions = {(tp.topic, tp.partition): tp.offset for tp in found}
-        for tp in partitions:
-            offset = positions.get((tp.topic, tp.partition))
-            if offset is not None:
-                # -1: nothing at or after that time; read from the end.
-                tp.offset = offset if offset >= 0 else -1
-            self._positioned.add((tp.topic, tp.partition))
-        consumer.assign(partitions)
+        committed = consumer.committed(partitions, timeout=30)
+        fresh = [tp for tp in committed if tp.offset < 0]  # nothing committed by the group
+        if fresh:
+            found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, self._from_ms) for tp in fresh], timeout=30)
+            positions = {(tp.topic, tp.partition): tp for tp in found}
+            for tp in partitions:
+                at = positions.get((tp.topic, tp.partition))
+                if at is None:
+                    continue
+                if at.error is not None:
+                    raise SluiceError(f"finding {tp.topic}/{tp.partition} at the replay time: {at.error}")
+                # -1: nothing at or after that time, so only what comes next.
+                tp.offset = at.offset if at.offset >= 0 else -1
+        if self._cooperative:
+            consumer.incremental_assign(partitions)
+        else:
+            consumer.assign(partitions)
 
     def __enter__(self) -> Completions:
         return self
@@ -141,55 +152,79 @@ class Completions:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def _commit(self, record: Any) -> None:
+    def _commit(self, message: Any) -> None:
         from confluent_kafka import TopicPartition
 
         self._consumer.commit(
-            offsets=[TopicPartition(record.topic(), record.partition(), record.offset() + 1)], asynchronous=False
+            offsets=[TopicPartition(message.topic(), message.partition(), message.offset() + 1)], asynchronous=False
         )
 
+    def _rewind(self, topic: str, partition: int, offset: int) -> None:
+        """Reads from `offset` again: a record not handled is delivered again. Best effort: a
+        partition taken away meanwhile is read from its commit by its next owner anyway."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        try:
+            self._consumer.seek(TopicPartition(topic, partition, offset))
+        except KafkaException:
+            pass
+
     def poll(self, timeout: float | None = None) -> tuple[Record, Any] | None:
-        """The next record and its raw message (pass it to `commit`), or `None` after `timeout`."""
+        """The next record and its raw message (pass it to `commit`), or `None` after `timeout`.
+        A record that does not decode raises `RecordDecodeError`, the consumer left before it
+        (`skip` commits past it)."""
         message = self._consumer.poll(self._poll_timeout if timeout is None else timeout)
         if message is None:
             return None
         error = message.error()
         if error is not None:
-            from confluent_kafka import KafkaError
-
-            if error.code() == KafkaError._PARTITION_EOF:
-                return None
-            if error.fatal() or not error.retriable():
+            if error.fatal():
                 raise SluiceError(f"consuming the completion topic: {error}")
-            return None
+            return None  # librdkafka recovers from the others itself
         _, stamp = message.timestamp()
-        record = decode(
-            message.topic() or "",
-            message.partition() or 0,
-            message.offset() or 0,
-            stamp if stamp >= 0 else None,
-            message.key(),
-            message.value(),
-            self._dlq_topic,
-        )
+        try:
+            record = decode(
+                message.topic() or "",
+                message.partition() or 0,
+                message.offset() or 0,
+                stamp if stamp >= 0 else None,
+                message.key(),
+                message.value(),
+                self._dlq_topic,
+            )
+        except RecordDecodeError:
+            self._rewind(message.topic() or "", message.partition() or 0, message.offset() or 0)
+            raise
         return record, message
 
     def commit(self, message: Any) -> None:
         """Commits a record returned by `poll` (the position after it)."""
         self._commit(message)
 
+    def skip(self, error: RecordDecodeError) -> None:
+        """Commits past a record that did not decode, and reads on after it."""
+        from confluent_kafka import TopicPartition
+
+        after = TopicPartition(error.topic, error.partition, error.offset + 1)
+        self._consumer.commit(offsets=[after], asynchronous=False)
+        self._consumer.seek(after)
+
     def __iter__(self) -> Iterator[Record]:
-        """Records as they come; each is committed when the next one is asked for, so a record
-        whose handling raised is delivered again to the group's next reader."""
+        """Records as they come. Each is committed when the next one is asked for; one whose
+        handling raised, or after which the loop was left, is read again (here or by the group's
+        next reader)."""
         while not self._closed:
-            if self._pending is not None:
-                self._commit(self._pending)
-                self._pending = None
             polled = self.poll()
             if polled is None:
                 continue
-            record, self._pending = polled
-            yield record
+            record, message = polled
+            try:
+                yield record
+            except GeneratorExit:
+                if not self._closed:
+                    self._rewind(record.topic, record.partition, record.offset)
+                raise
+            self._commit(message)
 
     def run(
         self,
@@ -201,8 +236,8 @@ class Completions:
     ) -> int:
         """Calls `handler` for each record and commits it once `handler` returned. Stops when
         `stop` is set, after `max_records`, or after `idle_timeout` seconds without a record;
-        returns how many were handled. An exception from `handler` propagates and its record is
-        not committed."""
+        returns how many were handled. An exception from `handler` propagates, its record not
+        committed and read again."""
         import time
 
         handled = 0
@@ -214,7 +249,11 @@ class Completions:
                     break
                 continue
             record, message = polled
-            handler(record)
+            try:
+                handler(record)
+            except BaseException:
+                self._rewind(record.topic, record.partition, record.offset)
+                raise
             self._commit(message)
             handled += 1
             idle_since = time.monotonic()
@@ -222,7 +261,7 @@ class Completions:
 
     def close(self) -> None:
         """Leaves the group. A record yielded by the iterator and not yet committed stays
-        uncommitted (it is delivered again)."""
+        uncommitted (the group's next reader gets it)."""
         if not self._closed:
             self._closed = True
             self._consumer.close()
