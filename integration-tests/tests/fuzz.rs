@@ -241,11 +241,16 @@ fn fuzz(name: &str, corpus: &[Vec<u8>], execs: usize, seed: u64, target: impl Fn
                 let _ = std::fs::create_dir_all(&dir);
                 let _ = std::fs::write(&file, &input);
             }
-            panic!(
+            let report = format!(
                 "fuzz {name}: execution {i} (seed {seed}) {what}; input saved to {}: {}",
                 file.display(),
                 hex::encode(&input)
             );
+            // The panic hook is quiet while fuzzing: say it here too, or the failure is mute.
+            if !name.starts_with("self-check") {
+                eprintln!("{report}");
+            }
+            panic!("{report}");
         }
     }
     println!(
@@ -270,21 +275,21 @@ fn hostile_records_and_requests_neither_panic_nor_allocate_without_bound() {
                 .unwrap()
                 .as_nanos() as u64
         });
-    // Panics are findings here, reported with their input: keep the default hook quiet.
-    std::panic::set_hook(Box::new(|_| {}));
+    eprintln!("fuzz seed {seed} (SLUICE_FUZZ_SEED replays it)");
     let catalog = catalog();
     let records = corpus("records");
     let requests = corpus("requests");
+    // Panics are findings here, reported with their input: keep the default hook quiet while
+    // fuzzing, and loud for this test's own assertions.
+    std::panic::set_hook(Box::new(|_| {}));
     // The harness finds what it looks for: a panic, and an allocation past the bound.
     let caught = |target: fn(&[u8]) -> bool| std::panic::catch_unwind(|| fuzz("self-check", &records, 1_000, seed, target)).is_err();
-    assert!(
-        caught(|input| input.contains(&b'{') && panic!("planted")),
-        "a planted panic is found"
-    );
-    assert!(
-        caught(|input| std::hint::black_box(vec![0u8; (4 << 20) | input.len()]).len() > 1),
-        "a planted allocation is found"
-    );
+    let planted_panic = caught(|input| input.contains(&b'{') && panic!("planted"));
+    let planted_allocation = caught(|input| std::hint::black_box(vec![0u8; (4 << 20) | input.len()]).len() > 1);
+    let _ = std::panic::take_hook();
+    assert!(planted_panic, "a planted panic is found");
+    assert!(planted_allocation, "a planted allocation is found");
+    std::panic::set_hook(Box::new(|_| {}));
     let accepted = records
         .iter()
         .filter(|r| sluice_schemas::decode_task(r, Some(b"1")).is_ok())

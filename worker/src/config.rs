@@ -64,6 +64,12 @@ pub struct KafkaArgs {
     /// or `consumer` (KIP-848: the broker assigns, no group-wide rebalance barrier).
     #[arg(long, env = "SLUICE_GROUP_PROTOCOL", value_enum, default_value_t = GroupProtocol::Classic)]
     pub group_protocol: GroupProtocol,
+    /// Classic protocol: describe the group every 3 s and, when partitions of the tasks topic
+    /// stay owned by no member of the stable group for longer than the drain timeout plus 5 s,
+    /// make it rebalance (a short-lived member joins and leaves). `false` only to reproduce the
+    /// fault.
+    #[arg(long, env = "SLUICE_REPAIR_ORPHANS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub repair_orphans: bool,
     #[arg(long, env = "SLUICE_TASKS_TOPIC", default_value = sluice_schemas::topics::TASKS)]
     pub tasks_topic: String,
     #[arg(long, env = "SLUICE_COMPLETIONS_TOPIC", default_value = sluice_schemas::topics::COMPLETIONS)]

@@ -408,6 +408,27 @@ impl Emit for PartitionsRevoked<'_> {
     }
 }
 
+/// Partitions of the tasks topic were owned by no member of the stable group for longer than a
+/// revocation may take; this worker made the group rebalance (see `source::orphans`).
+pub(crate) struct OrphansRepaired<'a> {
+    pub partitions: &'a [i32],
+    pub unowned_for: Duration,
+    /// Why the rebalance could not be made (tried again on the next look).
+    pub error: Option<&'a str>,
+}
+
+impl Emit for OrphansRepaired<'_> {
+    fn emit(self, m: &Metrics) {
+        m.rebalances.with_label_values(&["orphans"]).inc();
+        tracing::warn!(
+            partitions = ?self.partitions,
+            unowned_for_ms = self.unowned_for.as_millis() as u64,
+            error = self.error,
+            "partitions of the tasks topic were owned by no member of the stable group; rebalanced it"
+        );
+    }
+}
+
 /// The consumer reported a rebalance error.
 pub(crate) struct RebalanceFailed<'a> {
     pub error: &'a str,

@@ -201,7 +201,7 @@ impl Metrics {
             ),
             rebalances: register(
                 &r,
-                counter_vec("sluice_worker_rebalances_total", "Partition assignments and revocations", &["kind"]),
+                counter_vec("sluice_worker_rebalances_total", "Partition assignments and revocations, and rebalances this worker made to hand out orphaned partitions (kind=orphans)", &["kind"]),
             ),
             reloads: register(
                 &r,

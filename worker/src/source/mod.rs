@@ -11,6 +11,7 @@ pub(crate) mod crash_guard;
 pub(crate) mod done_ahead;
 pub(crate) mod offset_list;
 pub(crate) mod offsets;
+pub(crate) mod orphans;
 pub(crate) mod redelivery;
 
 use std::sync::Arc;

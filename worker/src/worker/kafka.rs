@@ -182,6 +182,28 @@ fn consumer_settings(config: &Config, worker_id: &str) -> Vec<(&'static str, Str
     settings
 }
 
+/// The settings of the short-lived member that makes the group rebalance when partitions are
+/// orphaned (`source::orphans`): the group, no static identity, the workers' assignor; `None`
+/// where that repair does not run (KIP-848, or `SLUICE_REPAIR_ORPHANS=false`).
+pub(super) fn orphan_repair_member(config: &Config, worker_id: &str) -> Option<rdkafka::ClientConfig> {
+    let k = &config.kafka;
+    if k.group_protocol != GroupProtocol::Classic || !k.repair_orphans {
+        return None;
+    }
+    let client_id = format!("{worker_id}-rebalance");
+    Some(k.client.config(&[
+        ("group.id", k.group_id.as_str()),
+        ("client.id", client_id.as_str()),
+        ("enable.auto.commit", "false"),
+        ("enable.auto.offset.store", "false"),
+        ("partition.assignment.strategy", "cooperative-sticky"),
+        ("session.timeout.ms", "6000"),
+        ("heartbeat.interval.ms", "1000"),
+        ("fetch.wait.max.ms", "100"),
+        ("queued.max.messages.kbytes", "1024"),
+    ]))
+}
+
 /// How long a transaction may stay open: the longest a worker killed mid-transaction, and not
 /// restarted under the same identity, holds back `read_committed` readers of its partitions.
 /// Long enough to ride out a broker restart (~7 s measured here) without aborting.

@@ -46,7 +46,10 @@ pub(super) struct Stages {
 
 pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients) -> Result<Stages, StartError> {
     let Setup {
-        config, metrics, fatal, ..
+        config,
+        metrics,
+        fatal,
+        worker_id,
     } = *setup;
     let (b, d) = (&config.batching, &config.delivery);
     let adaptive = Arc::new(adaptive(setup, loaded, clients).await?);
@@ -75,6 +78,14 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
             .spawn(move || source::poll_loop(consumer, offsets, record_tx, control, max, metrics))
             .map_err(StartError::Thread)?
     };
+    if let Some(member) = kafka::orphan_repair_member(config, worker_id) {
+        let (consumer, close, metrics) = (clients.consumer.clone(), control.close.clone(), metrics.clone());
+        let (group, topic, drain) = (config.kafka.group_id.clone(), config.kafka.tasks_topic.clone(), d.drain_timeout());
+        std::thread::Builder::new()
+            .name("sluice-orphans".into())
+            .spawn(move || source::orphans::watch(consumer, member, group, topic, drain, close, metrics))
+            .map_err(StartError::Thread)?;
+    }
     let stages = vec![
         tokio::spawn(pipeline::decode(record_rx, job_tx, decode.clone())),
         tokio::spawn(batcher.run()),
