@@ -27,9 +27,9 @@
 set -euo pipefail
 
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
-ORT_VERSION=1.24.1
-ORT_WHEEL=onnxruntime-1.24.1-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
-ORT_WHEEL_SHA256=1cabe71ca14dcfbf812d312aab0a704507ac909c137ee6e89e4908755d0fc60e
+ORT_VERSION=1.31.1
+ORT_WHEEL=onnxruntime-1.31.1-cp311-cp311-manylinux_2_28_x86_64.whl
+ORT_WHEEL_SHA256=5752bd508126ae7c49894d3b9d2e83f0c3d487319246d04c444b393308d7ad7f
 TERRAIN_VERSION=0.4.2
 TERRAIN_WHEEL=adaptive_terrain_diffusion-0.4.2-py3-none-any.whl
 TERRAIN_WHEEL_SHA256=dd803be2c98d764e4e64db18c631eef46c210282b398c4dd080f4cda3fa7c84d
