@@ -10,7 +10,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -77,6 +77,36 @@ class Retries:
         if retry_after is not None:
             return max(0.0, min(retry_after, self.max_delay))
         return min(self.backoff * (2.0**attempt), self.max_delay) * random.uniform(0.5, 1.0)
+
+
+class Attempts:
+    """The retry rule applied to one request: after each try, how long to wait before the next
+    one, or the error that ends it."""
+
+    def __init__(self, retries: Retries, what: str) -> None:
+        self._retries = retries
+        self._what = what
+        self._attempt = 0
+
+    def _next(self, retry_after: float | None) -> float:
+        delay = self._retries.delay(self._attempt, retry_after)
+        self._attempt += 1
+        return delay
+
+    def after_transport_error(self, error: httpx.TransportError) -> float:
+        """The wait before trying again, or `ConnectionFailed` once the retries are spent."""
+        if self._attempt >= self._retries.max_retries:
+            raise ConnectionFailed(f"{self._what}: {error}") from error
+        return self._next(None)
+
+    def after_answer(self, response: httpx.Response, error_of: Callable[[httpx.Response], SluiceError]) -> float | None:
+        """`None` for an answer that stands (below 400); the wait before trying again after a
+        429/502/503/504 (`Retry-After` honoured); else raises `error_of(response)`."""
+        if response.status_code < 400:
+            return None
+        if response.status_code in RETRY_STATUSES and self._attempt < self._retries.max_retries:
+            return self._next(retry_after(response.headers))
+        raise error_of(response)
 
 
 @dataclass(frozen=True)

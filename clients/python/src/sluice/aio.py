@@ -52,8 +52,7 @@ class AsyncClient:
         params: Mapping[str, str | int] | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
-        retries = self._settings.retries
-        attempt = 0
+        attempts = p.Attempts(self._settings.retries, f"{method} {path}")
         while True:
             try:
                 response = await self._http.request(
@@ -64,18 +63,12 @@ class AsyncClient:
                     headers={**self._settings.headers, **(headers or {})},
                 )
             except httpx.TransportError as e:
-                if attempt >= retries.max_retries:
-                    raise ConnectionFailed(f"{method} {path}: {e}") from e
-                await asyncio.sleep(retries.delay(attempt, None))
-                attempt += 1
+                await asyncio.sleep(attempts.after_transport_error(e))
                 continue
-            if response.status_code < 400:
+            delay = attempts.after_answer(response, p.api_error)
+            if delay is None:
                 return response
-            error = p.api_error(response)
-            if response.status_code not in p.RETRY_STATUSES or attempt >= retries.max_retries:
-                raise error
-            await asyncio.sleep(retries.delay(attempt, error.retry_after))
-            attempt += 1
+            await asyncio.sleep(delay)
 
     async def submit(
         self,
@@ -156,24 +149,17 @@ class AsyncClient:
         await self._request("POST", f"/v1/tasks/{task_id}/cancel")
 
     async def download(self, url: str) -> bytes:
-        retries = self._settings.retries
-        attempt = 0
+        attempts = p.Attempts(self._settings.retries, "downloading an output")
         while True:
             try:
                 response = await self._http.get(url, headers={"User-Agent": p.USER_AGENT})
             except httpx.TransportError as e:
-                if attempt >= retries.max_retries:
-                    raise ConnectionFailed(f"downloading an output: {e}") from e
-                await asyncio.sleep(retries.delay(attempt, None))
-                attempt += 1
+                await asyncio.sleep(attempts.after_transport_error(e))
                 continue
-            if response.status_code in p.RETRY_STATUSES and attempt < retries.max_retries:
-                await asyncio.sleep(retries.delay(attempt, p.retry_after(response.headers)))
-                attempt += 1
-                continue
-            if response.status_code >= 400:
-                raise p.download_error(response)
-            return response.content
+            delay = attempts.after_answer(response, p.download_error)
+            if delay is None:
+                return response.content
+            await asyncio.sleep(delay)
 
     async def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> AsyncGenerator[p.Event, None]:
         headers = {**self._settings.headers, "Accept": "text/event-stream"}

@@ -59,8 +59,7 @@ class Client:
         params: Mapping[str, str | int] | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
-        retries = self._settings.retries
-        attempt = 0
+        attempts = p.Attempts(self._settings.retries, f"{method} {path}")
         while True:
             try:
                 response = self._http.request(
@@ -71,18 +70,12 @@ class Client:
                     headers={**self._settings.headers, **(headers or {})},
                 )
             except httpx.TransportError as e:
-                if attempt >= retries.max_retries:
-                    raise ConnectionFailed(f"{method} {path}: {e}") from e
-                time.sleep(retries.delay(attempt, None))
-                attempt += 1
+                time.sleep(attempts.after_transport_error(e))
                 continue
-            if response.status_code < 400:
+            delay = attempts.after_answer(response, p.api_error)
+            if delay is None:
                 return response
-            error = p.api_error(response)
-            if response.status_code not in p.RETRY_STATUSES or attempt >= retries.max_retries:
-                raise error
-            time.sleep(retries.delay(attempt, error.retry_after))
-            attempt += 1
+            time.sleep(delay)
 
     # -- the API --------------------------------------------------------------------------
 
@@ -175,24 +168,17 @@ class Client:
 
     def download(self, url: str) -> bytes:
         """The bytes behind a presigned output URL (no API key is sent there)."""
-        retries = self._settings.retries
-        attempt = 0
+        attempts = p.Attempts(self._settings.retries, "downloading an output")
         while True:
             try:
                 response = self._http.get(url, headers={"User-Agent": p.USER_AGENT})
             except httpx.TransportError as e:
-                if attempt >= retries.max_retries:
-                    raise ConnectionFailed(f"downloading an output: {e}") from e
-                time.sleep(retries.delay(attempt, None))
-                attempt += 1
+                time.sleep(attempts.after_transport_error(e))
                 continue
-            if response.status_code in p.RETRY_STATUSES and attempt < retries.max_retries:
-                time.sleep(retries.delay(attempt, p.retry_after(response.headers)))
-                attempt += 1
-                continue
-            if response.status_code >= 400:
-                raise p.download_error(response)
-            return response.content
+            delay = attempts.after_answer(response, p.download_error)
+            if delay is None:
+                return response.content
+            time.sleep(delay)
 
     def _events(self, task_id: str, deadline: float | None, last_event_id: str | None) -> Generator[p.Event, None, None]:
         """One connection to the task's event stream, from `last_event_id`."""
