@@ -133,11 +133,11 @@ async fn main() -> anyhow::Result<()> {
     // Each row as it is measured: a later row that fails leaves the earlier ones printed.
     if only.as_deref().is_none_or(|o| o == "terrain") {
         let terrain = stack.dir.join("models");
-        report(&pipeline(&stack, "terrain (pretrained UNet)", &terrain, 8, 240, 40).await?);
+        pipeline(&stack, "terrain (pretrained UNet)", &terrain, (8, 240, 40), &report).await?;
     }
     if only.as_deref().is_none_or(|o| o == "tiny") {
         let tiny = stack.tiny_models()?;
-        report(&pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, 64, 20_000, 2_000).await?);
+        pipeline(&stack, "terrain-tiny (~1 ms model)", &tiny, (64, 20_000, 2_000), &report).await?;
     }
     if only.as_deref().is_none_or(|o| o == "sd") {
         report(&sd_pipeline(&stack, "sd-tiny", 64, 4, 8, 400).await?);
@@ -356,11 +356,35 @@ async fn images_per_second(
     Ok((batches * prepared.iter().map(|p| p.rows).sum::<usize>()) as f64 / started.elapsed().as_secs_f64())
 }
 
-async fn pipeline(stack: &Stack, scenario: &str, model_dir: &Path, batch: usize, tasks: usize, raw_images: usize) -> anyhow::Result<Row> {
+/// The delivery modes each `pipeline` model is run end to end in, beside one raw figure: the
+/// default, at-least-once, and at-least-once without the crash guard's start records (what a
+/// hand-written consumer that commits after each batch does).
+const DELIVERY_MODES: [(&str, &[(&str, &str)]); 3] = [
+    ("exactly-once (default)", &[]),
+    ("at-least-once", &[("SLUICE_DELIVERY", "at-least-once")]),
+    (
+        "at-least-once, crash guard off",
+        &[("SLUICE_DELIVERY", "at-least-once"), ("SLUICE_MAX_CRASHES", "0")],
+    ),
+];
+
+/// A terrain model (the pretrained or the ~1 ms one): raw in-process images/s at `batch`, then
+/// the same tasks end to end in each of [`DELIVERY_MODES`], each row reported as it is measured.
+async fn pipeline(
+    stack: &Stack,
+    scenario: &str,
+    model_dir: &Path,
+    (batch, tasks, raw_images): (usize, usize, usize),
+    report: &dyn Fn(&Row),
+) -> anyhow::Result<()> {
     eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
     let raw = raw_images_per_second(stack, model_dir, batch, raw_images.div_ceil(batch)).await?;
     let make = |i: usize| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32);
-    end_to_end(stack, scenario, model_dir, batch, tasks, raw, &make, &[]).await
+    for (mode, settings) in DELIVERY_MODES {
+        let row = end_to_end(stack, &format!("{scenario}, {mode}"), model_dir, batch, tasks, raw, &make, settings).await?;
+        report(&row);
+    }
+    Ok(())
 }
 
 /// A tiny diffusion model of the demo catalog (`sd-tiny`, `sdxl-tiny`, `flux-schnell-tiny`,
