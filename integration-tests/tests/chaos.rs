@@ -1153,21 +1153,12 @@ async fn an_orphaned_partition_is_handed_out_within_seconds() {
         ("SLUICE_KAFKA_OPTIONS", "session.timeout.ms=30000"),
         ("SLUICE_REPAIR_ORPHANS", "false"),
     ];
-    let with =
-        |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, &'static str)> { common.iter().chain(extra).copied().collect() };
-    let fault: &'static str = Box::leak(fault.into_boxed_str());
-    let mut a = worker_with(
-        stack,
-        "orphans-a",
-        group,
-        &topics,
-        &with(&[
-            ("SLUICE_GROUP_INSTANCE_ID", "orphans-a"),
-            ("SLUICE_TEST_FAULTS", fault),
-            ("SLUICE_DRAIN_TIMEOUT_MS", "30000"),
-        ]),
-    )
-    .await;
+    let held_a = [
+        ("SLUICE_GROUP_INSTANCE_ID", "orphans-a"),
+        ("SLUICE_TEST_FAULTS", fault.as_str()),
+        ("SLUICE_DRAIN_TIMEOUT_MS", "30000"),
+    ];
+    let mut a = worker_with(stack, "orphans-a", group, &topics, &[&common[..], &held_a].concat()).await;
     a.wait_assigned(Duration::from_secs(60)).await.unwrap();
     let kafka = producer(stack.brokers()).unwrap();
     for (p, (id, record)) in held.iter().enumerate() {
@@ -1178,7 +1169,7 @@ async fn an_orphaned_partition_is_handed_out_within_seconds() {
             Some(p as i32),
             Some(id.as_bytes()),
             &value,
-            &[("sluice-schema-version", b"1")],
+            &[(sluice_schemas::HEADER_SCHEMA_VERSION, b"1")],
         )
         .await
         .unwrap();
@@ -1195,7 +1186,7 @@ async fn an_orphaned_partition_is_handed_out_within_seconds() {
         "orphans-b",
         group,
         &topics,
-        &with(&[("SLUICE_GROUP_INSTANCE_ID", "orphans-b")]),
+        &[&common[..], &[("SLUICE_GROUP_INSTANCE_ID", "orphans-b")]].concat(),
     )
     .await;
     sluice_integration_tests::wait_for("the first phase", Duration::from_secs(60), async || {
@@ -1210,7 +1201,7 @@ async fn an_orphaned_partition_is_handed_out_within_seconds() {
         "orphans-a",
         group,
         &topics,
-        &with(&[("SLUICE_GROUP_INSTANCE_ID", "orphans-a")]),
+        &[&common[..], &[("SLUICE_GROUP_INSTANCE_ID", "orphans-a")]].concat(),
     )
     .await;
     let owned = async |a: &Worker, b: &Worker| -> f64 {

@@ -1553,7 +1553,6 @@ async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
         // refused holder sees its writes fail.
         let _ = holder_writes.write_all(&[b' '; 1 << 20]).await;
         std::future::pending::<()>().await;
-        drop(holder_writes);
     });
     let mut second = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     second.write_all(head.as_bytes()).await.unwrap();

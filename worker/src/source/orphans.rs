@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
+use rdkafka::ClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
-use rdkafka::{ClientContext, Message};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
@@ -169,9 +169,7 @@ fn rebalance(config: &ClientConfig, topic: &str) -> Result<(), KafkaError> {
     let deadline = Instant::now() + JOIN_TIMEOUT;
     while !joined.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
         // Records it may be handed are dropped: it never commits, so the real owner reads them.
-        if let Some(Ok(message)) = member.poll(Duration::from_millis(100)) {
-            let _ = message.offset();
-        }
+        let _ = member.poll(Duration::from_millis(100));
     }
     member.unsubscribe();
     Ok(()) // dropping the consumer leaves the group

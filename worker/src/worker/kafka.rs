@@ -136,6 +136,10 @@ pub(super) fn cancellations(config: &Config, worker_id: &str, keep: Duration) ->
     Ok(cancellations)
 }
 
+/// The workers' assignor under the classic protocol; the member that repairs orphaned partitions
+/// joins with it too (a member offering another is refused by the group).
+const CLASSIC_ASSIGNOR: &str = "cooperative-sticky";
+
 /// The task consumer's settings beside the client's own (brokers, security).
 fn consumer_settings(config: &Config, worker_id: &str) -> Vec<(&'static str, String)> {
     let k = &config.kafka;
@@ -161,7 +165,7 @@ fn consumer_settings(config: &Config, worker_id: &str) -> Vec<(&'static str, Str
     ];
     match k.group_protocol {
         GroupProtocol::Classic => settings.extend([
-            ("partition.assignment.strategy", "cooperative-sticky".into()),
+            ("partition.assignment.strategy", CLASSIC_ASSIGNOR.into()),
             ("session.timeout.ms", "10000".into()),
             ("heartbeat.interval.ms", "1000".into()),
         ]),
@@ -196,7 +200,7 @@ pub(super) fn orphan_repair_member(config: &Config, worker_id: &str) -> Option<r
         ("client.id", client_id.as_str()),
         ("enable.auto.commit", "false"),
         ("enable.auto.offset.store", "false"),
-        ("partition.assignment.strategy", "cooperative-sticky"),
+        ("partition.assignment.strategy", CLASSIC_ASSIGNOR),
         ("session.timeout.ms", "6000"),
         ("heartbeat.interval.ms", "1000"),
         ("fetch.wait.max.ms", "100"),
