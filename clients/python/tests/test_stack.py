@@ -12,7 +12,6 @@ import csv
 import http.server
 import json
 import os
-import re
 import signal
 import socket
 import struct

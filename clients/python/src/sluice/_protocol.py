@@ -22,11 +22,14 @@ from .errors import (
     ConnectionFailed,
     ImageIntegrityError,
     ImagesNotReachable,
+    NotFound,
     RateLimited,
     ServerError,
     ServiceUnavailable,
     SluiceError,
+    StreamsFailing,
     TaskNotSucceeded,
+    WaitTimeout,
     error_from_body,
 )
 from .types import TERMINAL_STATES, Output, TaskStatus, WebhookSpec
@@ -51,10 +54,6 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # How long a task just accepted may still be unknown to the status view (it reads the tasks
 # topic after the broker acknowledged the record).
 UNKNOWN_GRACE = 30.0
-
-
-class StreamsFailing(SluiceError):
-    """A task's event stream keeps ending without an event."""
 
 
 # What makes `wait` give up on the event stream and poll instead.
@@ -107,6 +106,80 @@ class Attempts:
         if response.status_code in RETRY_STATUSES and self._attempt < self._retries.max_retries:
             return self._next(retry_after(response.headers))
         raise error_of(response)
+
+
+class Following:
+    """Following one task to its end, the same for both twins: its deadline, where its event
+    stream resumes, and after each stream, failed connection or poll, how long to wait before
+    the next or what to raise."""
+
+    def __init__(self, task_id: str, timeout: float | None, retries: Retries, unknown_until: float) -> None:
+        self._task_id = task_id
+        self._timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._retries = retries
+        # A fresh submission may be unknown to the status view until then.
+        self._unknown_until = unknown_until
+        self.last_id: str | None = None
+        self._last_status: str | None = None
+        self._failures = 0
+        self._got = False
+
+    def _timed_out(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _timeout_error(self) -> WaitTimeout:
+        return WaitTimeout(self._task_id, self._timeout or 0.0, self._last_status)
+
+    def connecting(self) -> None:
+        """Before each connection to the stream: raises `WaitTimeout` past the deadline."""
+        if self._timed_out():
+            raise self._timeout_error()
+        self._got = False
+
+    def seen(self, status: TaskStatus, event_id: str | None = None) -> None:
+        """A state of the task, from an event (its id is where a stream resumes) or a poll."""
+        self._last_status = status["status"]
+        if event_id is not None:
+            self.last_id, self._got, self._failures = event_id, True, 0
+
+    def after_stream(self) -> float:
+        """A stream ended before the task did: reconnect at once after one that had events; wait
+        longer after each that ended at once, and raise `StreamsFailing` once that keeps on."""
+        if self._got or self._timed_out():
+            return 0.0
+        return self._failed(None, StreamsFailing(f"the event stream of task {self._task_id} keeps ending at once"))
+
+    def unknown(self, error: NotFound) -> None:
+        """The status view does not know the task: raises `error` unless it was just submitted."""
+        if time.monotonic() > self._unknown_until:
+            raise error
+
+    def after_error(self, error: httpx.TransportError | APIError) -> float:
+        """A connection that failed: the wait before the next, or the error raised (an answer not
+        worth retrying, or any once the retries are spent)."""
+        if isinstance(error, NotFound):
+            self.unknown(error)
+            return 0.2
+        if isinstance(error, APIError):
+            if error.status not in RETRY_STATUSES:
+                raise error
+            return self._failed(error.retry_after, error)
+        spent = ConnectionFailed(f"the event stream of task {self._task_id}: {error}")
+        spent.__cause__ = error
+        return self._failed(None, spent)
+
+    def _failed(self, retry_after: float | None, spent: SluiceError) -> float:
+        self._failures += 1
+        if self._failures > self._retries.max_retries:
+            raise spent
+        return self._retries.delay(self._failures - 1, retry_after)
+
+    def before_poll(self, interval: float) -> float:
+        """The wait before the next poll, or `WaitTimeout` when it would end past the deadline."""
+        if self.deadline is not None and time.monotonic() + interval > self.deadline:
+            raise self._timeout_error()
+        return interval
 
 
 @dataclass(frozen=True)

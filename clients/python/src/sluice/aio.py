@@ -12,7 +12,7 @@ from typing import Any, cast
 import httpx
 
 from . import _protocol as p
-from .errors import APIError, ConnectionFailed, NotFound, SluiceError, WaitTimeout
+from .errors import APIError, NotFound, SluiceError
 from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
 
 class AsyncClient:
@@ -201,51 +201,34 @@ class AsyncTask:
     async def cancel(self) -> None:
         await self._client.cancel(self.id)
 
-    async def events(self, timeout: float | None = None) -> AsyncGenerator[p.Event, None]:
+    def events(self, timeout: float | None = None) -> AsyncGenerator[p.Event, None]:
         """See `sluice.Task.events`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        retries = self._client._settings.retries
-        last_id: str | None = None
-        last_status: str | None = None
-        failures = 0
+        return self._stream(self._following(timeout))
+
+    def _following(self, timeout: float | None) -> p.Following:
+        return p.Following(self.id, timeout, self._client._settings.retries, self._unknown_until)
+
+    async def _stream(self, follow: p.Following) -> AsyncGenerator[p.Event, None]:
         while True:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeout(self.id, timeout or 0.0, last_status)
-            got = False
+            follow.connecting()
             try:
-                async with aclosing(self._client._events(self.id, deadline, last_id)) as stream:
+                async with aclosing(self._client._events(self.id, follow.deadline, follow.last_id)) as stream:
                     async for event in stream:
-                        last_id, last_status, failures, got = event.id, event.task["status"], 0, True
+                        follow.seen(event.task, event.id)
                         yield event
                         if event.terminal:
                             return
-                if not got and (deadline is None or time.monotonic() < deadline):
-                    failures += 1
-                    if failures > retries.max_retries:
-                        raise p.StreamsFailing(f"the event stream of task {self.id} keeps ending at once")
-                    await asyncio.sleep(retries.delay(failures - 1, None))
-            except NotFound:
-                if time.monotonic() > self._unknown_until:
-                    raise
-                await asyncio.sleep(0.2)
+                delay = follow.after_stream()
             except (httpx.TransportError, APIError) as e:
-                if isinstance(e, APIError) and e.status not in p.RETRY_STATUSES:
-                    raise
-                failures += 1
-                if failures > retries.max_retries:
-                    if isinstance(e, httpx.TransportError):
-                        raise ConnectionFailed(f"the event stream of task {self.id}: {e}") from e
-                    raise
-                await asyncio.sleep(retries.delay(failures - 1, e.retry_after if isinstance(e, APIError) else None))
+                delay = follow.after_error(e)
+            await asyncio.sleep(delay)
 
     async def wait(self, timeout: float | None = None, *, poll_interval: float = 1.0) -> TaskStatus:
         """See `sluice.Task.wait`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last: str | None = None
+        follow = self._following(timeout)
         try:
-            async with aclosing(self.events(timeout)) as events:
+            async with aclosing(self._stream(follow)) as events:
                 async for event in events:
-                    last = event.task["status"]
                     if event.terminal:
                         return event.task
         except p.STREAM_FALLBACK:
@@ -253,15 +236,12 @@ class AsyncTask:
         while True:
             try:
                 status = await self.status()
-                last = status["status"]
+                follow.seen(status)
                 if p.is_terminal(status):
                     return status
-            except NotFound:
-                if time.monotonic() > self._unknown_until:
-                    raise
-            if deadline is not None and time.monotonic() + poll_interval > deadline:
-                raise WaitTimeout(self.id, timeout or 0.0, last)
-            await asyncio.sleep(poll_interval)
+            except NotFound as e:
+                follow.unknown(e)
+            await asyncio.sleep(follow.before_poll(poll_interval))
 
     async def images(self, timeout: float | None = None) -> list[p.Image]:
         """See `sluice.Task.images`; the images are downloaded concurrently."""

@@ -11,7 +11,7 @@ from typing import Any, cast
 import httpx
 
 from . import _protocol as p
-from .errors import APIError, ConnectionFailed, NotFound, SluiceError, WaitTimeout
+from .errors import APIError, NotFound, SluiceError
 from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
 
 class Client:
@@ -230,51 +230,34 @@ class Task:
         submission, waits until the status view knows the task. Raises `WaitTimeout` after
         `timeout` seconds (checked at each event and heartbeat, every 15 s at most), and the
         last error once streams keep failing."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        retries = self._client._settings.retries
-        last_id: str | None = None
-        last_status: str | None = None
-        failures = 0
+        return self._stream(self._following(timeout))
+
+    def _following(self, timeout: float | None) -> p.Following:
+        return p.Following(self.id, timeout, self._client._settings.retries, self._unknown_until)
+
+    def _stream(self, follow: p.Following) -> Generator[p.Event, None, None]:
         while True:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeout(self.id, timeout or 0.0, last_status)
-            got = False
+            follow.connecting()
             try:
-                with closing(self._client._events(self.id, deadline, last_id)) as stream:
+                with closing(self._client._events(self.id, follow.deadline, follow.last_id)) as stream:
                     for event in stream:
-                        last_id, last_status, failures, got = event.id, event.task["status"], 0, True
+                        follow.seen(event.task, event.id)
                         yield event
                         if event.terminal:
                             return
-                if not got and (deadline is None or time.monotonic() < deadline):
-                    failures += 1  # a stream that ended at once
-                    if failures > retries.max_retries:
-                        raise p.StreamsFailing(f"the event stream of task {self.id} keeps ending at once")
-                    time.sleep(retries.delay(failures - 1, None))
-            except NotFound:
-                if time.monotonic() > self._unknown_until:
-                    raise
-                time.sleep(0.2)
+                delay = follow.after_stream()
             except (httpx.TransportError, APIError) as e:
-                if isinstance(e, APIError) and e.status not in p.RETRY_STATUSES:
-                    raise
-                failures += 1
-                if failures > retries.max_retries:
-                    if isinstance(e, httpx.TransportError):
-                        raise ConnectionFailed(f"the event stream of task {self.id}: {e}") from e
-                    raise
-                time.sleep(retries.delay(failures - 1, e.retry_after if isinstance(e, APIError) else None))
+                delay = follow.after_error(e)
+            time.sleep(delay)
 
     def wait(self, timeout: float | None = None, *, poll_interval: float = 1.0) -> TaskStatus:
         """Waits until the task ends (succeeded, failed, cancelled or expired) and returns its
         final state. Follows the event stream, and falls back to polling every `poll_interval`
         seconds where streams are refused (too many open) or keep failing. Raises `WaitTimeout`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last: str | None = None
+        follow = self._following(timeout)
         try:
-            with closing(self.events(timeout)) as events:
+            with closing(self._stream(follow)) as events:
                 for event in events:
-                    last = event.task["status"]
                     if event.terminal:
                         return event.task
         except p.STREAM_FALLBACK:
@@ -282,15 +265,12 @@ class Task:
         while True:
             try:
                 status = self.status()
-                last = status["status"]
+                follow.seen(status)
                 if p.is_terminal(status):
                     return status
-            except NotFound:
-                if time.monotonic() > self._unknown_until:
-                    raise
-            if deadline is not None and time.monotonic() + poll_interval > deadline:
-                raise WaitTimeout(self.id, timeout or 0.0, last)
-            time.sleep(poll_interval)
+            except NotFound as e:
+                follow.unknown(e)
+            time.sleep(follow.before_poll(poll_interval))
 
     def images(self, timeout: float | None = None) -> list[p.Image]:
         """Waits for the task, then downloads its images through their presigned URLs, each

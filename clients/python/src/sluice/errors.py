@@ -111,6 +111,10 @@ class ConnectionFailed(SluiceError):
     """The producer (or the object store) could not be reached, after the retries."""
 
 
+class StreamsFailing(SluiceError):
+    """A task's event stream keeps ending without an event."""
+
+
 class WaitTimeout(SluiceError, TimeoutError):
     """A task did not finish within the time `wait` was given."""
 

@@ -152,13 +152,6 @@ class Completions:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def _commit(self, message: Any) -> None:
-        from confluent_kafka import TopicPartition
-
-        self._consumer.commit(
-            offsets=[TopicPartition(message.topic(), message.partition(), message.offset() + 1)], asynchronous=False
-        )
-
     def _rewind(self, topic: str, partition: int, offset: int) -> None:
         """Reads from `offset` again: a record not handled is delivered again. Best effort: a
         partition taken away meanwhile is read from its commit by its next owner anyway."""
@@ -199,7 +192,11 @@ class Completions:
 
     def commit(self, message: Any) -> None:
         """Commits a record returned by `poll` (the position after it)."""
-        self._commit(message)
+        from confluent_kafka import TopicPartition
+
+        self._consumer.commit(
+            offsets=[TopicPartition(message.topic(), message.partition(), message.offset() + 1)], asynchronous=False
+        )
 
     def skip(self, error: RecordDecodeError) -> None:
         """Commits past a record that did not decode, and reads on after it."""
@@ -224,7 +221,7 @@ class Completions:
                 if not self._closed:
                     self._rewind(record.topic, record.partition, record.offset)
                 raise
-            self._commit(message)
+            self.commit(message)
 
     def run(
         self,
@@ -254,7 +251,7 @@ class Completions:
             except BaseException:
                 self._rewind(record.topic, record.partition, record.offset)
                 raise
-            self._commit(message)
+            self.commit(message)
             handled += 1
             idle_since = time.monotonic()
         return handled
