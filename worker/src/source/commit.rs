@@ -33,25 +33,20 @@ use crate::pipeline::task::Origin;
 use crate::source::TaskConsumer;
 use crate::source::offsets::{Commit, Offsets, TopicPartition};
 use crate::source::redelivery::lease_metadata;
-use crate::source::starts_log::StartsLog;
 
 /// How long one transactional step may block.
 const TXN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The longest a commit waits for the delivery reports it has seen to be dropped (see
-/// `Transactional::transaction`); past it, rdkafka's own flush waits instead.
-const DELIVERY_REPORTS_SETTLE: Duration = Duration::from_millis(20);
-
-/// The offsets of `commits`, each with its lease and the records finished ahead of it as
-/// metadata.
+/// The offsets of `commits`, each with its lease and its started records as metadata.
 pub(crate) fn list_of(commits: &[Commit]) -> TopicPartitionList {
     let mut tpl = TopicPartitionList::new();
     for c in commits {
         let mut e = tpl.add_partition(&c.tp.topic, c.tp.partition);
         if e.set_offset(Offset::Offset(c.offset)).is_ok() {
             e.set_metadata(format!(
-                "{}{}",
+                "{}{}{}",
                 lease_metadata(c.lease_end),
+                crate::source::crash_guard::starts_metadata(&c.started),
                 crate::source::done_ahead::done_metadata(&c.done)
             ));
         }
@@ -134,34 +129,25 @@ pub(crate) struct Transactional {
     pub fatal: CancellationToken,
 }
 
-/// Commits offsets in the worker's delivery mode, and writes the crash guard's log.
+/// Commits offsets in the worker's delivery mode.
 pub(crate) struct Committer {
     transactional: Option<Transactional>,
     lock: Mutex<()>,
-    /// `None` with the crash guard off.
-    starts: Option<Arc<StartsLog>>,
 }
 
 impl Committer {
-    pub(crate) fn at_least_once(starts: Option<Arc<StartsLog>>) -> Committer {
+    pub(crate) fn at_least_once() -> Committer {
         Committer {
             transactional: None,
             lock: Mutex::new(()),
-            starts,
         }
     }
 
-    pub(crate) fn exactly_once(t: Transactional, starts: Option<Arc<StartsLog>>) -> Committer {
+    pub(crate) fn exactly_once(t: Transactional) -> Committer {
         Committer {
             transactional: Some(t),
             lock: Mutex::new(()),
-            starts,
         }
-    }
-
-    /// The crash guard's log, where it is kept.
-    pub(crate) fn starts_log(&self) -> Option<&Arc<StartsLog>> {
-        self.starts.as_ref()
     }
 
     pub(crate) fn is_transactional(&self) -> bool {
@@ -176,22 +162,39 @@ impl Committer {
         if commits.is_empty() && !outbox_waiting {
             return 0;
         }
-        let began = std::time::Instant::now();
         let result = self.commit(consumer, &commits);
         if result.is_ok() {
             offsets.committed(&commits);
         }
         OffsetsCommitted {
             partitions: commits.len(),
-            took: began.elapsed(),
             error: result.as_ref().err().map(|e| e.to_string()).as_deref(),
         }
         .emit(metrics);
         if result.is_ok() { commits.len() } else { 0 }
     }
 
-    /// The final commit of revoked partitions, after their started sets (what was handed off)
-    /// are written; their held records are dropped afterwards. Blocks.
+    /// Exactly-once: records model calls' starts with a plain offset commit (no offset moves:
+    /// each partition at what it last committed), between transactions — a transaction in
+    /// flight could otherwise be overtaken and its offsets lost. At least once the regular
+    /// commit does it. Blocks.
+    pub(crate) fn commit_starts(&self, consumer: &TaskConsumer, offsets: &Offsets) {
+        if self.transactional.is_none() {
+            return;
+        }
+        let _one = self.lock.lock().expect("commit lock");
+        let commits = offsets.start_candidates();
+        if commits.is_empty() {
+            return;
+        }
+        match consumer.commit(&list_of(&commits), rdkafka::consumer::CommitMode::Sync) {
+            Ok(()) => offsets.committed(&commits),
+            Err(e) => tracing::warn!(error = %e, "recording model calls' starts failed; the next transaction carries them"),
+        }
+    }
+
+    /// The final commit of revoked partitions; their held records are dropped afterwards.
+    /// Blocks.
     pub(crate) fn commit_revoked(
         &self,
         consumer: &TaskConsumer,
@@ -199,10 +202,7 @@ impl Committer {
         partitions: &[TopicPartition],
     ) -> (Vec<Commit>, Result<(), KafkaError>) {
         let _one = self.lock.lock().expect("commit lock");
-        let (commits, starts) = offsets.revoke(partitions);
-        if let Some(log) = &self.starts {
-            log.record_revoked(offsets, &starts);
-        }
+        let commits = offsets.revoke(partitions);
         let result = if commits.is_empty() {
             Ok(())
         } else {
@@ -261,23 +261,16 @@ impl Transactional {
             let offsets = list_of(commits);
             retrying(|| self.producer.send_offsets_to_transaction(&offsets, &group, TXN_TIMEOUT))?;
         }
-        // Every record delivered before the commit. rdkafka's commit_transaction flushes first,
-        // and its flush, finding any message still counted, polls the producer's event queue
-        // for a whole 100 ms (its poll returns at the deadline, not at an event), while the
-        // producer's own thread serves that queue. A message is counted until its delivery
-        // report is dropped, just after its future resolves: measured, a tenth of a second
-        // added to one transaction in three or four. So: every delivery future, then until the
-        // count is zero (microseconds), then the commit, whose flush then returns at once.
+        // Every record delivered before the commit. commit_transaction would flush them itself,
+        // but its flush polls the delivery queue that the producer's own polling thread also
+        // serves, and waits up to 100 ms per missed report: measured, a tenth of a second on
+        // most transactions. The delivery futures resolve as each report arrives.
         for delivery in futures::executor::block_on(futures::future::join_all(deliveries)) {
             match delivery {
                 Ok(Ok(_)) => {}
                 Ok(Err((e, _))) => return Err(e),
                 Err(_cancelled) => return Err(KafkaError::Canceled),
             }
-        }
-        let settled = std::time::Instant::now() + DELIVERY_REPORTS_SETTLE;
-        while self.producer.in_flight_count() > 0 && std::time::Instant::now() < settled {
-            std::thread::sleep(Duration::from_micros(200));
         }
         retrying(|| self.producer.commit_transaction(TXN_TIMEOUT))
     }
@@ -345,7 +338,10 @@ pub(crate) async fn commit_loop(
             _ = stop.cancelled() => return,
         }
         let (c, k, o, m) = (committer.clone(), consumer.clone(), offsets.clone(), metrics.clone());
-        let mut running = tokio::task::spawn_blocking(move || c.commit_now(&k, &o, &m));
+        let mut running = tokio::task::spawn_blocking(move || {
+            c.commit_starts(&k, &o); // first: model calls wait on it
+            c.commit_now(&k, &o, &m)
+        });
         loop {
             tokio::select! {
                 _ = &mut running => break,
@@ -393,6 +389,8 @@ mod tests {
             offset,
             generation,
             lease_end: 0,
+            started: BTreeMap::new(),
+            starts_version: 0,
             done: Default::default(),
         }
     }

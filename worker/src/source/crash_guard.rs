@@ -2,22 +2,21 @@
 //! native code, an OOM kill: what no panic handler catches) must not kill every worker that
 //! reads it after.
 //!
-//! Before a model call starts, the records it holds are written, durably, to the guard's log
-//! ([`crate::source::starts_log`]), each with how many times it has been started. A record leaves
-//! the set (back to its earlier owners' count) with the log's next write once its model call
-//! returns, with results or an error a handler saw, and when a drain gives it up unfinished
-//! (handed off, not crashed): only an end inside the model call that nothing saw counts. A new
-//! owner of the partition reads the set with the read lease ([`crate::source::redelivery`]): a
-//! record in it, not below the committed position, was in its model call when an earlier owner
-//! died. Such a record runs
+//! Before a model call starts, the records it holds are written, durably, into their
+//! partitions' commit metadata next to the read lease ([`crate::source::redelivery`]), each with
+//! how many times it has been started. A record leaves the set (back to its earlier owners'
+//! count) with the next commit once its model call returns, with results or an error a handler
+//! saw, and when a drain gives it up unfinished (handed off, not crashed): only an end inside the
+//! model call that nothing saw counts. A new owner of the partition reads the set with the
+//! lease: a record in it was in its model call when an earlier owner died. Such a record runs
 //! again alone, in a call of its own and one suspect at a time, so that the tasks batched or
 //! running with it are not blamed with it again; once it has been started
 //! `SLUICE_MAX_CRASHES` times without an outcome it goes to the DLQ as `crashed` instead of
 //! running.
 //!
-//! The log's metadata is the list ` started:` ([`crate::source::offset_list`]), each offset with
-//! how many times it was started. It is bounded: past [`MAX_METADATA_CHARS`] the highest offsets
-//! are left out, and their crashes go uncounted.
+//! The metadata is the list ` started:` ([`crate::source::offset_list`]), each offset with how
+//! many times it was started. It is bounded: past [`MAX_METADATA_CHARS`] the highest offsets are
+//! left out, and their crashes go uncounted.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -173,29 +172,27 @@ mod tests {
         assert_eq!(guard.verdict(&o[1]), Verdict::Alone { starts: 2 });
         assert_eq!(guard.verdict(&o[2]), Verdict::Crashed { starts: 3 });
         assert_eq!(CrashGuard::new(offsets.clone(), 0).verdict(&o[2]), Verdict::Run, "0 turns it off");
-        // Nothing to write until this owner starts something: the log holds them already.
-        assert!(offsets.starts_to_record().is_empty());
-        // Starting 0 and 1 records them (1 a third time), the earlier owners' counts carried;
-        // the call waits for the log's acknowledgement, not for an offset commit.
+        // Carried into this owner's first commit as found.
+        let c = offsets.commit_candidates();
+        assert_eq!(c[0].started, BTreeMap::from([(1, 2), (2, 3)]));
+        // Starting 0 and 1 records them (1 a third time) and wants a commit; the call waits
+        // for its acknowledgement.
         let waits = offsets.start(&[&o[0], &o[1]]);
         assert_eq!(waits.len(), 1, "one wait per partition");
-        let s = offsets.starts_to_record();
-        assert_eq!(s[0].started, BTreeMap::from([(0, 1), (1, 3), (2, 3)]));
-        assert!(!offsets.starts_recorded(&waits[0].0, waits[0].1, Duration::from_millis(10)).await);
         let c = offsets.commit_candidates();
+        assert_eq!(c[0].started, BTreeMap::from([(0, 1), (1, 3), (2, 3)]));
+        assert!(!offsets.starts_recorded(&waits[0].0, waits[0].1, Duration::from_millis(10)).await);
         offsets.committed(&c);
-        assert!(
-            !offsets.starts_recorded(&waits[0].0, waits[0].1, Duration::from_millis(10)).await,
-            "an offset commit does not carry starts"
-        );
-        offsets.starts_recorded_as(&s);
         assert!(offsets.starts_recorded(&waits[0].0, waits[0].1, Duration::from_millis(10)).await);
-        // Finished records leave the set (2 is failed as crashed: it finishes too), and what is
-        // below the committed position is left out of the next write.
+        // Finished records leave the set (2 is failed as crashed: it finishes too).
         assert!(offsets.ack(&o[0]) && offsets.ack(&o[2]));
-        offsets.committed(&offsets.commit_candidates());
+        let c = offsets.commit_candidates();
+        assert_eq!((c[0].offset, c[0].started.clone()), (1, BTreeMap::from([(1, 3)])));
+        // Exactly-once records a start with a plain commit that moves no offset: at the one
+        // last committed (0), not at the one a transaction would commit (1).
+        assert!(offsets.start_candidates().is_empty());
         offsets.start(&[&o[3]]);
-        let s = offsets.starts_to_record();
-        assert_eq!((s[0].position, s[0].started.clone()), (1, BTreeMap::from([(1, 3), (3, 1)])));
+        let s = offsets.start_candidates();
+        assert_eq!((s[0].offset, s[0].started.clone()), (0, BTreeMap::from([(1, 3), (3, 1)])));
     }
 }

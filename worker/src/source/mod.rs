@@ -13,7 +13,6 @@ pub(crate) mod offset_list;
 pub(crate) mod offsets;
 pub(crate) mod orphans;
 pub(crate) mod redelivery;
-pub(crate) mod starts_log;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,23 +73,14 @@ fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
         .collect()
 }
 
-/// The metadata `consumer`'s group committed with `tp`'s offset (empty when none). Blocks.
-pub(crate) fn committed_metadata_of<C: ConsumerContext>(
-    consumer: &BaseConsumer<C>,
-    tp: &TopicPartition,
-    timeout: Duration,
-) -> Result<String, String> {
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(&tp.topic, tp.partition);
-    let committed = consumer.committed_offsets(tpl, timeout).map_err(|e| e.to_string())?;
-    let element = committed.find_partition(&tp.topic, tp.partition);
-    Ok(element.map(|e| e.metadata().to_owned()).unwrap_or_default())
-}
-
 /// The consumer reads the read leases back from its group's commits.
 impl crate::source::redelivery::CommittedMetadata for TaskConsumer {
     fn committed_metadata(&self, tp: &TopicPartition, timeout: Duration) -> Result<String, String> {
-        committed_metadata_of(self, tp, timeout)
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&tp.topic, tp.partition);
+        let committed = self.committed_offsets(tpl, timeout).map_err(|e| e.to_string())?;
+        let element = committed.find_partition(&tp.topic, tp.partition);
+        Ok(element.map(|e| e.metadata().to_owned()).unwrap_or_default())
     }
 }
 

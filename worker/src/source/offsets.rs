@@ -9,9 +9,7 @@
 //! Each commit also carries the partition's read lease as its metadata (how far records may have
 //! been started: see [`crate::source::redelivery`]); the tracker keeps the lease found at assignment,
 //! the one wanted and the one the broker acknowledged — and the records this consumer has
-//! started and not finished, with how often each was started (see [`crate::source::crash_guard`]):
-//! those are written apart from the commits, to the crash guard's own log
-//! ([`crate::source::starts_log`]), so that a model call never waits for a transaction.
+//! started and not finished, with how often each was started (see [`crate::source::crash_guard`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
@@ -70,31 +68,20 @@ pub enum LeaseState {
 const LEASE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// One partition's commit: the next offset to read and, as its metadata, the read lease and
-/// the records finished ahead of it.
+/// the records started and not finished.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Commit {
     pub tp: TopicPartition,
     pub offset: i64,
     pub generation: u64,
     pub lease_end: i64,
+    /// Records started and not finished, and how many times each was started.
+    pub started: BTreeMap<i64, u32>,
+    /// The version of `started` this commit writes.
+    pub starts_version: u64,
     /// Records at or beyond `offset` that are finished, their outcomes announced with this
     /// commit ([`crate::source::done_ahead`]); bounded.
     pub done: BTreeSet<i64>,
-}
-
-/// One partition's records started and not finished, as the crash guard's log writes them.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct Starts {
-    pub tp: TopicPartition,
-    pub generation: u64,
-    /// The partition's committed position (or its first record read): the records below it are
-    /// finished, whatever the log says.
-    pub position: i64,
-    /// Records started and not finished, and how many times each was started (the previous
-    /// owners' starts included).
-    pub started: BTreeMap<i64, u32>,
-    /// The version of `started` this write holds.
-    pub version: u64,
 }
 
 /// Where an assigned partition is in its life (vector's `Consuming`/`Draining`).
@@ -130,6 +117,9 @@ struct Partition {
     /// Bumped when the started set changes; the version the broker acknowledged.
     starts_version: u64,
     starts_confirmed: u64,
+    /// The version a model call waits for (a start): a start is recorded at once, an end rides
+    /// along with the next commit.
+    starts_awaited: u64,
     /// Records finished ahead of the committed position whose finishing a commit carried (or
     /// the previous owner's commit did: those are skipped when read).
     done_written: BTreeSet<i64>,
@@ -146,48 +136,42 @@ impl Partition {
         }
     }
 
-    /// The commit this partition needs now, if any: a new offset, a longer lease or records
-    /// newly finished ahead of the position (within the metadata's bound).
+    /// The commit this partition needs now, if any: a new offset, a longer lease, new starts or
+    /// records newly finished ahead of the position (within the metadata's bound).
     fn commit(&self, tp: &TopicPartition) -> Option<Commit> {
         let lease = self.lease?;
         let offset = self.committable()?;
-        let due = self.committed != Some(offset) || lease.wanted > lease.confirmed;
+        let due = self.committed != Some(offset) || lease.wanted > lease.confirmed || self.starts_changed();
         if !due && self.done_new.range(offset..).next().is_none() {
             return None; // the common case, asked on every acknowledgement: nothing to build
         }
-        let commit = self.commit_at(tp, offset, lease);
+        let commit = self.commit_at(tp, offset, lease, true);
         // Records finished ahead all past the metadata's bound wait for the position.
         (due || commit.done.iter().any(|o| self.done_new.contains(o))).then_some(commit)
     }
 
-    /// A commit of `offset` carrying the wanted lease and the records finished ahead of it.
-    fn commit_at(&self, tp: &TopicPartition, offset: i64, lease: Lease) -> Commit {
-        let all: BTreeSet<i64> = self.done_written.union(&self.done_new).copied().collect();
+    /// A commit of `offset` carrying the wanted lease, the starts as they are now and the records
+    /// finished ahead of it: all of them (`with_new`), or only those a commit already carried.
+    fn commit_at(&self, tp: &TopicPartition, offset: i64, lease: Lease, with_new: bool) -> Commit {
+        let done = if with_new {
+            let all: BTreeSet<i64> = self.done_written.union(&self.done_new).copied().collect();
+            crate::source::done_ahead::bounded(all.range(offset..))
+        } else {
+            crate::source::done_ahead::bounded(self.done_written.range(offset..))
+        };
         Commit {
             tp: tp.clone(),
             offset,
             generation: self.generation,
             lease_end: lease.wanted,
-            done: crate::source::done_ahead::bounded(all.range(offset..)),
+            started: self.started.range(offset..).map(|(o, n)| (*o, *n)).collect(),
+            starts_version: self.starts_version,
+            done,
         }
     }
 
-    /// The started set to write, when it changed since the log last acknowledged it. Not
-    /// before the previous owner's starts are known (read with the lease): a write would
-    /// overwrite them.
-    fn starts(&self, tp: &TopicPartition) -> Option<Starts> {
-        self.lease?;
-        if self.starts_version <= self.starts_confirmed {
-            return None;
-        }
-        let position = self.committed.or(self.first).unwrap_or(0);
-        Some(Starts {
-            tp: tp.clone(),
-            generation: self.generation,
-            position,
-            started: self.started.range(position..).map(|(o, n)| (*o, *n)).collect(),
-            version: self.starts_version,
-        })
+    fn starts_changed(&self) -> bool {
+        self.starts_version > self.starts_confirmed
     }
 
     /// Takes back this owner's start of `offset` (its count back to the previous owners'):
@@ -235,10 +219,7 @@ pub struct Offsets {
     pub(crate) commit_wanted: tokio::sync::Notify,
     /// Woken on every acknowledgement (the transactional committer commits as they come).
     pub(crate) acked: tokio::sync::Notify,
-    /// Woken when the started set changes (the crash guard's log writes it).
-    pub(crate) starts_wanted: tokio::sync::Notify,
-    /// Woken after every successful commit, and every write of the crash guard's log (lease
-    /// extensions and model calls wait on them).
+    /// Woken after every successful commit (lease extensions wait on it).
     committed_now: tokio::sync::Notify,
 }
 
@@ -274,6 +255,7 @@ impl Offsets {
                     previous_starts: None,
                     starts_version: 0,
                     starts_confirmed: 0,
+                    starts_awaited: 0,
                     done_written: BTreeSet::new(),
                     done_new: BTreeSet::new(),
                 },
@@ -435,19 +417,21 @@ impl Offsets {
                 .any(|(o, _)| o.topic == origin.topic && o.partition == origin.partition)
             {
                 p.starts_version += 1;
+                p.starts_awaited = p.starts_version;
                 waits.push(((*origin).clone(), p.starts_version));
             }
         }
         drop(state);
         if !waits.is_empty() {
-            self.starts_wanted.notify_one();
+            self.commit_wanted.notify_one();
         }
         waits
     }
 
     /// Notes that the model call holding `origin` ended (it returned, with results or an error
-    /// a handler saw): from here a kill of the process is no crash of the record's. The log's
-    /// next write says so; nothing waits for it.
+    /// a handler saw): from here a kill of the process is no crash of the record's. The next
+    /// commit says so (no commit of its own: the task's outcome follows in moments, and with it
+    /// a commit).
     pub(crate) fn call_ended(&self, origin: &Origin) {
         let mut state = self.lock();
         if let Some(p) = state
@@ -457,8 +441,6 @@ impl Offsets {
         {
             p.unstart(origin.offset);
         }
-        drop(state);
-        self.starts_wanted.notify_one();
     }
 
     /// Hands off every record started and not finished (the shutdown grace is over): the final
@@ -596,24 +578,21 @@ impl Offsets {
         out
     }
 
-    /// The started sets that changed since the crash guard's log last acknowledged them.
-    pub(crate) fn starts_to_record(&self) -> Vec<Starts> {
+    /// Commits that record starts and nothing else: each partition with a start a model call
+    /// waits for, at the offset it last committed (so none moves) with its lease and starts as
+    /// metadata. For exactly-once delivery, where a plain commit between transactions is a
+    /// round trip instead of a whole transaction. Partitions that have committed nothing under
+    /// this assignment are left to the next transaction.
+    pub(crate) fn start_candidates(&self) -> Vec<Commit> {
         let state = self.lock();
-        let mut out: Vec<Starts> = state.partitions.iter().filter_map(|(tp, p)| p.starts(tp)).collect();
+        let mut out: Vec<Commit> = state
+            .partitions
+            .iter()
+            .filter(|(_, p)| p.starts_awaited > p.starts_confirmed)
+            .filter_map(|(tp, p)| Some(p.commit_at(tp, p.committed?, p.lease?, false)))
+            .collect();
         out.sort();
         out
-    }
-
-    /// Notes that the crash guard's log acknowledged `written`; wakes the model calls waiting.
-    pub(crate) fn starts_recorded_as(&self, written: &[Starts]) {
-        let mut state = self.lock();
-        for s in written {
-            if let Some(p) = state.partitions.get_mut(&s.tp).filter(|p| p.generation == s.generation) {
-                p.starts_confirmed = p.starts_confirmed.max(s.version);
-            }
-        }
-        drop(state);
-        self.committed_now.notify_waiters();
     }
 
     /// Notes a successful commit.
@@ -625,6 +604,7 @@ impl Offsets {
                 if let Some(lease) = &mut p.lease {
                     lease.confirmed = lease.confirmed.max(c.lease_end);
                 }
+                p.starts_confirmed = p.starts_confirmed.max(c.starts_version);
                 for o in &c.done {
                     if p.done_new.remove(o) {
                         p.done_written.insert(*o);
@@ -674,25 +654,24 @@ impl Offsets {
         }
     }
 
-    /// Stops tracking `partitions` and returns their final commits, and their started sets
-    /// where those changed. Records still in flight are abandoned: their acknowledgements will
-    /// be ignored, and the new owner reads them again from the committed offset.
-    pub(crate) fn revoke(&self, partitions: &[TopicPartition]) -> (Vec<Commit>, Vec<Starts>) {
+    /// Stops tracking `partitions` and returns their final commits. Records still in flight are
+    /// abandoned: their acknowledgements will be ignored, and the new owner reads them again
+    /// from the committed offset.
+    pub fn revoke(&self, partitions: &[TopicPartition]) -> Vec<Commit> {
         let mut state = self.lock();
-        let (mut commits, mut starts) = (Vec::new(), Vec::new());
+        let mut out = Vec::new();
         for tp in partitions {
             if let Some(mut p) = state.partitions.remove(tp) {
                 state.in_flight -= p.pending.len();
                 // Records still running are handed off, not crashed: the next owner runs them
                 // without counting this start.
                 p.hand_off();
-                commits.extend(p.commit(tp));
-                starts.extend(p.starts(tp));
+                out.extend(p.commit(tp));
             }
         }
         drop(state);
         self.finished.notify_all();
-        (commits, starts)
+        out
     }
 
     /// Marks the leases of `partitions` known (none stored), as the redelivery check does on
@@ -762,7 +741,9 @@ mod tests {
             let p = &state.partitions[&tp];
             Commit {
                 lease_end: 0,
-                ..p.commit_at(&tp, offset, p.lease.expect("known"))
+                started: BTreeMap::new(),
+                starts_version: 0,
+                ..p.commit_at(&tp, offset, p.lease.expect("known"), true)
             }
         };
         offsets.committed(&[commit]);
@@ -795,6 +776,9 @@ mod tests {
         // 12 and 13 finish while 10 still runs: a commit that leaves the position at 10 and
         // lists them.
         assert!(offsets.ack(&o[2]) && offsets.ack(&o[3]));
+        // A plain commit of starts (between transactions) carries only what a commit carried.
+        offsets.start(&[&o[0]]);
+        assert!(offsets.start_candidates()[0].done.is_empty());
         let c = offsets.commit_candidates();
         assert_eq!((c[0].offset, c[0].done.clone()), (10, BTreeSet::from([12, 13])));
         assert_eq!(
@@ -804,11 +788,11 @@ mod tests {
         );
         offsets.committed(&c);
         assert!(offsets.announced_ahead(&o[2]));
+        offsets.start(&[&o[1]]);
+        let s = offsets.start_candidates();
+        assert_eq!(s[0].done, BTreeSet::from([12, 13]), "once carried, in every commit");
+        offsets.committed(&s);
         assert!(offsets.commit_candidates().is_empty(), "nothing new finished");
-        offsets.want_lease(&o[1], 100);
-        let c2 = offsets.commit_candidates();
-        assert_eq!(c2[0].done, BTreeSet::from([12, 13]), "once carried, in every commit");
-        offsets.committed(&c2);
         // A new owner (another process) reads the list with the lease and skips those records,
         // carrying them in its own commits until the position passes them.
         let next = Offsets::new();
@@ -836,22 +820,15 @@ mod tests {
         // An earlier owner left 1 started twice.
         offsets.found_starts(&o[0], BTreeMap::from([(1, 2)]));
         offsets.found_lease(&o[0], Ok(0));
-        offsets.committed(&offsets.commit_candidates());
         offsets.start(&[&o[0], &o[1], &o[2]]);
-        assert!(offsets.commit_candidates().is_empty(), "starts want no offset commit");
-        let started = |offsets: &Offsets| {
-            let s = offsets.starts_to_record();
-            offsets.starts_recorded_as(&s);
-            s.into_iter().next().map(|s| s.started)
-        };
-        assert_eq!(started(&offsets), Some(BTreeMap::from([(0, 1), (1, 3), (2, 1)])));
-        assert_eq!(started(&offsets), None, "written: nothing changed since");
+        let started = |offsets: &Offsets| offsets.commit_candidates().pop().map(|c| c.started).unwrap_or_default();
+        assert_eq!(started(&offsets), BTreeMap::from([(0, 1), (1, 3), (2, 1)]));
         // 0's call returned (its upload runs): a kill now is no crash of its.
         offsets.call_ended(&o[0]);
-        assert_eq!(started(&offsets), Some(BTreeMap::from([(1, 3), (2, 1)])));
+        assert_eq!(started(&offsets), BTreeMap::from([(1, 3), (2, 1)]));
         // The partition is revoked with 1 and 2 still in their call: handed off, the earlier
         // owner's count of 1 kept, this one's starts taken back.
-        let (_, last) = offsets.revoke(&[tp(0)]);
+        let last = offsets.revoke(&[tp(0)]);
         assert_eq!(last[0].started, BTreeMap::from([(1, 2)]));
     }
 
@@ -887,7 +864,7 @@ mod tests {
         assert!(offsets.ack(&o[1]), "work in progress finishes");
         assert_eq!(drainer.join().unwrap(), 0, "the drain waited only for record 1");
         // Records 2 and 3 were released unfinished: the commit stops at 2.
-        assert_eq!(pairs(offsets.revoke(&[tp(0)]).0), vec![(tp(0), 2)]);
+        assert_eq!(pairs(offsets.revoke(&[tp(0)])), vec![(tp(0), 2)]);
     }
 
     #[test]
@@ -905,7 +882,7 @@ mod tests {
         let offsets = Offsets::new();
         assign(&offsets, &[tp(0)]);
         let old = offsets.track(&tp(0), 5).unwrap();
-        assert_eq!(pairs(offsets.revoke(&[tp(0)]).0), vec![(tp(0), 5)]);
+        assert_eq!(pairs(offsets.revoke(&[tp(0)])), vec![(tp(0), 5)]);
         assert_eq!(offsets.in_flight(), 0);
         assign(&offsets, &[tp(0)]);
         assert!(!offsets.ack(&old), "an ack from before the revoke must not count");

@@ -74,9 +74,6 @@ pub(crate) trait CommittedMetadata: Send + Sync + 'static {
 pub struct CommitMetadataLeases {
     offsets: Arc<Offsets>,
     reader: Arc<dyn CommittedMetadata>,
-    /// The crash guard's log ([`crate::source::starts_log`]), read with the lease; `None` with
-    /// the guard off.
-    starts: Option<Arc<dyn CommittedMetadata>>,
     span: i64,
 }
 
@@ -85,33 +82,18 @@ impl CommitMetadataLeases {
         CommitMetadataLeases {
             offsets,
             reader,
-            starts: None,
             span: span.max(1),
         }
     }
 
-    /// Reads the previous owners' started records from `starts` too.
-    pub(crate) fn with_starts(self, starts: Option<Arc<dyn CommittedMetadata>>) -> CommitMetadataLeases {
-        CommitMetadataLeases { starts, ..self }
-    }
-
-    /// Reads the previous owner's lease of `origin`'s partition, and what it left started, into
-    /// the tracker.
+    /// Reads the previous owner's lease of `origin`'s partition into the tracker.
     async fn read_previous(&self, origin: &Origin) {
-        let (reader, starts, tp) = (self.reader.clone(), self.starts.clone(), TopicPartition::of(origin));
-        let read = tokio::task::spawn_blocking(move || {
-            let metadata = reader.committed_metadata(&tp, LEASE_TIMEOUT)?;
-            let started = match starts {
-                Some(log) => log.committed_metadata(&tp, LEASE_TIMEOUT)?,
-                None => String::new(),
-            };
-            Ok::<_, String>((metadata, started))
-        })
-        .await;
+        let (reader, tp) = (self.reader.clone(), TopicPartition::of(origin));
+        let read = tokio::task::spawn_blocking(move || reader.committed_metadata(&tp, LEASE_TIMEOUT)).await;
         match read {
-            Ok(Ok((metadata, started))) => {
+            Ok(Ok(metadata)) => {
                 self.offsets
-                    .found_starts(origin, crate::source::crash_guard::parse_starts(&started));
+                    .found_starts(origin, crate::source::crash_guard::parse_starts(&metadata));
                 self.offsets.found_done(origin, crate::source::done_ahead::parse_done(&metadata));
                 self.offsets.found_lease(origin, Ok(parse_lease_metadata(&metadata)));
             }

@@ -65,12 +65,7 @@ pub(super) async fn drain(
             offsets.clone(),
             metrics.clone(),
         );
-        tokio::task::spawn_blocking(move || {
-            if let Some(log) = committer.starts_log() {
-                log.record(&o); // what the grace handed off
-            }
-            committer.commit_now(&c, &o, &m)
-        })
+        tokio::task::spawn_blocking(move || committer.commit_now(&c, &o, &m))
     };
     bounded("final commit", Duration::from_secs(10), final_commit).await;
     bounded("committer", Duration::from_secs(2), stages.commit_loop).await;

@@ -14,7 +14,6 @@ use crate::config::{Config, DeliveryMode, GroupProtocol};
 use crate::source::cancellations::Cancellations;
 use crate::source::commit::{Committer, Outbox, Transactional};
 use crate::source::offsets::Offsets;
-use crate::source::starts_log::{self, StartsLog};
 use crate::source::{SourceContext, TaskConsumer};
 use crate::storage::ceilings::{KafkaCeilings, device_class};
 
@@ -52,17 +51,13 @@ impl Clients {
             .create()
             .map_err(failed("creating the Kafka producer"))?;
         let outbox = Arc::new(Outbox::default());
-        let starts = starts_log(config, worker_id)?;
         let committer = Arc::new(match d.delivery {
-            DeliveryMode::AtLeastOnce => Committer::at_least_once(starts),
-            DeliveryMode::ExactlyOnce => Committer::exactly_once(
-                Transactional {
-                    producer: transactional_producer(config, worker_id).await?,
-                    outbox: outbox.clone(),
-                    fatal: fatal.clone(),
-                },
-                starts,
-            ),
+            DeliveryMode::AtLeastOnce => Committer::at_least_once(),
+            DeliveryMode::ExactlyOnce => Committer::exactly_once(Transactional {
+                producer: transactional_producer(config, worker_id).await?,
+                outbox: outbox.clone(),
+                fatal: fatal.clone(),
+            }),
         });
         let offsets = Arc::new(Offsets::new());
         let context = SourceContext::new(
@@ -139,32 +134,6 @@ pub(super) fn cancellations(config: &Config, worker_id: &str, keep: Duration) ->
         .follow(consumer, k.control_topic.clone())
         .map_err(|e| StartError::Model(format!("starting the control-topic reader: {e}")))?;
     Ok(cancellations)
-}
-
-/// The crash guard's log ([`crate::source::starts_log`]): a client of the sibling group that
-/// never joins it; `None` with the guard off (`SLUICE_MAX_CRASHES=0`).
-fn starts_log(config: &Config, worker_id: &str) -> Result<Option<Arc<StartsLog>>, StartError> {
-    let k = &config.kafka;
-    if config.delivery.max_crashes == 0 {
-        return Ok(None);
-    }
-    let (group, client_id) = (starts_log::group_of(&k.group_id), format!("{worker_id}-starts"));
-    let consumer: BaseConsumer = k
-        .client
-        .config(&[
-            ("group.id", group.as_str()),
-            ("client.id", client_id.as_str()),
-            ("enable.auto.commit", "false"),
-            ("enable.auto.offset.store", "false"),
-            // Its reads of committed offsets need not be stable: nothing commits to this group
-            // in a transaction. A stable read (librdkafka's default, read_committed) is a write
-            // operation on the group coordinator; seen once in the chaos suite, after a broker
-            // kill -9, such reads of this group timed out for minutes while plain ones answered.
-            ("isolation.level", "read_uncommitted"),
-        ])
-        .create()
-        .map_err(failed("creating the crash guard's log client"))?;
-    Ok(Some(Arc::new(StartsLog::new(consumer))))
 }
 
 /// The workers' assignor under the classic protocol; the member that repairs orphaned partitions
@@ -254,7 +223,7 @@ async fn transactional_producer(config: &Config, worker_id: &str) -> Result<Futu
         .client
         // A record not delivered within the transaction's lifetime fails it (librdkafka requires
         // message.timeout.ms <= transaction.timeout.ms); the committer aborts and retries.
-        .producer_config(worker_id, TRANSACTION_TIMEOUT_MS, 0)
+        .producer_config(worker_id, TRANSACTION_TIMEOUT_MS, 5)
         .set("transactional.id", &id)
         // An open transaction of a worker that died holds back read_committed readers until
         // it is aborted: by the same identity's next start, or after this long.

@@ -25,7 +25,6 @@ use crate::retry::RetryPolicy;
 use crate::source::commit::commit_loop;
 use crate::source::crash_guard::CrashGuard;
 use crate::source::redelivery::CommitMetadataLeases;
-use crate::source::starts_log::record_loop;
 use crate::source::{self, SourceControl};
 
 /// The running stages, as the drain needs them.
@@ -100,9 +99,6 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
         metrics.clone(),
         control.close.clone(),
     ));
-    if let Some(log) = clients.committer.starts_log() {
-        tokio::spawn(record_loop(log.clone(), clients.offsets.clone(), control.close.clone()));
-    }
     let gauges_stop = CancellationToken::new();
     tokio::spawn(pipeline::gauges(
         clients.offsets.clone(),
@@ -176,14 +172,7 @@ fn contexts(
     let store = Arc::new(retried_store(setup, loaded, abandon));
     let decode = DecodeStage {
         offsets: offsets.clone(),
-        redelivery: Arc::new(
-            CommitMetadataLeases::new(offsets.clone(), clients.consumer.clone(), d.lease_span).with_starts(
-                clients
-                    .committer
-                    .starts_log()
-                    .map(|log| log.clone() as Arc<dyn crate::source::redelivery::CommittedMetadata>),
-            ),
-        ),
+        redelivery: Arc::new(CommitMetadataLeases::new(offsets.clone(), clients.consumer.clone(), d.lease_span)),
         running: Arc::default(),
         crash_guard: crash_guard.clone(),
         serving: loaded.serving.clone(),
