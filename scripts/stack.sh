@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The embedded local stack: a single-node Apache Kafka broker (KRaft, jars from Maven Central) and
+# The embedded local stack: Apache Kafka (one KRaft controller and one broker, jars from Maven Central) and
 # an S3 server (s3s-fs), both on 127.0.0.1, plus the runtime assets (ONNX Runtime, the terrain model).
 #
 #   scripts/stack.sh up [DIR]             start (idempotent); writes DIR/env with `export` lines
@@ -8,13 +8,14 @@
 #   scripts/stack.sh stop-s3|start-s3 [DIR]              fault injection for the chaos tests
 #   scripts/stack.sh pause-s3|resume-s3 [DIR]            (pause: SIGSTOP, a server that hangs)
 #   scripts/stack.sh stop-broker|start-broker|restart-broker [DIR]
-#   scripts/stack.sh kill-broker [DIR]                   SIGKILL, no controlled shutdown (kill -9)
+#   scripts/stack.sh kill-broker [DIR]                   SIGKILL, no controlled shutdown (kill -9);
+#                                                        the controller stays up
 #   scripts/stack.sh topic DIR NAME PARTITIONS           one more topic (exists already: fine)
 #
 # DIR defaults to .stack. With SLUICE_STACK_OWNER_PID set, `up` also starts a watchdog that
 # takes the stack down when that process exits (tests use it, so a crashed test run never
 # leaves servers behind). SLUICE_KAFKA_HEAP sets the broker's maximum heap (default 768m).
-# Logs: DIR/logs/broker.log (the broker), admin.log (scripts/kafka/StackAdmin.java), s3.log.
+# Logs: DIR/logs/broker.log, controller.log, admin.log (scripts/kafka/StackAdmin.java), s3.log.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -77,15 +78,46 @@ admin() {
     -cp "$KAFKA_LIB/*" "$here/kafka/StackAdmin.java" "$@"
 }
 
-# A single-node KRaft cluster: one process is both broker and controller. Rewritten at each start
-# (the ports are the stored ones), so an existing stack picks up changes made here.
+# A KRaft cluster of two processes, as production runs them: a controller and one broker. Not one
+# process with both roles: such a node, killed with -9 and restarted, acts on its stale metadata
+# (in which it still leads every partition) for the seconds until its restarted controller fences
+# its previous registration. Transaction markers it sends in that window then find no leader, and
+# Kafka drops them as if the partitions had been deleted, which leaves a committed transaction open
+# on them for good: read_committed readers and a group's stable offset reads wait forever (seen in
+# the chaos suite's all-faults run on Kafka 4.3.1: the broker log says "Couldn't find leader
+# endpoint ... likely deleted already and hence can be skipped"). With the controller apart, a
+# killed broker is fenced while it is down (see kill_broker), and a restarted one leads nothing
+# until it has registered again.
+#
+# Both configs are rewritten at each start (the ports are the stored ones), so an existing stack
+# picks up changes made here.
+CONTROLLER_ID=1000
+BROKER_SESSION_MS=3000
+
+write_controller_config() { # controller-port
+  mkdir -p "$dir/controller"
+  cat >"$dir/controller/server.properties" <<PROPS
+# Written by scripts/stack.sh at each controller start; edit the script, not this file.
+process.roles=controller
+node.id=$CONTROLLER_ID
+controller.quorum.voters=$CONTROLLER_ID@127.0.0.1:$1
+listeners=CONTROLLER://127.0.0.1:$1
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT
+log.dirs=$dir/controller/data
+# A broker that stops heartbeating is fenced after 3 s, not the default 9 s: a killed broker's
+# partitions lose their leader sooner, and its restart can register sooner.
+broker.session.timeout.ms=$BROKER_SESSION_MS
+PROPS
+}
+
 write_broker_config() { # broker-port controller-port
   cat >"$dir/broker/server.properties" <<PROPS
 # Written by scripts/stack.sh at each broker start; edit the script, not this file.
-process.roles=broker,controller
+process.roles=broker
 node.id=1
-controller.quorum.voters=1@127.0.0.1:$2
-listeners=PLAINTEXT://127.0.0.1:$1,CONTROLLER://127.0.0.1:$2
+controller.quorum.voters=$CONTROLLER_ID@127.0.0.1:$2
+listeners=PLAINTEXT://127.0.0.1:$1
 advertised.listeners=PLAINTEXT://127.0.0.1:$1
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
@@ -119,10 +151,7 @@ log.segment.bytes=16777216
 log.index.size.max.bytes=1048576
 # The log cleaner (compacts __consumer_offsets) holds this buffer on the heap: 16 MiB, not 128.
 log.cleaner.dedupe.buffer.size=16777216
-# After a kill -9 the restarted broker cannot register until its previous registration's session
-# expires (a clean shutdown records its epoch and skips this): 3 s, not the default 9 s, with the
-# heartbeat to its own in-process controller at a quarter of that (default 2 s of 9 s).
-broker.session.timeout.ms=3000
+# Heartbeats to the controller at a quarter of its 3 s session timeout (default 2 s of 9 s).
 broker.heartbeat.interval.ms=750
 # KIP-848 consumer groups: the broker sets the timeouts (45 s session, 5 s heartbeat by default).
 # Use the ones the worker and producer ask of classic groups (session 10 s, heartbeat 1 s), so a
@@ -134,26 +163,61 @@ group.consumer.heartbeat.interval.ms=1000
 PROPS
 }
 
-# Formats the storage once (meta.properties and the metadata log), with Kafka's own tool in a JVM
-# of its own: it calls System.exit.
-format_broker() {
-  [ -f "$dir/broker/data/meta.properties" ] && return 0
-  local id # a random cluster id: 16 bytes, URL-safe base64 without padding, as Kafka's Uuid
-  id="$(python3 -c 'import base64,uuid
+# Formats a node's storage once (meta.properties, and the metadata log), with Kafka's own tool in a
+# JVM of its own: it calls System.exit. Both nodes get the stack's one cluster id.
+format_node() { # name (controller|broker)
+  [ -f "$dir/$1/data/meta.properties" ] && return 0
+  if [ ! -f "$dir/cluster.id" ]; then
+    # A random cluster id: 16 bytes, URL-safe base64 without padding, as Kafka's Uuid.
+    python3 -c 'import base64,uuid
 while True:
     s = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
     if not s.startswith("-"): break  # would read as an option (Kafka avoids these ids too)
-print(s)')"
-  log4j broker.log INFO
+print(s)' >"$dir/cluster.id"
+  fi
+  log4j "$1.log" INFO
   java -Xshare:auto -XX:TieredStopAtLevel=1 -XX:+UseSerialGC "${LOG4J[@]}" -cp "$KAFKA_LIB/*" \
-    kafka.tools.StorageTool format -t "$id" -c "$dir/broker/server.properties" >>"$dir/logs/broker.log" 2>&1 \
-    || { echo "formatting the broker's storage failed; see $dir/logs/broker.log" >&2; exit 1; }
+    kafka.tools.StorageTool format -t "$(cat "$dir/cluster.id")" -c "$dir/$1/server.properties" >>"$dir/logs/$1.log" 2>&1 \
+    || { echo "formatting the $1's storage failed; see $dir/logs/$1.log" >&2; exit 1; }
+}
+
+# A stack made before the controller had its own process keeps its metadata in the broker's data,
+# as a node with both roles: unusable by a broker alone. It is local test data; start afresh.
+forget_combined_node() {
+  if [ -f "$dir/broker/data/meta.properties" ] && [ ! -f "$dir/controller/data/meta.properties" ]; then
+    log "the stack's Kafka data in $dir/broker is from a single-process node; starting it afresh"
+    rm -rf "$dir/broker/data" "$dir/cluster.id"
+  fi
+}
+
+start_controller() { # controller-port
+  alive controller && return 0
+  write_controller_config "$1"
+  format_node controller
+  log4j controller.log INFO
+  (cd "$dir/controller" && exec setsid java -Xms64m -Xmx256m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+    -XX:+ExitOnOutOfMemoryError -Xshare:auto -Djava.awt.headless=true "${LOG4J[@]}" \
+    -cp "$KAFKA_LIB/*" kafka.Kafka "$dir/controller/server.properties" >>"$dir/logs/controller.log" 2>&1 </dev/null) &
+  echo $! >"$dir/controller.pid"
+}
+
+# A broker killed with -9 is restarted only once the controller has fenced it (its session timed
+# out, a heartbeat interval after): before that the controller refuses the new registration, and
+# the restarted broker would wait for it anyway.
+wait_fenced() {
+  [ -f "$dir/broker.killed" ] || return 0
+  python3 -c 'import sys,time
+left = float(sys.argv[1]) + float(sys.argv[2]) / 1000 + 1.0 - time.time()
+time.sleep(max(0.0, left))' "$(cat "$dir/broker.killed")" "$BROKER_SESSION_MS"
+  rm -f "$dir/broker.killed"
 }
 
 start_broker() {
   alive broker && return 0
   need_kafka
-  mkdir -p "$dir/broker/data" "$dir/logs"
+  mkdir -p "$dir/broker/data" "$dir/controller/data" "$dir/logs"
+  forget_combined_node
+  wait_fenced
   # The ports are picked once and kept, so clients reconnect to the same address after a restart.
   local bport cport fresh=""
   bport="$(port_of broker)" cport="$(port_of controller)"
@@ -164,8 +228,9 @@ start_broker() {
     if [ -n "$fresh" ]; then read -r bport cport <<<"$(free_ports 2)"; fi
     echo "$bport" >"$dir/broker.port"
     echo "$cport" >"$dir/controller.port"
+    start_controller "$cport"
     write_broker_config "$bport" "$cport"
-    format_broker
+    format_node broker
     log4j broker.log INFO
     (cd "$dir/broker" && exec setsid java -Xms"$xms" -Xmx"$xmx" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
       -XX:+ExitOnOutOfMemoryError -Xshare:auto -Djava.awt.headless=true "${LOG4J[@]}" \
@@ -179,12 +244,21 @@ start_broker() {
     if alive broker || [ -z "$fresh" ]; then
       break # hung, or it died on the ports that clients already know: new ports would not help
     fi
-    log "broker did not start on ports $bport/$cport (see $dir/logs/broker.log); trying others"
+    log "broker did not start on ports $bport/$cport (see $dir/logs/broker.log, controller.log); trying others"
+    stop controller 5
     rm -f "$dir/broker.port" "$dir/controller.port"
   done
   stop broker 0
-  echo "the broker failed to start; see $dir/logs/broker.log" >&2
+  stop controller 0
+  echo "the broker failed to start; see $dir/logs/broker.log and controller.log" >&2
   exit 1
+}
+
+# SIGKILL, no controlled shutdown; the controller stays up and fences it.
+kill_broker() {
+  alive broker || return 0
+  stop broker 0
+  python3 -c 'import time; print(time.time())' >"$dir/broker.killed"
 }
 
 start_s3() {
@@ -227,6 +301,9 @@ stop() { # name [seconds before SIGKILL; default 5]
 # A Kafka broker's controlled shutdown (leadership handed over, logs flushed and closed) takes a
 # few seconds: allow 10 before SIGKILL. (A SIGKILLed broker recovers its logs at the next start.)
 stop_broker() { stop broker 10; }
+
+# The whole cluster: the broker first, whose controlled shutdown needs its controller.
+stop_kafka() { stop_broker; stop controller 5; }
 
 topics() { # NAME:PARTITIONS[:compact]...  (compact: cleanup.policy=compact)
   admin topics "127.0.0.1:$(port_of broker)" "$@" \
@@ -287,11 +364,11 @@ case "$cmd" in
     log "stack up: broker 127.0.0.1:$(port_of broker), S3 http://127.0.0.1:$(port_of s3); settings in $dir/env"
     ;;
   down)
-    stop_broker
+    stop_kafka
     stop s3
     ;;
   status)
-    for n in broker s3; do
+    for n in controller broker s3; do
       if alive $n; then echo "$n: running (pid $(cat "$dir/$n.pid"), port $(port_of $n))"; else echo "$n: stopped"; fi
     done
     ;;
@@ -300,7 +377,7 @@ case "$cmd" in
   pause-s3) alive s3 && kill -STOP "$(cat "$dir/s3.pid")" ;;
   resume-s3) alive s3 && kill -CONT "$(cat "$dir/s3.pid")" ;;
   stop-broker) stop_broker ;;
-  kill-broker) stop broker 0 ;;
+  kill-broker) kill_broker ;;
   start-broker) start_broker ;;
   restart-broker) stop_broker; start_broker ;;
   # topic DIR NAME PARTITIONS: one more topic (tests give each scenario its own).
