@@ -443,11 +443,14 @@ impl Emit for RebalanceFailed<'_> {
 /// Finished offsets were committed, or the commit failed (it is tried again on the next tick).
 pub(crate) struct OffsetsCommitted<'a> {
     pub partitions: usize,
+    /// How long the commit took (in exactly-once mode, its whole transaction).
+    pub took: std::time::Duration,
     pub error: Option<&'a str>,
 }
 
 impl Emit for OffsetsCommitted<'_> {
     fn emit(self, m: &Metrics) {
+        m.commit_seconds.observe(self.took.as_secs_f64());
         match self.error {
             None => m.commits.inc_by(self.partitions as u64),
             Some(error) => {

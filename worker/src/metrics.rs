@@ -28,6 +28,7 @@ pub struct Metrics {
     pub(crate) consumer_lag: IntGaugeVec,
     pub(crate) commits: IntCounter,
     pub(crate) commit_failures: IntCounter,
+    pub(crate) commit_seconds: Histogram,
     pub(crate) retries: IntCounterVec,
     pub(crate) paused: IntGauge,
     pub(crate) poll_gap_max_seconds: prometheus::Gauge,
@@ -169,6 +170,14 @@ impl Metrics {
                     "sluice_worker_commit_failures_total",
                     "Offset commits that failed (retried on the next tick)",
                 )
+                .unwrap(),
+            ),
+            commit_seconds: register(
+                &r,
+                Histogram::with_opts(seconds(
+                    "sluice_worker_commit_seconds",
+                    "Duration of offset commits: in exactly-once mode each is a transaction with the outcomes it announces",
+                ))
                 .unwrap(),
             ),
             retries: register(

@@ -223,7 +223,9 @@ async fn transactional_producer(config: &Config, worker_id: &str) -> Result<Futu
         .client
         // A record not delivered within the transaction's lifetime fails it (librdkafka requires
         // message.timeout.ms <= transaction.timeout.ms); the committer aborts and retries.
-        .producer_config(worker_id, TRANSACTION_TIMEOUT_MS, 5)
+        // No linger: a transaction's commit waits for every record it holds, so records held
+        // back to fill a batch only hold the commit back.
+        .producer_config(worker_id, TRANSACTION_TIMEOUT_MS, 0)
         .set("transactional.id", &id)
         // An open transaction of a worker that died holds back read_committed readers until
         // it is aborted: by the same identity's next start, or after this long.
