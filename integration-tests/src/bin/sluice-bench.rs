@@ -43,6 +43,29 @@ struct Row {
     device_busy: Option<(f64, f64)>,
 }
 
+impl Row {
+    /// A row measured end to end, with the CPU seconds of its three processes (worker or
+    /// consumer, broker, S3 server) before and after, as seconds per 1000 tasks.
+    fn measured(
+        scenario: &str,
+        (batch, tasks): (usize, usize),
+        (raw, e2e): (f64, f64),
+        (before, after): ([f64; 3], [f64; 3]),
+        latency_ms: Option<(u64, u64)>,
+    ) -> Row {
+        Row {
+            cpu: std::array::from_fn(|i| (after[i] - before[i]) / tasks as f64 * 1000.0),
+            scenario: scenario.into(),
+            batch,
+            tasks,
+            raw,
+            e2e,
+            latency_ms,
+            device_busy: None,
+        }
+    }
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
     let which = std::env::args().nth(1).unwrap_or_else(|| "all".into());
@@ -470,12 +493,7 @@ async fn peer_consumer(
     anyhow::ensure!(install.status.success(), "installing its venv failed");
     let python = String::from_utf8(install.stdout)?.lines().last().unwrap_or_default().to_owned();
     eprintln!("== {scenario}: end to end ({tasks} tasks)");
-    let topics = stack.topics(&format!("peer-{tasks}-{}", uuid::Uuid::new_v4().simple()), 8)?;
-    let kafka = producer(stack.brokers())?;
-    let all: Vec<_> = (0..tasks).map(make).collect();
-    for chunk in all.chunks(2000) {
-        publish_tasks(&kafka, &topics.tasks, chunk).await?;
-    }
+    let topics = topics_with_tasks(stack, "peer", tasks, make).await?;
     let model = model_dir.join("terrain/model.onnx");
     let child = tokio::process::Command::new(&python)
         .arg(root.join("scripts/bench/peer_consumer.py"))
@@ -513,17 +531,7 @@ async fn peer_consumer(
         serde_json::from_slice(output.stdout.split(|&b| b == b'\n').rfind(|l| !l.is_empty()).unwrap_or_default())
             .context("its last line of output")?;
     let e2e = result["images_per_s"].as_f64().context("images_per_s in its output")?;
-    let per_1000 = |i: usize| (cpu_after[i] - cpu_before[i]) / tasks as f64 * 1000.0;
-    Ok(Row {
-        cpu: [per_1000(0), per_1000(1), per_1000(2)],
-        scenario: scenario.into(),
-        batch,
-        tasks,
-        raw,
-        e2e,
-        latency_ms: None,
-        device_busy: None,
-    })
+    Ok(Row::measured(scenario, (batch, tasks), (raw, e2e), (cpu_before, cpu_after), None))
 }
 
 /// A tiny diffusion model of the demo catalog (`sd-tiny`, `sdxl-tiny`, `flux-schnell-tiny`,
@@ -630,6 +638,23 @@ impl DeviceBusy {
     }
 }
 
+/// Topics of a row's own (another row's completions must not count for it), with `tasks`
+/// tasks made by `make` on its tasks topic.
+async fn topics_with_tasks(
+    stack: &Stack,
+    prefix: &str,
+    tasks: usize,
+    make: &dyn Fn(usize) -> (String, serde_json::Value),
+) -> anyhow::Result<sluice_integration_tests::stack::Topics> {
+    let topics = stack.topics(&format!("{prefix}-{tasks}-{}", uuid::Uuid::new_v4().simple()), 8)?;
+    let kafka = producer(stack.brokers())?;
+    let all: Vec<_> = (0..tasks).map(make).collect();
+    for chunk in all.chunks(2000) {
+        publish_tasks(&kafka, &topics.tasks, chunk).await?;
+    }
+    Ok(topics)
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn end_to_end(
     stack: &Stack,
@@ -644,13 +669,7 @@ async fn end_to_end(
     // Every task is on the topic before the worker starts, so the worker runs as fast as it
     // can and the rate measured is the pipeline's own, not the feeder's.
     eprintln!("== {scenario}: end to end ({tasks} tasks through one worker)");
-    // Topics of its own: another row's completions must not count for this one.
-    let topics = stack.topics(&format!("bench-{tasks}-{}", uuid::Uuid::new_v4().simple()), 8)?;
-    let kafka = producer(stack.brokers())?;
-    let all: Vec<_> = (0..tasks).map(make).collect();
-    for chunk in all.chunks(2000) {
-        publish_tasks(&kafka, &topics.tasks, chunk).await?;
-    }
+    let topics = topics_with_tasks(stack, "bench", tasks, make).await?;
     let model_dir = model_dir.display().to_string();
     let batch_s = batch.to_string();
     // A group of its own: a member of another scenario's group would still be expiring.
@@ -703,17 +722,14 @@ async fn end_to_end(
     let e2e = (done.len() - skip - 1) as f64 / ((last - first).num_microseconds().unwrap_or(1) as f64 / 1e6);
     let mut latencies: Vec<u64> = done[skip..].iter().map(|c| c.timings.inference_ms + c.timings.upload_ms).collect();
     latencies.sort();
-    let per_1000 = |i: usize| (cpu_after[i] - cpu_before[i]) / tasks as f64 * 1000.0;
-    Ok(Row {
-        cpu: [per_1000(0), per_1000(1), per_1000(2)],
-        scenario: scenario.into(),
-        batch,
-        tasks,
-        raw,
-        e2e,
-        latency_ms: Some((latencies[latencies.len() / 2], latencies[latencies.len() * 99 / 100])),
-        device_busy: None,
-    })
+    let latency = (latencies[latencies.len() / 2], latencies[latencies.len() * 99 / 100]);
+    Ok(Row::measured(
+        scenario,
+        (batch, tasks),
+        (raw, e2e),
+        (cpu_before, cpu_after),
+        Some(latency),
+    ))
 }
 
 /// delivery: the ~1 ms model through one worker in each delivery mode, side by side on one
