@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
@@ -215,9 +215,7 @@ pub async fn produce_to(
     value: &[u8],
     headers: &[(&str, &[u8])],
 ) -> anyhow::Result<(i32, i64)> {
-    let headers = headers
-        .iter()
-        .fold(OwnedHeaders::new(), |h, (k, v)| h.insert(Header { key: k, value: Some(*v) }));
+    let headers = sluice_service::kafka::headers(headers.iter().map(|(k, v)| (*k, Some(*v))));
     let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(value).headers(headers);
     if let Some(key) = key {
         record = record.key(key);

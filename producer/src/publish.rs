@@ -4,13 +4,14 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use rdkafka::error::KafkaError;
-use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
 use sluice_schemas::normalize::MAX_SEED;
 use sluice_schemas::{
     Catalog, HEADER_SCHEMA_VERSION, Idempotency, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate,
 };
+use sluice_service::kafka;
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -173,10 +174,8 @@ impl TaskPublisher {
     pub async fn publish_control(&self, topic: &str, record: &sluice_schemas::ControlRecord, timeout: Duration) -> Result<(), SubmitError> {
         let payload = serde_json::to_vec(record).expect("record serializes");
         let key = record.task_id.to_string();
-        let headers = OwnedHeaders::new().insert(Header {
-            key: HEADER_SCHEMA_VERSION,
-            value: Some(SCHEMA_VERSION.to_string().as_bytes()),
-        });
+        let version = SCHEMA_VERSION.to_string();
+        let headers = kafka::headers([(HEADER_SCHEMA_VERSION, Some(version.as_bytes()))]);
         self.send_acked(topic, &key, &payload, headers, timeout).await.map(|_| ())
     }
 
@@ -216,30 +215,21 @@ impl TaskPublisher {
     ) -> Result<(), SubmitError> {
         let payload = serde_json::to_vec(record).expect("record serializes");
         let key = record.task_id.to_string();
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: HEADER_SCHEMA_VERSION,
-                value: Some(SCHEMA_VERSION.to_string().as_bytes()),
-            })
-            .insert(Header {
-                key: "content-type",
-                value: Some("application/json".as_bytes()),
-            });
+        let version = SCHEMA_VERSION.to_string();
         let traceparent = trace.map(|(t, _)| t.header());
-        let headers = match &traceparent {
-            Some(v) => headers.insert(Header {
-                key: sluice_service::trace::TRACEPARENT,
-                value: Some(v.as_bytes()),
-            }),
-            None => headers,
-        };
-        let headers = match tracestate {
-            Some(v) => headers.insert(Header {
-                key: sluice_service::trace::TRACESTATE,
-                value: Some(v.as_bytes()),
-            }),
-            None => headers,
-        };
+        let headers = kafka::headers(
+            [
+                (HEADER_SCHEMA_VERSION, Some(version.as_bytes())),
+                (kafka::CONTENT_TYPE, Some(kafka::JSON)),
+            ]
+            .into_iter()
+            .chain(
+                traceparent
+                    .as_deref()
+                    .map(|v| (sluice_service::trace::TRACEPARENT, Some(v.as_bytes()))),
+            )
+            .chain(tracestate.map(|v| (sluice_service::trace::TRACESTATE, Some(v.as_bytes())))),
+        );
         let started = Instant::now();
         let wall_start = std::time::SystemTime::now();
         let sent = self.send_acked(&self.topic, &key, &payload, headers, timeout).await;

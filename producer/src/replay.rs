@@ -18,7 +18,7 @@ use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
@@ -435,20 +435,13 @@ fn select(mode: Mode, source: &str, m: &BorrowedMessage<'_>, filter: &Filter) ->
 }
 
 async fn write(producer: &FutureProducer, topic: &str, copy: Copy, origin: String) -> Result<(), KafkaError> {
-    let headers = copy
-        .headers
-        .iter()
-        .filter(|(k, _)| k != HEADER_ORIGIN)
-        .fold(OwnedHeaders::new(), |h, (k, v)| {
-            h.insert(Header {
-                key: k,
-                value: v.as_deref(),
-            })
-        })
-        .insert(Header {
-            key: HEADER_ORIGIN,
-            value: Some(origin.as_bytes()),
-        });
+    let headers = sluice_service::kafka::headers(
+        copy.headers
+            .iter()
+            .filter(|(k, _)| k != HEADER_ORIGIN)
+            .map(|(k, v)| (k.as_str(), v.as_deref()))
+            .chain([(HEADER_ORIGIN, Some(origin.as_bytes()))]),
+    );
     let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(&copy.value).headers(headers);
     if let Some(key) = &copy.key {
         record = record.key(key);

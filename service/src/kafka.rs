@@ -66,6 +66,19 @@ impl clap::builder::TypedValueParser for KafkaOptionParser {
 /// Largest record Sluice produces (a DLQ record carries the original record, base64-encoded).
 pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
 
+/// The `content-type` header of Sluice's JSON records, with [`JSON`].
+pub const CONTENT_TYPE: &str = "content-type";
+/// The content type of Sluice's JSON records.
+pub const JSON: &[u8] = b"application/json";
+
+/// A record's headers from `(name, value)` pairs, in their order (a `None` value is a header
+/// without one): the one place Sluice's records get their headers.
+pub fn headers<'k, 'v>(pairs: impl IntoIterator<Item = (&'k str, Option<&'v [u8]>)>) -> rdkafka::message::OwnedHeaders {
+    pairs.into_iter().fold(rdkafka::message::OwnedHeaders::new(), |h, (key, value)| {
+        h.insert(rdkafka::message::Header { key, value })
+    })
+}
+
 impl KafkaClientArgs {
     /// A client configuration with the bootstrap servers and `settings`, then the user's extra
     /// properties on top.
@@ -237,6 +250,14 @@ mod tests {
         assert_eq!(config.get("linger.ms"), Some("0"));
         assert_eq!(config.get("acks"), Some("all"));
         assert_eq!(config.get("security.protocol"), Some("SASL_SSL"));
+    }
+
+    #[test]
+    fn headers_keep_their_order_and_values_even_absent_ones() {
+        use rdkafka::message::Headers;
+        let h = headers([("a", Some(&b"1"[..])), ("b", None), ("a", Some(&b"2"[..]))]);
+        let got: Vec<(&str, Option<&[u8]>)> = h.iter().map(|h| (h.key, h.value)).collect();
+        assert_eq!(got, vec![("a", Some(&b"1"[..])), ("b", None), ("a", Some(&b"2"[..]))]);
     }
 
     #[test]

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::{Map, Value};
 use sluice_schemas::{
@@ -825,10 +825,7 @@ impl Notifier {
             let mut r = FutureRecord::to(topic)
                 .key(&key)
                 .payload(&payload)
-                .headers(OwnedHeaders::new().insert(Header {
-                    key: HEADER_SCHEMA_VERSION,
-                    value: Some(version.as_bytes()),
-                }));
+                .headers(sluice_service::kafka::headers([(HEADER_SCHEMA_VERSION, Some(version.as_bytes()))]));
             if let Some(p) = partition {
                 r = r.partition(p);
             }

@@ -122,7 +122,7 @@ pub(crate) async fn publish(
         let key = record.task_id.to_string();
         let mut message = FutureRecord::to(&topic).key(&key).payload(&payload);
         if let Some(t) = &trace {
-            message = message.headers(t.add_to(rdkafka::message::OwnedHeaders::new()));
+            message = message.headers(sluice_service::kafka::headers(t.pairs()));
         }
         // Enqueue only: a full queue or an unreachable broker drops progress, never tasks.
         if let Err((e, _)) = producer.send_result(message) {

@@ -5,9 +5,10 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sluice_schemas::{CompletionEvent, DlqRecord, HEADER_SCHEMA_VERSION, OriginalRecord, SCHEMA_VERSION, dlq_headers};
+use sluice_service::kafka;
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -69,18 +70,16 @@ impl TraceHeaders {
         self.traceparent.get(3..35).unwrap_or_default()
     }
 
-    pub(crate) fn add_to(&self, headers: OwnedHeaders) -> OwnedHeaders {
-        let headers = headers.insert(Header {
-            key: sluice_service::trace::TRACEPARENT,
-            value: Some(self.traceparent.as_bytes()),
-        });
-        match &self.tracestate {
-            Some(v) => headers.insert(Header {
-                key: sluice_service::trace::TRACESTATE,
-                value: Some(v.as_bytes()),
-            }),
-            None => headers,
-        }
+    /// The trace's headers (`traceparent`, and `tracestate` where there is one), for
+    /// [`kafka::headers`].
+    pub(crate) fn pairs(&self) -> impl Iterator<Item = (&'static str, Option<&[u8]>)> {
+        [(sluice_service::trace::TRACEPARENT, Some(self.traceparent.as_bytes()))]
+            .into_iter()
+            .chain(
+                self.tracestate
+                    .as_deref()
+                    .map(|v| (sluice_service::trace::TRACESTATE, Some(v.as_bytes()))),
+            )
     }
 }
 
@@ -171,19 +170,15 @@ impl Publisher {
     async fn publish_completion(&self, origin: &Origin, event: &CompletionEvent, trace: Option<&TraceHeaders>) -> Result<(), PublishError> {
         let payload = serde_json::to_vec(event).expect("completion serializes");
         let key = event.task_id.to_string();
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: HEADER_SCHEMA_VERSION,
-                value: Some(SCHEMA_VERSION.to_string().as_bytes()),
-            })
-            .insert(Header {
-                key: "content-type",
-                value: Some("application/json".as_bytes()),
-            });
-        let headers = match trace {
-            Some(t) => t.add_to(headers),
-            None => headers,
-        };
+        let version = SCHEMA_VERSION.to_string();
+        let headers = kafka::headers(
+            [
+                (HEADER_SCHEMA_VERSION, Some(version.as_bytes())),
+                (kafka::CONTENT_TYPE, Some(kafka::JSON)),
+            ]
+            .into_iter()
+            .chain(trace.into_iter().flat_map(TraceHeaders::pairs)),
+        );
         self.send(origin, &self.completions_topic, Some(key.as_bytes()), payload, headers)
             .await
     }
@@ -224,19 +219,15 @@ impl Publisher {
             (dlq_headers::FIRST_FAILED_AT, first.as_str()),
             (dlq_headers::LAST_FAILED_AT, last.as_str()),
             (HEADER_SCHEMA_VERSION, version.as_str()),
-        ]
-        .into_iter()
-        .fold(OwnedHeaders::new(), |h, (key, value)| {
-            h.insert(Header {
-                key,
-                value: Some(value.as_bytes()),
-            })
-        });
+        ];
         // The trace continues on the DLQ record (the original's own headers stay inside it).
-        let headers = match TraceHeaders::of(record) {
-            Some(t) => t.add_to(headers),
-            None => headers,
-        };
+        let trace = TraceHeaders::of(record);
+        let headers = kafka::headers(
+            headers
+                .map(|(key, value)| (key, Some(value.as_bytes())))
+                .into_iter()
+                .chain(trace.iter().flat_map(TraceHeaders::pairs)),
+        );
         self.send(&record.origin, &self.dlq_topic, record.key.as_deref(), payload, headers)
             .await
     }
