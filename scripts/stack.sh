@@ -190,15 +190,21 @@ forget_combined_node() {
   fi
 }
 
+# Starts a formatted node's JVM in the background, in a session of its own (setsid),
+# with its pid in DIR/NAME.pid and its log in DIR/logs/NAME.log.
+launch_node() { # name (controller|broker) min-heap max-heap
+  log4j "$1.log" INFO
+  (cd "$dir/$1" && exec setsid java -Xms"$2" -Xmx"$3" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+    -XX:+ExitOnOutOfMemoryError -Xshare:auto -Djava.awt.headless=true "${LOG4J[@]}" \
+    -cp "$KAFKA_LIB/*" kafka.Kafka "$dir/$1/server.properties" >>"$dir/logs/$1.log" 2>&1 </dev/null) &
+  echo $! >"$dir/$1.pid"
+}
+
 start_controller() { # controller-port
   alive controller && return 0
   write_controller_config "$1"
   format_node controller
-  log4j controller.log INFO
-  (cd "$dir/controller" && exec setsid java -Xms64m -Xmx256m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
-    -XX:+ExitOnOutOfMemoryError -Xshare:auto -Djava.awt.headless=true "${LOG4J[@]}" \
-    -cp "$KAFKA_LIB/*" kafka.Kafka "$dir/controller/server.properties" >>"$dir/logs/controller.log" 2>&1 </dev/null) &
-  echo $! >"$dir/controller.pid"
+  launch_node controller 64m 256m
 }
 
 # A broker killed with -9 is restarted only once the controller has fenced it (its session timed
@@ -231,11 +237,7 @@ start_broker() {
     start_controller "$cport"
     write_broker_config "$bport" "$cport"
     format_node broker
-    log4j broker.log INFO
-    (cd "$dir/broker" && exec setsid java -Xms"$xms" -Xmx"$xmx" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
-      -XX:+ExitOnOutOfMemoryError -Xshare:auto -Djava.awt.headless=true "${LOG4J[@]}" \
-      -cp "$KAFKA_LIB/*" kafka.Kafka "$dir/broker/server.properties" >>"$dir/logs/broker.log" 2>&1 </dev/null) &
-    echo $! >"$dir/broker.pid"
+    launch_node broker "$xms" "$xmx"
     # Ready means a real request answered (metadata, then an acks=all produce), not a TCP accept.
     # StackAdmin gives up early when the broker process exits (a taken port, a bad config).
     if admin ready "127.0.0.1:$bport" "${SLUICE_KAFKA_START_TIMEOUT:-60}" "$(cat "$dir/broker.pid")"; then
@@ -258,7 +260,7 @@ start_broker() {
 kill_broker() {
   alive broker || return 0
   stop broker 0
-  python3 -c 'import time; print(time.time())' >"$dir/broker.killed"
+  date +%s.%N >"$dir/broker.killed"
 }
 
 start_s3() {
