@@ -137,7 +137,7 @@ group.initial.rebalance.delay.ms=0
 # Records up to 32 MiB, as Sluice's clients are configured (service/src/kafka.rs MAX_MESSAGE_BYTES),
 # not Kafka's 1 MB default: a DLQ record carries its original record base64-encoded, so a task
 # near SLUICE_MAX_TASK_BYTES (1 MiB) needs ~1.4 MB on sluice.dlq.v1. A deployment sets the same
-# on the DLQ topic (max.message.bytes); see the README's Kafka section.
+# on the DLQ topic (max.message.bytes); see docs/local-stack.md.
 message.max.bytes=33554432
 replica.fetch.max.bytes=33554432
 # 8 partitions, not 50, for the offsets, transaction and share-state topics: each partition is a

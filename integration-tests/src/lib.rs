@@ -7,6 +7,8 @@ pub mod contact;
 pub mod inprocess;
 pub mod kafka;
 #[cfg(test)]
+mod manual;
+#[cfg(test)]
 mod module_map;
 pub mod process;
 pub mod receiver;

@@ -1,21 +1,21 @@
-//! The README's module map is the tree: every Rust file under the mapped source folders is listed
+//! The module map of `docs/architecture.md` is the tree: every Rust file under the mapped source folders is listed
 //! in the map, and the map lists nothing that is not there. The map is the `text` block under the
-//! README heading `### Module map`: a root (`worker/src/`) at no indent, then one entry per line,
+//! heading `## Module map`: a root (`worker/src/`) at no indent, then one entry per line,
 //! indented two spaces per folder level, its name first (folders end in `/`), what it owns after.
 
 use std::collections::BTreeSet;
 use std::path::Path;
 
 /// The Rust files the map names, as paths from the repository root.
-fn mapped(readme: &str) -> Result<(BTreeSet<String>, BTreeSet<String>), String> {
-    let section = readme
-        .split_once("### Module map")
-        .ok_or("the README has no `### Module map` heading")?
+fn mapped(page: &str) -> Result<(BTreeSet<String>, BTreeSet<String>), String> {
+    let section = page
+        .split_once("## Module map")
+        .ok_or("docs/architecture.md has no `## Module map` heading")?
         .1;
     let block = section
         .split_once("```text\n")
         .and_then(|(_, rest)| rest.split_once("\n```"))
-        .ok_or("no ```text block under `### Module map`")?
+        .ok_or("no ```text block under `## Module map`")?
         .0;
     let (mut roots, mut files) = (BTreeSet::new(), BTreeSet::new());
     let mut folders: Vec<String> = Vec::new();
@@ -57,10 +57,10 @@ fn tree(repo: &Path, root: &str, out: &mut BTreeSet<String>) {
 }
 
 #[test]
-fn the_readme_module_map_is_the_tree() {
+fn the_module_map_is_the_tree() {
     let repo = crate::stack::repo_root();
-    let readme = std::fs::read_to_string(repo.join("README.md")).expect("README.md");
-    let (roots, listed) = mapped(&readme).unwrap();
+    let page = std::fs::read_to_string(repo.join("docs/architecture.md")).expect("docs/architecture.md");
+    let (roots, listed) = mapped(&page).unwrap();
     assert!(roots.contains("worker/src/") && roots.contains("producer/src/"), "{roots:?}");
     let mut present = BTreeSet::new();
     for root in &roots {
@@ -68,18 +68,18 @@ fn the_readme_module_map_is_the_tree() {
     }
     let missing: Vec<_> = present.difference(&listed).collect();
     let stale: Vec<_> = listed.difference(&present).collect();
-    assert!(missing.is_empty(), "in the tree, not in the README's module map: {missing:?}");
-    assert!(stale.is_empty(), "in the README's module map, not in the tree: {stale:?}");
+    assert!(missing.is_empty(), "in the tree, not in the module map: {missing:?}");
+    assert!(stale.is_empty(), "in the module map, not in the tree: {stale:?}");
 }
 
 #[test]
 fn a_map_entry_belongs_to_the_folder_above_it() {
-    let readme = "### Module map\n\n```text\nw/\n  a.rs   x\n  f/     y\n    b.rs z\n  c.rs   t\n```\n";
-    let (roots, files) = mapped(readme).unwrap();
+    let page = "## Module map\n\n```text\nw/\n  a.rs   x\n  f/     y\n    b.rs z\n  c.rs   t\n```\n";
+    let (roots, files) = mapped(page).unwrap();
     assert_eq!(roots, BTreeSet::from(["w/".to_owned()]));
     assert_eq!(
         files,
         BTreeSet::from(["w/a.rs".to_owned(), "w/f/b.rs".to_owned(), "w/c.rs".to_owned()])
     );
-    assert!(mapped("### Module map\n\n```text\nw/\n    deep.rs x\n```\n").is_err());
+    assert!(mapped("## Module map\n\n```text\nw/\n    deep.rs x\n```\n").is_err());
 }

@@ -1379,7 +1379,7 @@ async fn a_restarted_producer_keeps_its_status_view() {
     );
 }
 
-/// The in-process seam the README promises: a model that is not ONNX at all, handed to
+/// The in-process seam docs/architecture.md promises: a model that is not ONNX at all, handed to
 /// `sluice_worker::run` through `Models::Custom`, serves tasks from the real broker as the built-in
 /// models do — the same pipeline, storage and completion events. Its "model file" holds an RGB
 /// colour, read by its `load` from the directory the catalog names, and every image it renders

@@ -83,7 +83,7 @@ pub struct KafkaArgs {
     #[arg(long, env = "SLUICE_CONTROL_TOPIC", default_value = sluice_schemas::topics::CONTROL)]
     pub control_topic: String,
     /// Learned batch ceilings, kept across restarts and shared by workers of one device class
-    /// (a compacted topic; see the README's adaptive batching section). Empty: kept in memory
+    /// (a compacted topic; see docs/batching.md). Empty: kept in memory
     /// only, learned again after every restart.
     #[arg(long, env = "SLUICE_CEILINGS_TOPIC", default_value = sluice_schemas::topics::CEILINGS)]
     pub ceilings_topic: String,
@@ -293,7 +293,7 @@ pub struct BatchingArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct DeliveryArgs {
-    /// `exactly-once` or `at-least-once` (see the README's delivery guarantees).
+    /// `exactly-once` or `at-least-once` (see docs/delivery.md).
     #[arg(long, env = "SLUICE_DELIVERY", value_enum, default_value_t = DeliveryMode::ExactlyOnce)]
     pub delivery: DeliveryMode,
     /// The transactional id of exactly-once delivery: stable per worker identity, so that a
@@ -335,7 +335,7 @@ pub struct DeliveryArgs {
     #[arg(long, env = "SLUICE_RETRY_BASE_DELAY_MS", default_value_t = 200)]
     pub retry_base_delay_ms: u64,
     /// Records a partition's read lease covers beyond the record that extended it (one lease
-    /// commit per this many records; see the README's delivery guarantees). Tests lower it to
+    /// commit per this many records; see docs/delivery.md). Tests lower it to
     /// exercise lease commits.
     #[arg(long, env = "SLUICE_LEASE_SPAN", default_value_t = crate::source::redelivery::LEASE_SPAN, hide = true)]
     pub lease_span: i64,
