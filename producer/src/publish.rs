@@ -12,6 +12,7 @@ use sluice_schemas::{
     Catalog, HEADER_SCHEMA_VERSION, Idempotency, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate,
 };
 use sluice_service::kafka;
+use sluice_service::kafka_failure::{self, Failure};
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -24,9 +25,13 @@ pub enum SubmitError {
     /// The request is invalid; each violation names its field.
     #[error("invalid request: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     Invalid(Vec<Violation>),
+    /// The broker refused the record or could not take it (`failure` says which, by the shared
+    /// Kafka policy). Nothing was accepted.
+    #[error("the task could not be queued ({failure}): {source}")]
+    Unavailable { failure: Failure, source: KafkaError },
     /// The broker did not acknowledge the record in time. Nothing was accepted.
-    #[error("the task could not be queued: {0}")]
-    Unavailable(String),
+    #[error("the task could not be queued: no acknowledgement within {0:?}")]
+    NotAcknowledged(Duration),
 }
 
 /// The task id of a tenant's idempotency key: the same on every replica and after restarts, so
@@ -193,8 +198,11 @@ impl TaskPublisher {
             .send(FutureRecord::to(topic).key(key).payload(payload).headers(headers), timeout);
         match tokio::time::timeout(timeout + Duration::from_millis(500), send).await {
             Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
-            Ok(Err((e, _))) => Err(SubmitError::Unavailable(e.to_string())),
-            Err(_) => Err(SubmitError::Unavailable(format!("no acknowledgement within {timeout:?}"))),
+            Ok(Err((source, _))) => Err(SubmitError::Unavailable {
+                failure: kafka_failure::classify(&source),
+                source,
+            }),
+            Err(_) => Err(SubmitError::NotAcknowledged(timeout)),
         }
     }
 

@@ -219,7 +219,8 @@ impl Consuming {
     fn consume_error(&mut self, e: &KafkaError) {
         if self.last_warning.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(30)) {
             self.last_warning = Some(Instant::now());
-            tracing::warn!(error = %e, "webhook notifier: consume error (repeats are not logged for 30 s)");
+            let failure = sluice_service::kafka_failure::classify(e);
+            tracing::warn!(error = %e, %failure, "webhook notifier: consume error (repeats are not logged for 30 s)");
         }
     }
 }

@@ -5,10 +5,12 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sluice_schemas::{CompletionEvent, DlqRecord, HEADER_SCHEMA_VERSION, OriginalRecord, SCHEMA_VERSION, dlq_headers};
 use sluice_service::kafka;
+use sluice_service::kafka_failure::{self, Failure as KafkaFailure};
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -17,14 +19,28 @@ use crate::retry::Retriable;
 use crate::source::commit::{OutRecord, Outbox};
 
 #[derive(Debug, Error)]
-#[error("publishing to {topic} failed: {message}")]
+#[error("publishing to {topic} failed ({failure}): {source}")]
 pub(crate) struct PublishError {
     pub topic: String,
-    pub message: String,
+    pub failure: KafkaFailure,
+    #[source]
+    pub source: KafkaError,
 }
 
-/// Broker errors are retried until the worker gives up on its work (shutdown): a task's offset
-/// is never committed without its record, so giving up on a publish would lose the task.
+impl PublishError {
+    fn new(topic: &str, source: KafkaError) -> PublishError {
+        PublishError {
+            topic: topic.to_owned(),
+            failure: kafka_failure::classify(&source),
+            source,
+        }
+    }
+}
+
+/// Broker errors of every class are retried until the worker gives up on its work (shutdown): a
+/// task's offset is never committed without its record, so giving up on a publish would lose the
+/// task. A class that cannot succeed (a refused or fenced producer) leaves the task unfinished,
+/// to run again under the next owner or after a fix, never announced as lost.
 impl Retriable for PublishError {
     fn is_retriable(&self) -> bool {
         true
@@ -161,10 +177,7 @@ impl Publisher {
             .send(record, self.queue_timeout)
             .await
             .map(|_| ())
-            .map_err(|(e, _)| PublishError {
-                topic: topic.to_owned(),
-                message: e.to_string(),
-            })
+            .map_err(|(e, _)| PublishError::new(topic, e))
     }
 
     async fn publish_completion(&self, origin: &Origin, event: &CompletionEvent, trace: Option<&TraceHeaders>) -> Result<(), PublishError> {

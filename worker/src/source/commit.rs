@@ -25,6 +25,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
+use sluice_service::kafka_failure::{self, Failure};
 use tokio_util::sync::CancellationToken;
 
 use crate::events::{Emit, OffsetsCommitted};
@@ -239,8 +240,9 @@ impl Transactional {
         }
         let result = self.transaction(consumer, commits, &taken);
         if let Err(e) = &result {
-            if is_fatal(e) {
-                tracing::error!(error = %e, "the transactional producer failed for good (fenced by a newer instance?); the worker exits");
+            let failure = kafka_failure::classify(e);
+            if failure.ends_client() {
+                tracing::error!(error = %e, %failure, "the transactional producer failed for good (fenced: a newer instance has its transactional id; or fatal); the worker exits");
                 self.fatal.cancel();
             } else if let Err(abort) = retrying(|| self.producer.abort_transaction(TXN_TIMEOUT)) {
                 tracing::error!(error = %abort, "aborting a failed transaction failed; the worker exits");
@@ -299,17 +301,13 @@ impl Transactional {
             }
             match self.producer.send_result(record) {
                 Ok(delivery) => return Ok(delivery),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                Err((e, _)) if kafka_failure::classify(&e) == Failure::QueueFull => {
                     self.producer.poll(Duration::from_millis(10));
                 }
                 Err((e, _)) => return Err(e),
             }
         }
     }
-}
-
-fn is_fatal(e: &KafkaError) -> bool {
-    matches!(e, KafkaError::Transaction(t) if t.is_fatal())
 }
 
 /// Runs a transactional step again while it fails with an error librdkafka calls retriable (a
@@ -319,8 +317,8 @@ fn retrying(mut step: impl FnMut() -> Result<(), KafkaError>) -> Result<(), Kafk
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         match step() {
-            Err(KafkaError::Transaction(t)) if t.is_retriable() && std::time::Instant::now() < deadline => {
-                tracing::warn!(error = %t, "transactional step failed; retrying");
+            Err(e) if kafka_failure::classify(&e) == Failure::Retriable && std::time::Instant::now() < deadline => {
+                tracing::warn!(error = %e, "transactional step failed; retrying");
                 std::thread::sleep(Duration::from_millis(200));
             }
             other => return other,

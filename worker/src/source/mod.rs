@@ -23,6 +23,7 @@ use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::statistics::Statistics;
 use rdkafka::{ClientContext, TopicPartitionList};
 use sluice_service::backpressure::Backpressure;
+use sluice_service::kafka_failure;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -192,8 +193,9 @@ pub(crate) fn poll_loop(
             // librdkafka's consumer is unusable after a fatal error; one seen here: a KIP-848
             // static member restarted before its previous instance's session expired
             // (UNRELEASED_INSTANCE_ID).
-            Some(Err(e @ rdkafka::error::KafkaError::MessageConsumptionFatal(_))) => {
-                tracing::error!(error = %e, "the Kafka consumer failed for good; the worker exits");
+            Some(Err(e)) if kafka_failure::classify(&e).ends_client() => {
+                let failure = kafka_failure::classify(&e);
+                tracing::error!(error = %e, %failure, "the Kafka consumer failed for good; the worker exits");
                 control.fatal.cancel();
                 break;
             }
