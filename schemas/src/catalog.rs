@@ -46,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::normalize::{MAX_SEED, terrain};
-use crate::{Generation, TaskRequest, Violation};
+use crate::{Generation, Sampler, TaskRequest, Violation};
 
 /// What kind of pipeline runs a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,12 +107,6 @@ pub struct Bounded<T> {
     pub default: T,
 }
 
-/// Every sampler a Stable Diffusion model can run.
-pub const SD_SAMPLERS: [&str; 6] = ["euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_karras", "lcm"];
-
-/// The samplers of flow-matching transformers (FLUX.1, SD3), which a catalog lists for them.
-pub const FLOW_SAMPLERS: [&str; 1] = ["flow_euler"];
-
 /// Where a flow transformer's text encoders live (FLUX's T5-XXL is 4.7 B parameters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -146,8 +140,13 @@ fn sd_guidance() -> Bounded<f64> {
         default: 7.5,
     }
 }
+/// An entry's default samplers: every one the UNet families run.
 fn sd_samplers() -> Vec<String> {
-    SD_SAMPLERS.map(str::to_owned).to_vec()
+    Sampler::ALL
+        .into_iter()
+        .filter(|s| !s.for_flow_models())
+        .map(|s| s.name().to_owned())
+        .collect()
 }
 fn sd_default_sampler() -> String {
     "euler".into()
@@ -384,12 +383,8 @@ impl CatalogModel {
             return bad(format!("guidance_scale: need min <= default <= max, got {g:?}"));
         }
         if self.kind == ModelKind::StableDiffusion {
-            let known = || SD_SAMPLERS.iter().chain(&FLOW_SAMPLERS);
-            if let Some(s) = self.samplers.iter().find(|s| !known().any(|k| k == s)) {
-                return bad(format!(
-                    "sampler {s:?} is not one of {}",
-                    known().copied().collect::<Vec<_>>().join(", ")
-                ));
+            if let Some(s) = self.samplers.iter().find(|s| Sampler::parse(s).is_none()) {
+                return bad(format!("sampler {s:?} is not one of {}", Sampler::names()));
             }
             if self.t5_max_length.is_some_and(|l| !(2..=512).contains(&l)) {
                 return bad(format!(
@@ -572,8 +567,12 @@ impl Catalog {
                 ),
             ));
         }
-        if sampler == "lcm" && steps > 8 {
-            v.push(violation("steps", format!("the lcm sampler takes 1 to 8 steps, got {steps}")));
+        let rules = Sampler::parse(&sampler);
+        if let Some(max) = rules.and_then(Sampler::max_steps).filter(|max| steps > *max) {
+            v.push(violation(
+                "steps",
+                format!("the {sampler} sampler takes 1 to {max} steps, got {steps}"),
+            ));
         }
         let num_images = request.num_images.unwrap_or(1);
         if num_images > model.max_num_images {
@@ -631,10 +630,10 @@ impl Catalog {
                 format!("model {} takes {} tasks, not {}", model.name, modes.join(", "), mode.as_str()),
             ));
         }
-        if strength.is_some() && sampler == "lcm" {
+        if strength.is_some() && rules.is_some_and(|s| !s.takes_init_image()) {
             v.push(violation(
                 "sampler",
-                "the lcm sampler takes no init_image (img2img and inpainting run the other samplers)".into(),
+                format!("the {sampler} sampler takes no init_image (img2img and inpainting run the other samplers)"),
             ));
         }
         if let Some(s) = strength.filter(|s| (f64::from(steps) * s) < 1.0) {

@@ -9,11 +9,13 @@ pub mod catalog;
 pub mod decode;
 pub mod normalize;
 pub mod records;
+pub mod sampler;
 pub mod validate;
 
 pub use catalog::{Catalog, CatalogError, CatalogModel, ModelKind, TaskMode, TextEncoders};
 pub use decode::{DecodeError, decode_task};
 pub use records::*;
+pub use sampler::Sampler;
 pub use validate::{RecordKind, Violation, validate};
 
 /// Version of the record layouts in this crate, carried in every record's `version` field and in

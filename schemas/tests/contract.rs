@@ -331,3 +331,22 @@ fn original_record_keeps_bytes() {
     assert_eq!(back.key().unwrap(), Some(vec![9, 9]));
     assert_eq!(back.headers().unwrap(), headers);
 }
+
+/// The `sampler` enum of a schema file, as its strings.
+fn sampler_enum(file: &str, pointer: &str) -> Vec<String> {
+    let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
+    let schema: Value = serde_json::from_str(&fs::read_to_string(Path::new(&root).join("v1").join(file)).unwrap()).unwrap();
+    let values = schema.pointer(pointer).unwrap_or_else(|| panic!("{file}: nothing at {pointer}"));
+    values.as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect()
+}
+
+#[test]
+fn the_schemas_sampler_enums_are_the_sampler_type() {
+    let names: Vec<String> = Sampler::ALL.map(|s| s.name().to_owned()).to_vec();
+    // The generation of any task: terrain's `onestep` first, then every diffusion sampler.
+    let generation = sampler_enum("generation.schema.json", "/$defs/generation/properties/sampler/enum");
+    assert_eq!(generation.first().map(String::as_str), Some("onestep"));
+    assert_eq!(generation[1..], names[..], "generation.schema.json");
+    let request = sampler_enum("stable-diffusion-request.schema.json", "/properties/sampler/enum");
+    assert_eq!(request, names, "stable-diffusion-request.schema.json");
+}

@@ -17,7 +17,7 @@ use sluice_worker::models::diffusion::input;
 use sluice_worker::models::diffusion::npy::{self, Array};
 use sluice_worker::models::diffusion::request::{Draws, ImageInput, SdRequest};
 use sluice_worker::models::diffusion::schedulers::Sampler;
-use sluice_worker::models::diffusion::{FlowSettings, Pipeline, StableDiffusion, sampler_names};
+use sluice_worker::models::diffusion::{FlowSettings, Pipeline, StableDiffusion};
 
 /// Generates images with a diffusion model in the Optimum ONNX layout (Stable Diffusion
 /// 1.x/2.x, SDXL, FLUX.1, SD3; the family is read from model_index.json).
@@ -120,7 +120,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         Pipeline::Unet(_) => ("euler", 7.5),
     };
     let name = args.sampler.as_deref().unwrap_or(default_sampler);
-    let sampler = Sampler::parse(name).with_context(|| format!("--sampler {name:?}: one of {}", sampler_names()))?;
+    let sampler = Sampler::parse(name).with_context(|| format!("--sampler {name:?}: one of {}", Sampler::names()))?;
     let seed = args.seed.unwrap_or_else(|| fastrand::u64(0..(1 << 53)));
     let request = SdRequest {
         prompt: args.prompt.clone(),

@@ -99,7 +99,11 @@ impl StableDiffusion {
     /// the catalog admits and the model refuses would go to the DLQ.
     pub fn fits_catalog(&self, entry: &sluice_schemas::CatalogModel) -> Result<(), String> {
         let flow = matches!(self.pipeline, Pipeline::Flow(..));
-        if let Some(s) = entry.samplers.iter().find(|s| (s.as_str() == Sampler::FlowEuler.name()) != flow) {
+        if let Some(s) = entry
+            .samplers
+            .iter()
+            .find(|s| Sampler::parse(s).is_some_and(Sampler::for_flow_models) != flow)
+        {
             return Err(format!(
                 "the catalog offers sampler {s:?}, which this {} model does not run (flow_euler is for FLUX.1 and SD3 alone)",
                 self.family()
@@ -176,7 +180,7 @@ impl StableDiffusion {
             negative_prompt: r.negative_prompt.clone(),
             steps: r.steps as usize,
             guidance_scale: r.guidance_scale as f32,
-            sampler: Sampler::parse(&r.sampler).ok_or_else(|| format!("sampler {:?} is not one of {}", r.sampler, sampler_names()))?,
+            sampler: Sampler::parse(&r.sampler).ok_or_else(|| format!("sampler {:?} is not one of {}", r.sampler, Sampler::names()))?,
             width: r.width as usize,
             height: r.height as usize,
             num_images: r.num_images as usize,
@@ -210,11 +214,6 @@ impl StableDiffusion {
         };
         Ok((bucket, prepared))
     }
-}
-
-/// Every sampler name, for messages.
-pub fn sampler_names() -> String {
-    Sampler::ALL.map(Sampler::name).join(", ")
 }
 
 impl ModelAdapter for StableDiffusion {

@@ -205,9 +205,12 @@ impl SdRequest {
         if self.num_images == 0 {
             return Err("num_images must be at least 1".into());
         }
-        if self.image.is_some() && self.sampler == Sampler::Lcm {
+        if self.image.is_some() && !self.sampler.takes_init_image() {
             // diffusers' LCM img2img pipeline schedules from the strength its own way; not proven.
-            return Err("the lcm sampler takes no init_image (img2img and inpainting run the other samplers)".into());
+            return Err(format!(
+                "the {} sampler takes no init_image (img2img and inpainting run the other samplers)",
+                self.sampler
+            ));
         }
         let schedule = Schedule::new(self.sampler, &layout.scheduler, self.steps).map_err(|e| e.to_string())?;
         match self.mode() {

@@ -31,46 +31,8 @@ use thiserror::Error;
 
 use super::python_json;
 
-/// A sampler a task can ask for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Sampler {
-    Euler,
-    EulerAncestral,
-    Ddim,
-    DpmPp2m,
-    DpmPp2mKarras,
-    Lcm,
-    /// Flow matching (FLUX.1, SD3): runs on the flow transformers only, as they run it alone.
-    FlowEuler,
-}
-
-impl Sampler {
-    pub const ALL: [Sampler; 7] = [
-        Sampler::Euler,
-        Sampler::EulerAncestral,
-        Sampler::Ddim,
-        Sampler::DpmPp2m,
-        Sampler::DpmPp2mKarras,
-        Sampler::Lcm,
-        Sampler::FlowEuler,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Sampler::Euler => "euler",
-            Sampler::EulerAncestral => "euler_a",
-            Sampler::Ddim => "ddim",
-            Sampler::DpmPp2m => "dpmpp_2m",
-            Sampler::DpmPp2mKarras => "dpmpp_2m_karras",
-            Sampler::Lcm => "lcm",
-            Sampler::FlowEuler => "flow_euler",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<Sampler> {
-        Sampler::ALL.into_iter().find(|s| s.name() == name)
-    }
-}
+/// The samplers a task can ask for, with their names and rules, are the records' (`sluice-schemas`).
+pub use sluice_schemas::Sampler;
 
 /// Why a schedule can't be made.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
