@@ -4,6 +4,8 @@
 
 pub mod cluster;
 pub mod contact;
+#[cfg(test)]
+mod import_cycles;
 pub mod inprocess;
 pub mod kafka;
 #[cfg(test)]

@@ -10,6 +10,7 @@ use serde_json::Value;
 use sluice_schemas::{Catalog, Idempotency, TaskRecord};
 use sluice_service::http_error::{ApiError, FieldError};
 
+use crate::input_images::InlineImages;
 use crate::publish::{SubmitError, Submitter, TaskPublisher};
 use crate::webhook::Policy;
 
@@ -26,13 +27,6 @@ pub(crate) fn field(field: &str, message: impl Into<String>) -> FieldError {
 pub(crate) struct Admitted {
     pub record: TaskRecord,
     pub images: InlineImages,
-}
-
-/// The data URLs of a request's `init_image` and `mask_image`.
-#[derive(Default)]
-pub(crate) struct InlineImages {
-    pub init: Option<String>,
-    pub mask: Option<String>,
 }
 
 /// The text of a body's `init_image` and `mask_image` strings, read without building anything

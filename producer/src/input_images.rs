@@ -17,9 +17,15 @@ use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 use sha2::{Digest, Sha256};
 use sluice_schemas::{ImageRef, TaskRecord};
 
-use crate::admission::InlineImages;
 use std::sync::Arc;
 use thiserror::Error;
+
+/// The data URLs of a request's `init_image` and `mask_image`, as admission read them.
+#[derive(Default)]
+pub(crate) struct InlineImages {
+    pub init: Option<String>,
+    pub mask: Option<String>,
+}
 
 /// The default largest input image, decoded from its data URL: 4 MiB.
 pub const DEFAULT_MAX_BYTES: usize = 4 << 20;

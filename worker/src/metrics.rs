@@ -54,9 +54,9 @@ fn seconds(name: &str, help: &str) -> HistogramOpts {
 }
 
 impl Metrics {
-    /// Out-of-memory errors handled in `bucket` so far.
-    pub fn ooms(&self, bucket: &crate::models::Bucket) -> u64 {
-        self.ooms.with_label_values(&[&bucket.label()]).get()
+    /// Out-of-memory errors handled so far in the buckets of size class `label` (`Bucket::label`).
+    pub fn ooms(&self, label: &str) -> u64 {
+        self.ooms.with_label_values(&[label]).get()
     }
 
     pub fn new() -> Metrics {

@@ -1389,7 +1389,7 @@ mod adaptive {
             .expect("the last one matches");
         let elapsed = started.elapsed().as_secs_f64();
         engine.unload(subject.model).await;
-        let ooms = metrics.ooms(&bucket);
+        let ooms = metrics.ooms(&bucket.label());
         Ok(Outcome {
             images_per_s: done as f64 / elapsed,
             ooms,

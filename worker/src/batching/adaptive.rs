@@ -931,12 +931,12 @@ mod tests {
         assert_eq!(ran.len(), 8);
         assert!(failed.is_empty());
         assert_eq!(a.limit(&bucket(1)), 4, "learned");
-        assert_eq!(metrics.ooms(&bucket(1)), 1);
+        assert_eq!(metrics.ooms(&bucket(1).label()), 1);
         assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 4);
         // The next batch starts at the learned size: no OOM.
         let (sizes, _, _) = run(&a, &bucket(1), items(10..16, 1)).await;
         assert_eq!(sizes, vec![4, 2]);
-        assert_eq!(metrics.ooms(&bucket(1)), 1);
+        assert_eq!(metrics.ooms(&bucket(1).label()), 1);
     }
 
     /// A task with more rows than a call may take runs in parts of the row cap: the device
@@ -1001,7 +1001,7 @@ mod tests {
         assert_eq!(a.limit(&bucket(5)), 1);
         // Halved once (2 -> 1); the bucket is then down to one, so each runs alone with the
         // device to itself at once, and fails there.
-        assert_eq!(metrics.ooms(&bucket(5)), 1 + 2);
+        assert_eq!(metrics.ooms(&bucket(5).label()), 1 + 2);
         // Other buckets are not affected.
         assert_eq!(run(&a, &bucket(1), items(0..4, 1)).await.0, vec![4]);
     }
@@ -1035,7 +1035,7 @@ mod tests {
         // The probe of 5 fails: back to 4 (not halved), and the rest run.
         assert_eq!(run(&a, &bucket(1), items(10..16, 1)).await.0, vec![4, 2]);
         assert_eq!(a.limit(&bucket(1)), 4);
-        assert_eq!(metrics.ooms(&bucket(1)), 2);
+        assert_eq!(metrics.ooms(&bucket(1).label()), 2);
         // The next probe waits twice as long: two clean full batches are no longer enough.
         assert_eq!(run(&a, &bucket(1), items(20..28, 1)).await.0, vec![4, 4]);
         assert_eq!(a.limit(&bucket(1)), 4);
@@ -1066,12 +1066,12 @@ mod tests {
         assert_eq!(outputs[0][0].f32_rows(0, 10).unwrap(), want.as_slice());
         assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 3);
         // 10 rows, then parts of 5, then of 2: two out-of-memory errors.
-        assert_eq!(metrics.ooms(&bucket(10)), 2);
+        assert_eq!(metrics.ooms(&bucket(10).label()), 2);
         assert_eq!(a.part_rows(&bucket(10)), 2);
         // The next task of the bucket starts in parts of 2.
         let (_, ran, failed) = run(&a, &bucket(10), items([4], 10)).await;
         assert_eq!((ran.len(), failed.len()), (1, 0));
-        assert_eq!(metrics.ooms(&bucket(10)), 2);
+        assert_eq!(metrics.ooms(&bucket(10).label()), 2);
     }
 
     /// A rebuild of the sessions on a clean arena, as the worker's serving layer does it.
@@ -1162,13 +1162,13 @@ mod tests {
         assert_eq!(ran.len(), 16);
         assert_eq!(sizes, vec![8, 8]);
         assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 0);
-        assert_eq!(a.metrics.ooms(&bucket(1)), 1);
+        assert_eq!(a.metrics.ooms(&bucket(1).label()), 1);
         // A known size runs on the arena as it is; the probe above it (9) fails and 8 fits
         // after on the arena the probe left, with no rebuild.
         let (sizes, _, failed) = run(&a, &bucket(1), items(16..56, 1)).await;
         assert!(failed.is_empty(), "{failed:?}");
         assert_eq!(sizes, vec![8; 5]);
-        assert_eq!(a.metrics.ooms(&bucket(1)), 2, "one failed probe");
+        assert_eq!(a.metrics.ooms(&bucket(1).label()), 2, "one failed probe");
         assert_eq!(rebuilds.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(device.loads.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
@@ -1213,7 +1213,7 @@ mod tests {
         run(&a, &bucket(1), items(0..8, 1)).await;
         assert_eq!(a.limit(&bucket(1)), 5, "probing");
         run(&a, &bucket(1), items(8..13, 1)).await;
-        assert_eq!(metrics.ooms(&bucket(1)), 2, "the first call and the probe");
+        assert_eq!(metrics.ooms(&bucket(1).label()), 2, "the first call and the probe");
         let key = bucket(1).to_string();
         assert_eq!(
             store.get(&key),
@@ -1226,7 +1226,7 @@ mod tests {
 
         let (b, metrics) = kept(4, 2, &store).await;
         assert_eq!(run(&b, &bucket(1), items(0..16, 1)).await.0, vec![4; 4]);
-        assert_eq!(metrics.ooms(&bucket(1)), 0);
+        assert_eq!(metrics.ooms(&bucket(1).label()), 0);
         assert_eq!(b.limit(&bucket(1)), 5, "it still probes, after 4 clean batches");
     }
 
@@ -1235,7 +1235,7 @@ mod tests {
         let store = Arc::new(Kept::default());
         let (a, metrics) = kept(4, 2, &store).await;
         assert_eq!(run(&a, &bucket(1), items(0..8, 1)).await.0, vec![4, 4]);
-        assert_eq!(metrics.ooms(&bucket(1)), 1);
+        assert_eq!(metrics.ooms(&bucket(1).label()), 1);
         let key = bucket(1).to_string();
         assert_eq!(
             store.get(&key),
@@ -1251,7 +1251,7 @@ mod tests {
         let (b, metrics) = kept(4, 16, &store).await;
         assert_eq!(b.limit(&bucket(1)), 4, "starts at the stored ceiling");
         assert_eq!(run(&b, &bucket(1), items(0..12, 1)).await.0, vec![4, 4, 4]);
-        assert_eq!(metrics.ooms(&bucket(1)), 0);
+        assert_eq!(metrics.ooms(&bucket(1).label()), 0);
 
         // A ceiling that probes back up to its maximum is forgotten.
         let (c, _) = kept(64, 1, &store).await;

@@ -100,6 +100,12 @@ impl Tensor {
         }
     }
 
+    /// Every f32 element, or an error naming the tensor for another element type.
+    pub fn floats(&self) -> Result<&[f32], super::error::EngineError> {
+        self.f32_rows(0, self.rows())
+            .ok_or_else(|| super::error::EngineError::Run(format!("`{}` must be float32", self.name)))
+    }
+
     /// The f32 elements of rows `start..end`, or `None` for another element type.
     pub fn f32_rows(&self, start: usize, end: usize) -> Option<&[f32]> {
         let n = self.row_len();

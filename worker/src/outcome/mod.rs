@@ -7,6 +7,7 @@
 //! A task given up at shutdown (or whose partition was taken away) is never acknowledged: the
 //! next owner reads it again.
 
+pub(crate) mod failure;
 pub(crate) mod progress;
 pub(crate) mod publish;
 
@@ -21,10 +22,12 @@ use uuid::Uuid;
 
 use crate::events::{DeadLettered, Emit, TaskEnded, TaskSucceeded};
 use crate::metrics::Metrics;
+use crate::outcome::failure::Failure;
 use crate::outcome::publish::Publish;
-use crate::pipeline::task::{Failure, Job, Record};
+use crate::pipeline::task::Job;
 use crate::retry::{GaveUp, RetryPolicy, retry};
 use crate::source::offsets::Offsets;
+use crate::source::record::Record;
 
 /// Who a task is, for its completion event: all of it for a decoded task, what could be read for
 /// a record that failed to decode.

@@ -14,9 +14,10 @@ use sluice_service::kafka_failure::{self, Failure as KafkaFailure};
 use thiserror::Error;
 use uuid::Uuid;
 
-use crate::pipeline::task::{Failure, Origin, Record};
+use crate::outcome::failure::Failure;
 use crate::retry::Retriable;
 use crate::source::commit::{OutRecord, Outbox};
+use crate::source::record::{Origin, Record};
 
 #[derive(Debug, Error)]
 #[error("publishing to {topic} failed ({failure}): {source}")]

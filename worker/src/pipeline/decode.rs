@@ -10,10 +10,12 @@ use sluice_schemas::{DlqReason, Timings, decode_task};
 use tokio::sync::mpsc;
 
 use crate::models::{Bucket, ModelError};
+use crate::outcome::failure::Failure;
 use crate::outcome::{Failed, Success, TaskIdentity};
 use crate::panics;
-use crate::pipeline::task::{Failure, Job, Record};
+use crate::pipeline::task::Job;
 use crate::source::crash_guard::Verdict;
+use crate::source::record::Record;
 
 use super::DecodeStage;
 
@@ -45,7 +47,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.
         let check = stage.redelivery.admit(&job.record.origin, replayed).await || job.task.idempotency.is_some();
-        let current = |o: &crate::pipeline::task::Origin| stage.offsets.is_current(o);
+        let current = |o: &crate::source::record::Origin| stage.offsets.is_current(o);
         let earlier = match stage.running.claim(job.task.task_id, &job.record.origin, current) {
             Ok(claim) => {
                 job.claim = Some(claim);
@@ -65,7 +67,7 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let (stage2, to_batcher) = (stage.clone(), to_batcher.clone());
         stage.tasks.spawn(async move {
             if earlier {
-                let current = |o: &crate::pipeline::task::Origin| stage2.offsets.is_current(o);
+                let current = |o: &crate::source::record::Origin| stage2.offsets.is_current(o);
                 job.claim = Some(
                     stage2
                         .running

@@ -11,8 +11,8 @@ use sluice_schemas::{CompletionStatus, DlqReason, OutputRef, Timings};
 use crate::engine::Tensor;
 use crate::models::ModelError;
 use crate::outcome::Success;
+use crate::outcome::failure::Failure;
 use crate::panics;
-use crate::pipeline::task::Failure;
 
 use super::{FinishStage, Item};
 

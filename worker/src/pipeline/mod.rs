@@ -158,9 +158,10 @@ mod tests {
     use crate::models::Registry;
     use crate::models::serving::Health;
     use crate::outcome::OutcomeSettings;
+    use crate::outcome::failure::Failure;
     use crate::outcome::publish::{Publish, PublishError};
-    use crate::pipeline::task::{Failure, Record};
     use crate::source::offsets::TopicPartition;
+    use crate::source::record::Record;
     use crate::source::redelivery::RedeliveryCheck;
     use crate::testing::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED};
 
@@ -194,7 +195,7 @@ mod tests {
     impl Publish for Recorder {
         fn completion<'a>(
             &'a self,
-            _origin: &'a crate::pipeline::task::Origin,
+            _origin: &'a crate::source::record::Origin,
             event: &'a CompletionEvent,
             _trace: Option<&'a crate::outcome::publish::TraceHeaders>,
         ) -> BoxFuture<'a, Result<(), PublishError>> {
@@ -217,7 +218,7 @@ mod tests {
     struct NeverStarted;
 
     impl RedeliveryCheck for NeverStarted {
-        fn admit<'a>(&'a self, _: &'a crate::pipeline::task::Origin, _: bool) -> BoxFuture<'a, bool> {
+        fn admit<'a>(&'a self, _: &'a crate::source::record::Origin, _: bool) -> BoxFuture<'a, bool> {
             Box::pin(async { false })
         }
     }

@@ -13,8 +13,9 @@ use crate::batching::adaptive::{BatchItem, Done};
 use crate::batching::batcher::{Batch, BatchRequests};
 use crate::engine::EngineError;
 use crate::models::{Bucket, ModelError};
+use crate::outcome::failure::Failure;
 use crate::panics;
-use crate::pipeline::task::{Failure, Job};
+use crate::pipeline::task::Job;
 
 use super::finish::{Ran, finish};
 use super::{EngineStage, Item};
@@ -52,7 +53,7 @@ async fn run_batch(stage: &EngineStage, batch: Batch<Job>) {
         Some(_) => Some(stage.crash_guard.alone().await),
         None => None,
     };
-    let origins: Vec<&crate::pipeline::task::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
+    let origins: Vec<&crate::source::record::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
     stage.crash_guard.starting(&origins).await;
     stage.adaptive.run(&bucket, items, |done| on_done(stage, &bucket, done)).await;
 }

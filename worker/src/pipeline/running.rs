@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
-use crate::pipeline::task::Origin;
+use crate::source::record::Origin;
 
 /// How often a waiting record looks again whether the hold it waits on is still current.
 const RECHECK: Duration = Duration::from_millis(500);

@@ -30,9 +30,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::{Emit, OffsetsCommitted};
 use crate::metrics::Metrics;
-use crate::pipeline::task::Origin;
 use crate::source::TaskConsumer;
 use crate::source::offsets::{Commit, Offsets, TopicPartition};
+use crate::source::record::Origin;
 use crate::source::redelivery::lease_metadata;
 
 /// How long one transactional step may block.

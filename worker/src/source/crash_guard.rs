@@ -22,9 +22,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::pipeline::task::Origin;
 use crate::source::offset_list;
 use crate::source::offsets::Offsets;
+use crate::source::record::Origin;
 
 /// What decides a record's fate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

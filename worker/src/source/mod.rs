@@ -12,6 +12,7 @@ pub(crate) mod done_ahead;
 pub(crate) mod offset_list;
 pub(crate) mod offsets;
 pub(crate) mod orphans;
+pub(crate) mod record;
 pub(crate) mod redelivery;
 
 use std::sync::Arc;
@@ -29,9 +30,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::{Emit, LagObserved, PartitionsAssigned, PartitionsRevoked, Paused, PollGap, RebalanceFailed, RecordReceived};
 use crate::metrics::Metrics;
-use crate::pipeline::task::{Origin, Record};
 use crate::source::commit::Committer;
 use crate::source::offsets::{Offsets, TopicPartition};
+use crate::source::record::{Origin, Record};
 
 /// Consumer callbacks: rebalances, statistics (for lag).
 pub(crate) struct SourceContext {

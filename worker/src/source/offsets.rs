@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use sluice_service::ordered_acks::OrderedAcks;
 
-use crate::pipeline::task::Origin;
+use crate::source::record::Origin;
 
 /// A topic partition.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

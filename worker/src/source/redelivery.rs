@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::pipeline::task::Origin;
 use crate::source::offsets::{LeaseState, Offsets, TopicPartition};
+use crate::source::record::Origin;
 
 /// Decides, per record, whether an earlier delivery may have started it.
 pub trait RedeliveryCheck: Send + Sync {

@@ -288,11 +288,6 @@ pub(super) fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, Engine
         .ok_or_else(|| EngineError::Run(format!("stable diffusion call without `{name}`")))
 }
 
-pub(super) fn floats(t: &Tensor) -> Result<&[f32], EngineError> {
-    t.f32_rows(0, t.rows())
-        .ok_or_else(|| EngineError::Run(format!("`{}` must be float32", t.name)))
-}
-
 /// `get_guidance_scale_embedding(w, dim)` of diffusers' LCM pipeline: sin then cos of
 /// `w * 1000 * exp(-ln(10000) k / (dim/2 - 1))`.
 pub fn guidance_embedding(w: f32, dim: usize) -> Vec<f32> {
@@ -318,10 +313,10 @@ impl Backend for SdBackend {
         let n = latents_in.rows();
         let latent_shape = latents_in.shape.clone();
         let per_image: usize = latent_shape[1..].iter().product();
-        let guidance = floats(input(call, "guidance")?)?.to_vec();
+        let guidance = input(call, "guidance")?.floats()?.to_vec();
         let text = self.conditioning(call, &bucket, n, &guidance)?;
         let noise = if schedule.noise_draws() > 0 {
-            Some(floats(input(call, "noise")?)?)
+            Some(input(call, "noise")?.floats()?)
         } else {
             None
         };
@@ -330,7 +325,7 @@ impl Backend for SdBackend {
             Mode::Text => None,
             mode => Some(self.image_latents(call, mode, bucket.begin, n, per_image)?),
         };
-        let start = floats(latents_in)?;
+        let start = latents_in.floats()?;
         let mut rows = Rows {
             latents: match &image {
                 Some(image) => image.initial(&schedule, start)?,
@@ -448,9 +443,9 @@ impl SdBackend {
         };
         if let (Some(uncond), Ok(zero)) = (uncond.as_mut(), input(call, "uncond_zero")) {
             // SDXL's force_zeros_for_empty_prompt: rows whose negative prompt is absent.
-            zero_rows(uncond, floats(zero)?);
+            zero_rows(uncond, zero.floats()?);
             if let Some(p) = uncond_pooled.as_mut() {
-                zero_rows(p, floats(zero)?);
+                zero_rows(p, zero.floats()?);
             }
         }
         let time_cond = self
@@ -551,7 +546,7 @@ impl SdBackend {
             .vae_encoder
             .as_mut()
             .ok_or_else(|| EngineError::Run("img2img and inpainting need the export's vae_encoder/model.onnx".into()))?;
-        let draw = floats(input(call, "image_noise")?)?;
+        let draw = input(call, "image_noise")?.floats()?;
         if draw.len() != rows * per_image {
             return Err(EngineError::Run(format!(
                 "`image_noise` has {} values, expected {rows}x{per_image}",

@@ -13,7 +13,6 @@
 //! - an ordinary UNet inpaints by blending the known region back after every step: the encoded
 //!   image noised to the next step (not noised after the last), `(1 - mask) · known + mask · x`.
 
-use super::backend::floats;
 use super::schedulers::Schedule;
 use crate::engine::{EngineError, OrtBackend, Tensor};
 
@@ -51,7 +50,7 @@ pub(super) struct ImageCall<'a> {
 impl ImageLatents {
     /// Encodes what the call's mode needs on `encoder`.
     pub(super) fn encode(encoder: &mut OrtBackend, call: ImageCall<'_>) -> Result<ImageLatents, EngineError> {
-        let image = floats(call.image)?;
+        let image = call.image.floats()?;
         let (n, h, w) = (call.image.shape[0], call.image.shape[2], call.image.shape[3]);
         let mut sample = |pixels: &[f32]| sample_latents(encoder, pixels, [n, 3, h, w], call.draw, call.scaling_factor);
         let inpainting = call.mask.is_some();
@@ -62,7 +61,7 @@ impl ImageLatents {
         let (mut mask, mut masked) = (None, None);
         let (lh, lw) = (h / call.vae_scale, w / call.vae_scale);
         if let Some(m) = call.mask {
-            let m = floats(m)?;
+            let m = m.floats()?;
             // torch's nearest interpolation to (h/8, w/8): the pixel at (8y, 8x).
             let small: Vec<f32> = m
                 .chunks(h * w)
@@ -168,7 +167,7 @@ fn sample_latents(
         .into_iter()
         .next()
         .ok_or_else(|| EngineError::Run("vae_encoder has no output".into()))?;
-    let params = floats(&parameters)?;
+    let params = &parameters.floats()?;
     let per_params = params.len() / distinct.len().max(1);
     let half = per_params / 2;
     let per_draw = draw.len() / rows.max(1);

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use super::layout::{FlowFamily, FlowLayout};
 use crate::engine::{Backend, Call, ElementKind, EngineError, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
-use crate::models::diffusion::backend::{Hidden, encode, floats, guided, input, join_features, note_cancellations, row_owners, vae_decode};
+use crate::models::diffusion::backend::{Hidden, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode};
 use crate::models::diffusion::request::SdBucket;
 use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
 
@@ -491,12 +491,12 @@ impl Backend for FlowBackend {
             .map_err(|_| EngineError::Run(format!("`latents` of shape {latent_shape:?}: expected [n, c, h, w]")))?;
         check_call(call, &self.layout, n, dims)?;
         let per_row: usize = dims.iter().product();
-        let guidance = floats(input(call, "guidance")?)?.to_vec();
+        let guidance = input(call, "guidance")?.floats()?.to_vec();
         let (at, end) = step_ranges(call, n, schedule.steps())?;
         let owner = row_owners(call, n)?;
         // Everything checked before the text encoders run (and, on demand, load).
         let text = self.conditioning(call, bucket.cfg)?;
-        let start = floats(latents_in)?;
+        let start = latents_in.floats()?;
         let flux = self.layout.family == FlowFamily::Flux;
         let mut rows = FlowRows {
             latents: match flux {
