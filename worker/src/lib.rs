@@ -7,6 +7,7 @@ pub mod config;
 pub mod engine;
 mod events;
 mod http;
+mod lifecycle;
 pub mod metrics;
 pub mod models;
 mod outcome;
@@ -16,6 +17,5 @@ mod retry;
 mod source;
 pub mod storage;
 mod testing;
-mod worker;
 
-pub use worker::{Exit, Models, StartError, run};
+pub use lifecycle::{Exit, Models, StartError, run};

@@ -13,15 +13,15 @@
 //! touches.
 
 mod decode;
+mod engine_stage;
 mod finish;
 mod gauges;
-mod run;
 pub(crate) mod running;
 pub(crate) mod task;
 
 pub(crate) use decode::decode;
+pub(crate) use engine_stage::engine;
 pub(crate) use gauges::gauges;
-pub(crate) use run::engine;
 
 use std::future::Future;
 use std::sync::Arc;
