@@ -2,6 +2,7 @@
 //! in the map, and the map lists nothing that is not there. The map is the `text` block under the
 //! heading `## Module map`: a root (`worker/src/`) at no indent, then one entry per line,
 //! indented two spaces per folder level, its name first (folders end in `/`), what it owns after.
+//! Every `mod.rs` stays thin (under 250 lines).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -82,4 +83,25 @@ fn a_map_entry_belongs_to_the_folder_above_it() {
         BTreeSet::from(["w/a.rs".to_owned(), "w/f/b.rs".to_owned(), "w/c.rs".to_owned()])
     );
     assert!(mapped("## Module map\n\n```text\nw/\n    deep.rs x\n```\n").is_err());
+}
+
+/// A `mod.rs` says what its folder is made of and holds little else: under 250 lines, so that
+/// what a folder does lives in files named for it.
+#[test]
+fn every_mod_rs_is_thin() {
+    const MOST: usize = 250;
+    let repo = crate::stack::repo_root();
+    let mut files = BTreeSet::new();
+    for root in ["worker/src/", "producer/src/", "service/src/", "schemas/src/"] {
+        tree(&repo, root, &mut files);
+    }
+    let thick: Vec<String> = files
+        .iter()
+        .filter(|f| f.ends_with("/mod.rs"))
+        .map(|f| (f, std::fs::read_to_string(repo.join(f)).expect("readable").lines().count()))
+        .filter(|(_, lines)| *lines >= MOST)
+        .map(|(f, lines)| format!("{f}: {lines} lines"))
+        .collect();
+    assert!(files.iter().any(|f| f.ends_with("/mod.rs")), "no mod.rs found");
+    assert!(thick.is_empty(), "mod.rs files of {MOST} lines or more: {thick:?}");
 }

@@ -7,9 +7,12 @@
 //! A task given up at shutdown (or whose partition was taken away) is never acknowledged: the
 //! next owner reads it again.
 
+mod ending;
 pub(crate) mod failure;
 pub(crate) mod progress;
 pub(crate) mod publish;
+
+pub(crate) use ending::{Failed, Success, TaskIdentity};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +21,6 @@ use chrono::Utc;
 use sluice_schemas::{CompletionError, CompletionEvent, CompletionStatus, DlqReason, OutputRef, SCHEMA_VERSION, Timings};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use uuid::Uuid;
 
 use crate::events::{DeadLettered, Emit, TaskEnded, TaskSucceeded};
 use crate::metrics::Metrics;
@@ -28,59 +30,6 @@ use crate::pipeline::task::Job;
 use crate::retry::{GaveUp, RetryPolicy, retry};
 use crate::source::offsets::Offsets;
 use crate::source::record::Record;
-
-/// Who a task is, for its completion event: all of it for a decoded task, what could be read for
-/// a record that failed to decode.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct TaskIdentity {
-    pub task_id: Option<Uuid>,
-    pub tenant: Option<String>,
-    pub model: Option<String>,
-    pub user: Option<String>,
-}
-
-/// What failed: a decoded task, or a record that never became one.
-// Moved once per failed task, never stored in bulk: boxing would only add an allocation.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Failed {
-    Task(Job),
-    Record { record: Record, identity: TaskIdentity },
-}
-
-impl TaskIdentity {
-    fn of(task: &sluice_schemas::TaskRecord) -> TaskIdentity {
-        TaskIdentity {
-            task_id: Some(task.task_id),
-            tenant: Some(task.tenant.clone()),
-            model: Some(task.model.clone()),
-            user: task.user.clone(),
-        }
-    }
-}
-
-impl From<Job> for Failed {
-    fn from(job: Job) -> Failed {
-        Failed::Task(job)
-    }
-}
-
-impl Failed {
-    fn into_parts(self) -> (TaskIdentity, Record) {
-        match self {
-            Failed::Task(job) => (TaskIdentity::of(&job.task), job.record),
-            Failed::Record { record, identity } => (identity, record),
-        }
-    }
-}
-
-/// How a task succeeded.
-pub(crate) struct Success {
-    pub outputs: Vec<OutputRef>,
-    pub timings: Timings,
-    /// Announced again from an earlier attempt's results, not run again.
-    pub duplicate: bool,
-    pub upload: Duration,
-}
 
 /// Publishes outcomes and acknowledges offsets. Cheap to clone.
 #[derive(Clone)]
@@ -153,7 +102,13 @@ impl Outcomes {
         if task_id.is_none()
             && let Some(trace) = crate::outcome::publish::TraceHeaders::of(&record)
         {
-            self.trace_span(&record, &trace, None, Some(failure.message.as_str()));
+            trace.export_span(
+                &record,
+                &self.inner.group,
+                &self.inner.worker_id,
+                None,
+                Some(failure.message.as_str()),
+            );
         }
         if task_id.is_some() {
             let timings = Timings {
@@ -270,36 +225,14 @@ impl Outcomes {
         .await
         .is_ok();
         if sent && let Some(trace) = &trace {
-            self.trace_span(record, trace, Some(event), event.error.as_ref().map(|e| e.message.as_str()));
+            trace.export_span(
+                record,
+                &self.inner.group,
+                &self.inner.worker_id,
+                Some(event),
+                event.error.as_ref().map(|e| e.message.as_str()),
+            );
         }
         sent
-    }
-
-    /// The worker's span of a record, from its receipt to its announced outcome, for OTLP export
-    /// (OpenTelemetry's messaging conventions for a Kafka consumer).
-    fn trace_span(
-        &self,
-        record: &Record,
-        trace: &crate::outcome::publish::TraceHeaders,
-        event: Option<&CompletionEvent>,
-        error: Option<&str>,
-    ) {
-        use sluice_service::otlp::{KafkaOperation, Span};
-        let o = &record.origin;
-        let now = std::time::SystemTime::now();
-        let start = now.checked_sub(record.received_at.elapsed()).unwrap_or(now);
-        let key = record.key.as_deref().and_then(|k| std::str::from_utf8(k).ok());
-        let mut span = Span::kafka(KafkaOperation::Process, &o.topic, trace.context, Some(trace.parent), start)
-            .message(key, Some((o.partition, o.offset)))
-            .failed(error.map(str::to_owned))
-            .attr("messaging.consumer.group.name", self.inner.group.clone())
-            .attr("sluice.worker.id", self.inner.worker_id.clone());
-        if let Some(event) = event {
-            span = span
-                .attr("sluice.task.id", event.task_id.to_string())
-                .attr("sluice.model", event.model.clone())
-                .attr("sluice.task.status", event.status.as_str());
-        }
-        sluice_service::otlp::record(span);
     }
 }

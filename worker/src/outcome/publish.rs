@@ -63,6 +63,28 @@ pub(crate) struct TraceHeaders {
 }
 
 impl TraceHeaders {
+    /// The worker's span of a record, from its receipt to its announced outcome, exported over
+    /// OTLP (OpenTelemetry's messaging conventions for a Kafka consumer).
+    pub(crate) fn export_span(&self, record: &Record, group: &str, worker_id: &str, event: Option<&CompletionEvent>, error: Option<&str>) {
+        use sluice_service::otlp::{KafkaOperation, Span};
+        let o = &record.origin;
+        let now = std::time::SystemTime::now();
+        let start = now.checked_sub(record.received_at.elapsed()).unwrap_or(now);
+        let key = record.key.as_deref().and_then(|k| std::str::from_utf8(k).ok());
+        let mut span = Span::kafka(KafkaOperation::Process, &o.topic, self.context, Some(self.parent), start)
+            .message(key, Some((o.partition, o.offset)))
+            .failed(error.map(str::to_owned))
+            .attr("messaging.consumer.group.name", group.to_owned())
+            .attr("sluice.worker.id", worker_id.to_owned());
+        if let Some(event) = event {
+            span = span
+                .attr("sluice.task.id", event.task_id.to_string())
+                .attr("sluice.model", event.model.clone())
+                .attr("sluice.task.status", event.status.as_str());
+        }
+        sluice_service::otlp::record(span);
+    }
+
     /// From a task record's headers; `None` when it carries no valid `traceparent`.
     pub(crate) fn of(record: &Record) -> Option<TraceHeaders> {
         use sluice_service::trace::{TRACEPARENT, TRACESTATE, TraceContext};
