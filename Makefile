@@ -23,7 +23,7 @@ help:
 	@echo "make chaos       the full chaos suite (longer than the variant in make test)"
 	@echo "make stack-up    start the broker and the S3 server; settings in $(STACK)/env"
 	@echo "make stack-down  stop them"
-	@echo "make lint        rustfmt and clippy"
+	@echo "make lint        rustfmt, clippy, hadolint, ruff and shellcheck"
 	@echo "make assets-cuda ONNX Runtime's CUDA flavour for the driver's CUDA 12 or 13, with its libraries (PyPI)"
 	@echo "make gpu-check   the CUDA path on a GPU node (SLUICE_GPU_CHECK_DEVICE=cpu rehearses it here)"
 	@echo "make gpu-bench   an SD-1.5-shaped model on a GPU node: raw vs end to end, GPU busy, share of peak"
@@ -100,8 +100,13 @@ fuzz:
 bench: setup
 	$(BIN)/sluice-bench
 
-lint: tools
+# Rust (rustfmt, clippy), the Dockerfiles (hadolint), the Python scripts and client (ruff, rules in
+# ruff.toml) and the shell scripts (shellcheck); the tools pinned in scripts/install-tools.sh.
+lint:
+	scripts/install-tools.sh lint-tools
 	$(CACHE)/tools/hadolint-2.15.1/bin/hadolint deploy/docker/*.Dockerfile
+	$(CACHE)/tools/ruff-0.17.6/bin/ruff check --no-cache scripts clients/python
+	$(CACHE)/tools/shellcheck-0.11.0.1/bin/shellcheck $$(git ls-files '*.sh') .ci/run
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --locked --workspace --all-targets -- -D warnings
 

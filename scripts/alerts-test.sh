@@ -5,7 +5,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 "$here/install-tools.sh" prometheus
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
-promtool="$(ls -d "$CACHE"/tools/prometheus-*/usr/bin/promtool | head -1)"
+promtool="$(find "$CACHE/tools" -mindepth 4 -maxdepth 4 -path "$CACHE/tools/prometheus-*/usr/bin/promtool" | sort | head -1)"
 cd "$here/../helm/sluice"
 "$promtool" check rules files/alerts.yaml
 "$promtool" test rules tests/alerts.test.yaml

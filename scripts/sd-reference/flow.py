@@ -60,10 +60,8 @@ import sdxl  # noqa: E402
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
-import diffusers  # noqa: E402
 import transformers  # noqa: E402
 from diffusers import (  # noqa: E402
     AutoencoderKL,

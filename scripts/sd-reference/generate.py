@@ -121,7 +121,7 @@ TOKEN_PROMPTS = [
     "<|startoftext|> literal special tokens <|endoftext|>",
     "...!!!???",
     NEGATIVE_PROMPT,
-    " ".join(["word%d" % i if i % 7 == 0 else w for i, w in enumerate((
+    " ".join([f"word{i}" if i % 7 == 0 else w for i, w in enumerate((
         "the quick brown fox jumps over the lazy dog while a gentle breeze moves the tall grass "
     ).split() * 10)][:100]),
     LONG_PROMPT,

@@ -36,9 +36,7 @@ import contextlib
 import json
 import logging
 import math
-import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import time

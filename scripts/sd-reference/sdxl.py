@@ -42,10 +42,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
-import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -59,9 +56,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
 
-import diffusers  # noqa: E402
 import transformers  # noqa: E402
 from diffusers import (  # noqa: E402
     AutoencoderKL,

@@ -7,7 +7,7 @@ cannot drift. Values are what the JSON holds: timestamps stay RFC 3339 strings.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, Union
+from typing import Literal, TypedDict
 
 TaskState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
 """`task-status.schema.json#/properties/status`."""
@@ -204,4 +204,4 @@ class WebhookSpec(_WebhookRequired, total=False):
     events: list[WebhookEvent]
 
 
-JSONValue = Union[str, int, float, bool, None, list["JSONValue"], dict[str, "JSONValue"]]
+JSONValue = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
