@@ -460,7 +460,7 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
         ]
     );
     let sd = &models["models"][1];
-    assert_eq!(sd["kind"], "stable-diffusion");
+    assert_eq!(sd["kind"], "diffusion");
     assert_eq!(sd["width"], json!({"min": 64, "max": 256, "default": 64}));
     assert_eq!(sd["default_sampler"], "euler");
 

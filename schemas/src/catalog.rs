@@ -10,7 +10,7 @@
 //!
 //! [[model]]
 //! name = "sd15"
-//! kind = "stable-diffusion"
+//! kind = "diffusion"
 //! path = "sd15-onnx"            # relative to SLUICE_MODEL_DIR, or absolute; default: the name
 //! width = { min = 256, max = 768, default = 512 }
 //! height = { min = 256, max = 768, default = 512 }
@@ -28,7 +28,7 @@
 //!
 //! [[model]]
 //! name = "flux-schnell"
-//! kind = "stable-diffusion"    # the family (SD, SDXL, FLUX.1, SD3) is read from model_index.json
+//! kind = "diffusion"    # the family (SD, SDXL, FLUX.1, SD3) is read from model_index.json
 //! size_multiple = 16
 //! samplers = ["flow_euler"]    # FLUX.1 and SD3 run flow_euler alone
 //! default_sampler = "flow_euler"
@@ -52,15 +52,20 @@ use crate::{Generation, Sampler, TaskRequest, Violation};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ModelKind {
+    /// The pretrained terrain model.
     Terrain,
-    StableDiffusion,
+    /// A diffusion model from an Optimum ONNX export, its family read from `model_index.json`:
+    /// Stable Diffusion 1.x/2.x, SDXL, FLUX.1 or SD3. `stable-diffusion`, its name before FLUX.1
+    /// and SD3 joined, is still read.
+    #[serde(alias = "stable-diffusion")]
+    Diffusion,
 }
 
 impl ModelKind {
     pub fn as_str(self) -> &'static str {
         match self {
             ModelKind::Terrain => "terrain",
-            ModelKind::StableDiffusion => "stable-diffusion",
+            ModelKind::Diffusion => "diffusion",
         }
     }
 }
@@ -279,7 +284,7 @@ impl CatalogModel {
     pub fn max_task_pixels(&self) -> u64 {
         self.task_pixels.unwrap_or(match self.kind {
             ModelKind::Terrain => TERRAIN_TASK_PIXELS,
-            ModelKind::StableDiffusion => SD_TASK_PIXELS,
+            ModelKind::Diffusion => SD_TASK_PIXELS,
         })
     }
 
@@ -287,7 +292,7 @@ impl CatalogModel {
     pub fn max_task_rows(&self) -> u64 {
         self.task_rows.unwrap_or(match self.kind {
             ModelKind::Terrain => TERRAIN_TASK_ROWS,
-            ModelKind::StableDiffusion => SD_TASK_ROWS,
+            ModelKind::Diffusion => SD_TASK_ROWS,
         })
     }
 
@@ -298,7 +303,7 @@ impl CatalogModel {
                 let params = terrain::Params::from_map(&g.params)?;
                 terrain::rows(g.width, g.height, g.num_images, params.tile_overlap)
             }
-            ModelKind::StableDiffusion => u64::from(g.num_images),
+            ModelKind::Diffusion => u64::from(g.num_images),
         })
     }
 
@@ -340,7 +345,7 @@ impl CatalogModel {
                         &["width", "height", "num_images", "params.tile_overlap"],
                         "128×128 tiles of every image",
                     ),
-                    ModelKind::StableDiffusion => (&["num_images"], "images"),
+                    ModelKind::Diffusion => (&["num_images"], "images"),
                 };
                 name_all(
                     &mut v,
@@ -382,7 +387,7 @@ impl CatalogModel {
         if !(g.min <= g.default && g.default <= g.max) {
             return bad(format!("guidance_scale: need min <= default <= max, got {g:?}"));
         }
-        if self.kind == ModelKind::StableDiffusion {
+        if self.kind == ModelKind::Diffusion {
             if let Some(s) = self.samplers.iter().find(|s| Sampler::parse(s).is_none()) {
                 return bad(format!("sampler {s:?} is not one of {}", Sampler::names()));
             }
@@ -692,6 +697,19 @@ width = { min = 64, max = 256, default = 64 }
 height = { min = 64, max = 256, default = 64 }
 steps = { min = 1, max = 20, default = 4 }
 "#;
+
+    /// `diffusion` names what the kind covers (SD, SDXL, FLUX.1, SD3); catalogs written with its
+    /// old name, `stable-diffusion`, still load, and both are reported as `diffusion`.
+    #[test]
+    fn the_diffusion_kind_is_read_under_both_names() {
+        let old = Catalog::parse(SD).unwrap();
+        let new = Catalog::parse(&SD.replace("stable-diffusion", "diffusion")).unwrap();
+        for c in [old, new] {
+            let m = c.get("sd-tiny").unwrap();
+            assert_eq!((m.kind, m.kind.as_str()), (ModelKind::Diffusion, "diffusion"));
+        }
+        assert!(Catalog::parse(&SD.replace("stable-diffusion", "flux")).is_err());
+    }
 
     fn request(json: serde_json::Value) -> TaskRequest {
         serde_json::from_value(json).unwrap()

@@ -80,7 +80,7 @@ impl RecordKind {
     pub fn request_of(kind: crate::ModelKind) -> RecordKind {
         match kind {
             crate::ModelKind::Terrain => RecordKind::TerrainRequest,
-            crate::ModelKind::StableDiffusion => RecordKind::StableDiffusionRequest,
+            crate::ModelKind::Diffusion => RecordKind::StableDiffusionRequest,
         }
     }
 

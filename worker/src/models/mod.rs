@@ -177,7 +177,7 @@ impl Registry {
             let entry = catalog.get(name).ok_or_else(|| format!("model {name} is not in the catalog"))?;
             let adapter: Arc<dyn ModelAdapter> = match entry.kind {
                 sluice_schemas::ModelKind::Terrain => Arc::new(terrain::Terrain::new(runtime.clone())),
-                sluice_schemas::ModelKind::StableDiffusion => {
+                sluice_schemas::ModelKind::Diffusion => {
                     let settings = diffusion::FlowSettings::of(entry);
                     let sd = diffusion::StableDiffusion::open_with(runtime.clone(), name, dir, settings)
                         .map_err(|e| format!("model {name}: {e}"))?;

@@ -31,8 +31,8 @@ use self::schedulers::Sampler;
 use super::{Bucket, InputImages, Prepared};
 use crate::engine::Runtime;
 
-/// The `kind` of Stable Diffusion models in the catalog.
-pub const KIND: &str = "stable-diffusion";
+/// The `kind` of diffusion models in the catalog (`stable-diffusion` is still read).
+pub const KIND: &str = "diffusion";
 
 /// A diffusion model served under `name`.
 pub struct StableDiffusion {
