@@ -13,7 +13,7 @@ STACK ?= .stack
 
 
 .PHONY: assets-cuda gpu-check gpu-bench gpu-pack alerts-test images python-client
-.PHONY: help setup tools stack-tools assets build demo test unit-test integration-test chaos fuzz bench stack-up stack-down stack-status lint fmt helm-lint clean
+.PHONY: help setup tools stack-tools assets build demo demo-bins test unit-test integration-test chaos fuzz bench stack-up stack-down stack-status lint fmt helm-lint clean
 
 help:
 	@echo "make demo        set up and run the pipeline end to end on the local stack"
@@ -76,7 +76,11 @@ stack-down:
 stack-status:
 	scripts/stack.sh status $(STACK)
 
-demo: stack-tools assets build stack-up
+# The binaries the demo runs, and only those (not sluice-bench).
+demo-bins:
+	$(CARGO) build --release --locked --bin sluice-worker --bin sluice-producer --bin sluice-demo
+
+demo: stack-tools assets demo-bins stack-up
 	$(BIN)/sluice-demo
 
 unit-test: assets build
