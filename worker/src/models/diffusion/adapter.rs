@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use sluice_schemas::TaskRecord;
 
-use super::backend::SdBackend;
 use super::flow::backend::FlowBackend;
 use super::flow::layout::FlowLayout;
 use super::layout::{LayoutError, SdLayout};
 use super::request::Mode;
+use super::unet::backend::SdBackend;
 use super::{Pipeline, StableDiffusion};
 use crate::engine::{Backend, EngineError, SessionOptions};
 use crate::models::{Bucket, InputImages, ModelAdapter, ModelError, Prepared};

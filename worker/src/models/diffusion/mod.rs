@@ -3,20 +3,20 @@
 //! of the [`schedulers`], the VAE decoder) and the flow-matching transformers FLUX.1 and SD3
 //! ([`flow`]).
 //!
-//! [`layout`] reads a UNet model's directory, [`request`] turns a task into inputs and outputs
-//! into PNGs, [`backend`] runs the sessions.
+//! [`layout`] reads a model's directory, [`unet`] runs the UNet families and [`flow`] the
+//! transformers; [`request`] turns a task into inputs and outputs into PNGs for both.
 
 mod adapter;
-pub mod backend;
 pub mod flow;
-mod image;
 pub mod input;
 pub mod layout;
 pub mod npy;
 mod python_json;
 pub mod request;
 pub mod schedulers;
+mod stages;
 pub mod tokenizer;
+pub mod unet;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -18,9 +18,9 @@ use std::sync::Arc;
 
 use super::layout::{FlowFamily, FlowLayout};
 use crate::engine::{Backend, Call, ElementKind, EngineError, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
-use crate::models::diffusion::backend::{Hidden, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode};
 use crate::models::diffusion::request::SdBucket;
 use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
+use crate::models::diffusion::stages::{Hidden, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode};
 
 /// Where a flow model's text encoders live (the catalog's `text_encoders`): FLUX's T5-XXL is
 /// 4.7 B parameters beside a 12 B transformer, so on one GPU they compete for memory.

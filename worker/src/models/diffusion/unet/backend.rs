@@ -16,11 +16,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::image::{ImageCall, ImageLatents, distinct_rows};
-use super::layout::{Family, SdLayout};
-use super::request::{Mode, SdBucket};
-use super::schedulers::{ImageState, Schedule};
+use super::image::{ImageCall, ImageLatents};
 use crate::engine::{Backend, Call, ElementKind, EngineError, InputInfo, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
+use crate::models::diffusion::layout::{Family, SdLayout};
+use crate::models::diffusion::request::{Mode, SdBucket};
+use crate::models::diffusion::schedulers::{ImageState, Schedule};
+use crate::models::diffusion::stages::{Hidden, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode};
 
 /// How the UNet wants its timestep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +154,7 @@ impl SdBackend {
         if let Some(s) = self.schedules.get(bucket) {
             return Ok(s.clone());
         }
-        let run = |e: super::schedulers::ScheduleError| EngineError::Run(e.to_string());
+        let run = |e: crate::models::diffusion::schedulers::ScheduleError| EngineError::Run(e.to_string());
         let mut schedule = Schedule::new(bucket.sampler, &self.layout.scheduler, bucket.steps).map_err(run)?;
         if bucket.mode != Mode::Text {
             schedule = schedule.beginning_at(bucket.begin).map_err(run)?;
@@ -167,125 +168,6 @@ impl SdBackend {
     fn decode(&mut self, latents: &[f32], shape: &[usize]) -> Result<Vec<f32>, EngineError> {
         vae_decode(&mut self.vae_decoder, latents, shape, self.layout.scaling_factor, 0.0)
     }
-}
-
-/// Decodes unscaled latents [n, ...] to images in [0, 1] with `vae_decoder`: `latent_sample` =
-/// `latents / scaling + shift`, `sample / 2 + 0.5` clamped. One image at a time when the whole
-/// batch runs out of memory (the classic high-resolution OOM), so a batch whose denoising fit is
-/// not thrown away for its decode.
-pub(super) fn vae_decode(
-    vae: &mut OrtBackend,
-    latents: &[f32],
-    shape: &[usize],
-    scaling: f32,
-    shift: f32,
-) -> Result<Vec<f32>, EngineError> {
-    let scaled: Vec<f32> = latents.iter().map(|v| v / scaling + shift).collect();
-    let n = shape[0];
-    let run = |vae: &mut OrtBackend, data: Vec<f32>, rows: usize| -> Result<Vec<f32>, EngineError> {
-        let mut s = shape.to_vec();
-        s[0] = rows;
-        let out = vae.run_tensors(&[Tensor::f32("latent_sample", s, data)])?;
-        let sample = out
-            .into_iter()
-            .next()
-            .ok_or_else(|| EngineError::Run("vae_decoder has no output".into()))?;
-        match sample.data {
-            crate::engine::TensorData::F32(v) => Ok(v.into_iter().map(|x| (x / 2.0 + 0.5).clamp(0.0, 1.0)).collect()),
-            crate::engine::TensorData::I64(_) => Err(EngineError::Run("vae_decoder output is not float32".into())),
-        }
-    };
-    match run(vae, scaled.clone(), n) {
-        Err(EngineError::OutOfMemory(message)) if n > 1 => {
-            tracing::warn!(images = n, error = %message, "VAE decode ran out of memory; decoding one image at a time");
-            vae.release_memory();
-            let per = scaled.len() / n;
-            let mut images = Vec::new();
-            for chunk in scaled.chunks(per) {
-                images.extend(run(vae, chunk.to_vec(), 1)?);
-            }
-            Ok(images)
-        }
-        other => other,
-    }
-}
-
-/// Which hidden states of a text encoder a pipeline reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Hidden {
-    /// `last_hidden_state` (SD 1.x/2.x).
-    Last,
-    /// `hidden_states[-2]`, the penultimate layer's (SDXL, both encoders).
-    Penultimate,
-}
-
-/// Runs `encoder` on the token ids `ids` [n, seq], each distinct row once. Returns, per row, the
-/// `hidden` states [seq, d], and the output named `pooled` [p] if asked for (`text_embeds`, a
-/// projection's pooled output; `pooler_output`, CLIP's own).
-pub(super) fn encode(
-    encoder: &mut OrtBackend,
-    ids: &Tensor,
-    hidden: Hidden,
-    pooled: Option<&str>,
-) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
-    let seq = ids.shape[1];
-    let all = ids
-        .i64_rows(0, ids.rows())
-        .ok_or_else(|| EngineError::Run("token ids must be int64".into()))?;
-    let (distinct, index) = distinct_rows(all.chunks(seq.max(1)));
-    let batch = Tensor::i64("input_ids", vec![distinct.len(), seq], distinct.concat());
-    let out = encoder.run_tensors(&[batch])?;
-    let name = match hidden {
-        Hidden::Last => "last_hidden_state".to_owned(),
-        Hidden::Penultimate => {
-            let layers = out
-                .iter()
-                .filter_map(|t| t.name.strip_prefix("hidden_states.")?.parse::<usize>().ok())
-                .max()
-                .filter(|&last| last >= 1)
-                .ok_or_else(|| EngineError::Run("text encoder has no `hidden_states.N` outputs (SDXL reads the penultimate)".into()))?;
-            format!("hidden_states.{}", layers - 1)
-        }
-    };
-    let per_row = |name: &str| -> Result<Vec<f32>, EngineError> {
-        let t = out
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| EngineError::Run(format!("text encoder has no `{name}` output")))?;
-        let rows: Vec<&[f32]> = index
-            .iter()
-            .map(|&i| {
-                t.f32_rows(i, i + 1)
-                    .ok_or_else(|| EngineError::Run(format!("`{name}` is not float32")))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(rows.concat())
-    };
-    Ok((per_row(&name)?, pooled.map(per_row).transpose()?))
-}
-
-/// Two encoders' hidden states joined along the features of each of `tokens` tokens, as SDXL's
-/// `torch.concat(prompt_embeds_list, dim=-1)`.
-pub(super) fn join_features(a: &[f32], b: &[f32], tokens: usize) -> Result<Vec<f32>, EngineError> {
-    if tokens == 0 || !a.len().is_multiple_of(tokens) || !b.len().is_multiple_of(tokens) {
-        return Err(EngineError::Run(format!(
-            "text encoders gave {} and {} values for {tokens} tokens",
-            a.len(),
-            b.len()
-        )));
-    }
-    let (da, db) = (a.len() / tokens, b.len() / tokens);
-    Ok(a.chunks(da)
-        .zip(b.chunks(db))
-        .flat_map(|(x, y)| x.iter().chain(y).copied())
-        .collect())
-}
-
-pub(super) fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, EngineError> {
-    call.inputs
-        .iter()
-        .find(|t| t.name == name)
-        .ok_or_else(|| EngineError::Run(format!("stable diffusion call without `{name}`")))
 }
 
 /// `get_guidance_scale_embedding(w, dim)` of diffusers' LCM pipeline: sin then cos of
@@ -651,20 +533,6 @@ impl Rows<'_> {
     }
 }
 
-/// Which task owns each of the call's `n` image rows.
-pub(super) fn row_owners(call: &Call, n: usize) -> Result<Vec<usize>, EngineError> {
-    let owner: Vec<usize> = call
-        .tasks
-        .iter()
-        .enumerate()
-        .flat_map(|(t, task)| std::iter::repeat_n(t, task.rows))
-        .collect();
-    if owner.len() != n {
-        return Err(EngineError::Run(format!("tasks own {} rows, the call has {n}", owner.len())));
-    }
-    Ok(owner)
-}
-
 /// Zeroes the rows of `values` (equal parts, one per entry of `zero`) whose flag is set.
 fn zero_rows(values: &mut [f32], zero: &[f32]) {
     if zero.is_empty() {
@@ -674,21 +542,6 @@ fn zero_rows(values: &mut [f32], zero: &[f32]) {
     for (row, &z) in values.chunks_mut(per.max(1)).zip(zero) {
         if z > 0.0 {
             row.fill(0.0);
-        }
-    }
-}
-
-/// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two
-/// predictions.
-pub(super) fn guided(uncond: &[f32], cond: &[f32], g: f32) -> Vec<f32> {
-    uncond.iter().zip(cond).map(|(u, c)| u + g * (c - u)).collect()
-}
-
-/// Marks the tasks whose clients cancelled them since the last step.
-pub(super) fn note_cancellations(call: &Call, cancelled: &mut [bool]) {
-    for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
-        if !cancelled[task] && hooks.cancelled() {
-            cancelled[task] = true;
         }
     }
 }

@@ -13,8 +13,9 @@
 //! - an ordinary UNet inpaints by blending the known region back after every step: the encoded
 //!   image noised to the next step (not noised after the last), `(1 - mask) · known + mask · x`.
 
-use super::schedulers::Schedule;
 use crate::engine::{EngineError, OrtBackend, Tensor};
+use crate::models::diffusion::schedulers::Schedule;
+use crate::models::diffusion::stages::distinct_rows;
 
 /// A call's image conditioning, per image row.
 pub(super) struct ImageLatents {
@@ -191,20 +192,6 @@ fn sample_latents(
     Ok(latents)
 }
 
-/// The distinct rows of `rows` in first-seen order, and the index of each row among them.
-pub(super) fn distinct_rows<'a, T: PartialEq + 'a>(rows: impl Iterator<Item = &'a [T]>) -> (Vec<&'a [T]>, Vec<usize>) {
-    let mut distinct: Vec<&[T]> = Vec::new();
-    let index = rows
-        .map(|row| {
-            distinct.iter().position(|d| *d == row).unwrap_or_else(|| {
-                distinct.push(row);
-                distinct.len() - 1
-            })
-        })
-        .collect();
-    (distinct, index)
-}
-
-fn run(e: super::schedulers::ScheduleError) -> EngineError {
+fn run(e: crate::models::diffusion::schedulers::ScheduleError) -> EngineError {
     EngineError::Run(e.to_string())
 }

@@ -1,0 +1,169 @@
+//! What the UNet and the flow backends both run: a text encoder's call, classifier-free guidance,
+//! the VAE decode (one image at a time when the batch runs out of memory), and a call's rows and
+//! cancellations.
+
+use crate::engine::{Backend, Call, EngineError, OrtBackend, Tensor};
+
+/// Decodes unscaled latents [n, ...] to images in [0, 1] with `vae_decoder`: `latent_sample` =
+/// `latents / scaling + shift`, `sample / 2 + 0.5` clamped. One image at a time when the whole
+/// batch runs out of memory (the classic high-resolution OOM), so a batch whose denoising fit is
+/// not thrown away for its decode.
+pub(in crate::models::diffusion) fn vae_decode(
+    vae: &mut OrtBackend,
+    latents: &[f32],
+    shape: &[usize],
+    scaling: f32,
+    shift: f32,
+) -> Result<Vec<f32>, EngineError> {
+    let scaled: Vec<f32> = latents.iter().map(|v| v / scaling + shift).collect();
+    let n = shape[0];
+    let run = |vae: &mut OrtBackend, data: Vec<f32>, rows: usize| -> Result<Vec<f32>, EngineError> {
+        let mut s = shape.to_vec();
+        s[0] = rows;
+        let out = vae.run_tensors(&[Tensor::f32("latent_sample", s, data)])?;
+        let sample = out
+            .into_iter()
+            .next()
+            .ok_or_else(|| EngineError::Run("vae_decoder has no output".into()))?;
+        match sample.data {
+            crate::engine::TensorData::F32(v) => Ok(v.into_iter().map(|x| (x / 2.0 + 0.5).clamp(0.0, 1.0)).collect()),
+            crate::engine::TensorData::I64(_) => Err(EngineError::Run("vae_decoder output is not float32".into())),
+        }
+    };
+    match run(vae, scaled.clone(), n) {
+        Err(EngineError::OutOfMemory(message)) if n > 1 => {
+            tracing::warn!(images = n, error = %message, "VAE decode ran out of memory; decoding one image at a time");
+            vae.release_memory();
+            let per = scaled.len() / n;
+            let mut images = Vec::new();
+            for chunk in scaled.chunks(per) {
+                images.extend(run(vae, chunk.to_vec(), 1)?);
+            }
+            Ok(images)
+        }
+        other => other,
+    }
+}
+
+/// Which hidden states of a text encoder a pipeline reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::models::diffusion) enum Hidden {
+    /// `last_hidden_state` (SD 1.x/2.x).
+    Last,
+    /// `hidden_states[-2]`, the penultimate layer's (SDXL, both encoders).
+    Penultimate,
+}
+
+/// Runs `encoder` on the token ids `ids` [n, seq], each distinct row once. Returns, per row, the
+/// `hidden` states [seq, d], and the output named `pooled` [p] if asked for (`text_embeds`, a
+/// projection's pooled output; `pooler_output`, CLIP's own).
+pub(in crate::models::diffusion) fn encode(
+    encoder: &mut OrtBackend,
+    ids: &Tensor,
+    hidden: Hidden,
+    pooled: Option<&str>,
+) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError> {
+    let seq = ids.shape[1];
+    let all = ids
+        .i64_rows(0, ids.rows())
+        .ok_or_else(|| EngineError::Run("token ids must be int64".into()))?;
+    let (distinct, index) = distinct_rows(all.chunks(seq.max(1)));
+    let batch = Tensor::i64("input_ids", vec![distinct.len(), seq], distinct.concat());
+    let out = encoder.run_tensors(&[batch])?;
+    let name = match hidden {
+        Hidden::Last => "last_hidden_state".to_owned(),
+        Hidden::Penultimate => {
+            let layers = out
+                .iter()
+                .filter_map(|t| t.name.strip_prefix("hidden_states.")?.parse::<usize>().ok())
+                .max()
+                .filter(|&last| last >= 1)
+                .ok_or_else(|| EngineError::Run("text encoder has no `hidden_states.N` outputs (SDXL reads the penultimate)".into()))?;
+            format!("hidden_states.{}", layers - 1)
+        }
+    };
+    let per_row = |name: &str| -> Result<Vec<f32>, EngineError> {
+        let t = out
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| EngineError::Run(format!("text encoder has no `{name}` output")))?;
+        let rows: Vec<&[f32]> = index
+            .iter()
+            .map(|&i| {
+                t.f32_rows(i, i + 1)
+                    .ok_or_else(|| EngineError::Run(format!("`{name}` is not float32")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(rows.concat())
+    };
+    Ok((per_row(&name)?, pooled.map(per_row).transpose()?))
+}
+
+/// Two encoders' hidden states joined along the features of each of `tokens` tokens, as SDXL's
+/// `torch.concat(prompt_embeds_list, dim=-1)`.
+pub(in crate::models::diffusion) fn join_features(a: &[f32], b: &[f32], tokens: usize) -> Result<Vec<f32>, EngineError> {
+    if tokens == 0 || !a.len().is_multiple_of(tokens) || !b.len().is_multiple_of(tokens) {
+        return Err(EngineError::Run(format!(
+            "text encoders gave {} and {} values for {tokens} tokens",
+            a.len(),
+            b.len()
+        )));
+    }
+    let (da, db) = (a.len() / tokens, b.len() / tokens);
+    Ok(a.chunks(da)
+        .zip(b.chunks(db))
+        .flat_map(|(x, y)| x.iter().chain(y).copied())
+        .collect())
+}
+
+pub(in crate::models::diffusion) fn input<'a>(call: &'a Call, name: &str) -> Result<&'a Tensor, EngineError> {
+    call.inputs
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| EngineError::Run(format!("stable diffusion call without `{name}`")))
+}
+
+/// Which task owns each of the call's `n` image rows.
+pub(in crate::models::diffusion) fn row_owners(call: &Call, n: usize) -> Result<Vec<usize>, EngineError> {
+    let owner: Vec<usize> = call
+        .tasks
+        .iter()
+        .enumerate()
+        .flat_map(|(t, task)| std::iter::repeat_n(t, task.rows))
+        .collect();
+    if owner.len() != n {
+        return Err(EngineError::Run(format!("tasks own {} rows, the call has {n}", owner.len())));
+    }
+    Ok(owner)
+}
+
+/// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two
+/// predictions.
+pub(in crate::models::diffusion) fn guided(uncond: &[f32], cond: &[f32], g: f32) -> Vec<f32> {
+    uncond.iter().zip(cond).map(|(u, c)| u + g * (c - u)).collect()
+}
+
+/// Marks the tasks whose clients cancelled them since the last step.
+pub(in crate::models::diffusion) fn note_cancellations(call: &Call, cancelled: &mut [bool]) {
+    for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
+        if !cancelled[task] && hooks.cancelled() {
+            cancelled[task] = true;
+        }
+    }
+}
+
+/// The distinct rows of `rows` in first-seen order, and the index of each row among them.
+pub(in crate::models::diffusion) fn distinct_rows<'a, T: PartialEq + 'a>(
+    rows: impl Iterator<Item = &'a [T]>,
+) -> (Vec<&'a [T]>, Vec<usize>) {
+    let mut distinct: Vec<&[T]> = Vec::new();
+    let index = rows
+        .map(|row| {
+            distinct.iter().position(|d| *d == row).unwrap_or_else(|| {
+                distinct.push(row);
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    (distinct, index)
+}
