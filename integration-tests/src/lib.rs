@@ -15,11 +15,15 @@ mod module_map;
 pub mod process;
 pub mod receiver;
 pub mod records;
+pub mod rejected;
+pub mod reload_memory;
 pub mod stack;
 
 pub use kafka::{Consumed, TopicReader, produce_raw};
 pub use process::{Service, bin};
 pub use records::{Outcomes, completions_for, demo_catalog, diffusion_task, ids_of, publish_tasks, sd_task, terrain_task};
+pub use rejected::{names_field, rejected_fields};
+pub use reload_memory::{ReloadRss, assert_rss_bounded};
 pub use stack::{Stack, Topics};
 
 use std::time::{Duration, Instant};

@@ -14,7 +14,8 @@ use sluice_integration_tests::cluster::{
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::receiver::{Received, Receiver};
 use sluice_integration_tests::{
-    Consumed, Outcomes, Service, Stack, TopicReader, Topics, bin, completions_for, png_info, produce_raw, sha256_hex, terrain_task,
+    Consumed, Outcomes, Service, Stack, TopicReader, Topics, bin, completions_for, names_field, png_info, produce_raw, rejected_fields,
+    sha256_hex, terrain_task,
 };
 use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord, topics};
 use tokio::sync::OnceCell;
@@ -249,12 +250,7 @@ async fn bad_requests_get_4xx_naming_the_field() {
         let (status, reply) = c.submit(&body).await.unwrap();
         assert_eq!(status, 400, "{body} -> {reply}");
         assert_eq!(reply["error"], "invalid_request");
-        let mut named: Vec<&str> = reply["fields"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|f| f["field"].as_str().unwrap())
-            .collect();
+        let mut named: Vec<&str> = rejected_fields(&reply).into_iter().map(|(f, _)| f).collect();
         named.dedup();
         assert_eq!(named, fields, "{body} -> {reply}");
         for field in fields {
@@ -266,23 +262,13 @@ async fn bad_requests_get_4xx_naming_the_field() {
     let hostile = json!({"model": "terrain", "width": 2048, "height": 2048, "num_images": 8, "params": {"tile_overlap": 96}});
     let (status, reply) = c.submit(&hostile).await.unwrap();
     assert_eq!(status, 400, "{reply}");
-    let named: BTreeSet<&str> = reply["fields"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| f["field"].as_str().unwrap())
-        .collect();
+    let named: BTreeSet<&str> = rejected_fields(&reply).into_iter().map(|(f, _)| f).collect();
     assert_eq!(
         named,
         BTreeSet::from(["width", "height", "num_images", "params.tile_overlap"]),
         "{reply}"
     );
-    let reasons: Vec<&str> = reply["fields"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| f["message"].as_str().unwrap())
-        .collect();
+    let reasons: Vec<&str> = rejected_fields(&reply).into_iter().map(|(_, m)| m).collect();
     for bound in ["max_task_pixels", "max_task_rows"] {
         assert!(reasons.iter().any(|m| m.contains(bound)), "{reply}");
     }
@@ -433,7 +419,7 @@ async fn nothing_is_open_unless_configured_open() {
     ] {
         let (status, reply) = w.reload(&body).await;
         assert_eq!(status, 400, "{reply}");
-        assert_eq!(reply["fields"][0]["field"], field, "{reply}");
+        assert_eq!(rejected_fields(&reply)[0].0, field, "{reply}");
     }
     let (status, reply) = w.reload(&json!({"model": "terrain"})).await;
     assert_eq!(status, 200, "{reply}");
@@ -767,7 +753,7 @@ async fn a_retried_request_with_its_idempotency_key_is_one_task() {
     let (s3, conflict) = post(json!({"model": "terrain", "seed": 4243}), key.clone()).await;
     assert_eq!(s3, 422, "{conflict}");
     assert_eq!(conflict["error"], "idempotency_conflict");
-    assert_eq!(conflict["fields"][0]["field"], "Idempotency-Key");
+    assert_eq!(rejected_fields(&conflict)[0].0, "Idempotency-Key");
     let (s4, bad) = post(body.clone(), "has spaces in it".into()).await;
     assert_eq!(s4, 400, "{bad}");
 
@@ -864,10 +850,7 @@ async fn a_task_past_its_deadline_expires_unrun_and_bad_deadlines_are_refused() 
     ] {
         let (status, reply) = c.submit(&body).await.unwrap();
         assert_eq!(status, 400, "{body}: {reply}");
-        assert!(
-            reply["fields"].as_array().unwrap().iter().any(|f| f["field"] == field),
-            "{body}: {reply}"
-        );
+        assert!(names_field(&reply, field), "{body}: {reply}");
     }
     // A task with a comfortable ttl runs.
     let fine = c
@@ -931,7 +914,7 @@ async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_onc
             .await
             .unwrap();
         assert_eq!(status, 400, "{url}: {body}");
-        assert_eq!(body["fields"][0]["field"], field, "{url}: {body}");
+        assert_eq!(rejected_fields(&body)[0].0, field, "{url}: {body}");
     }
 
     let task = |mode: &str| json!({"model": "terrain", "width": 64, "height": 64, "webhook": {"url": format!("{base}/hook/{mode}")}});

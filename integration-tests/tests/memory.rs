@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_json::Value;
 use sluice_integration_tests::cluster::{Worker, metric_sum, metric_value};
 use sluice_integration_tests::kafka::producer;
-use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, terrain_task, wait_for};
+use sluice_integration_tests::{Outcomes, ReloadRss, Stack, Topics, assert_rss_bounded, ids_of, publish_tasks, terrain_task, wait_for};
 use sluice_schemas::CompletionStatus;
 use tokio::sync::OnceCell;
 
@@ -264,11 +264,7 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
         assert_eq!(status, 200, "{report}");
         let report = &report["reloads"][0];
         assert_eq!(report["result"], "reloaded", "{report}");
-        rss.push((
-            report["before"]["rss_bytes"].as_u64().unwrap(),
-            report["after_unload"]["rss_bytes"].as_u64().unwrap(),
-            report["after"]["rss_bytes"].as_u64().unwrap(),
-        ));
+        rss.push(ReloadRss::of(report));
     }
     let done = outcomes(stack, &topics, &ids_of(&tasks), Duration::from_secs(300));
     assert_eq!(
@@ -277,31 +273,15 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
         "every task completed across the reloads"
     );
     eprintln!(
-        "reload RSS (MB, before/after unload/after): {}",
+        "reload RSS (MB, after unload/after): {}",
         rss.iter()
-            .map(|r| format!("{}/{}/{}", r.0 >> 20, r.1 >> 20, r.2 >> 20))
+            .map(|r| format!("{}/{}", r.after_unload >> 20, r.after >> 20))
             .collect::<Vec<_>>()
             .join(" ")
     );
-    // A leak grows with the number of reloads; the allocator's working set does not. The
-    // highest RSS after reloads 36..50 against the highest after reloads 1..15 (a window, not one
-    // sample: a reload can land between batches or in the middle of one): a leak of a fifth of
-    // the 45 MB model per reload is more than the bound.
-    let baseline = rss[..15].iter().map(|r| r.2).max().unwrap();
-    let worst = rss[35..].iter().map(|r| r.2).max().unwrap();
-    eprintln!(
-        "reload RSS: first {} MB, highest after reloads 1..15 {} MB, highest after reloads 36..50 {} MB, last {} MB, lowest after an unload {} MB; bound {} MB of growth",
-        rss[0].2 >> 20,
-        baseline >> 20,
-        worst >> 20,
-        rss[49].2 >> 20,
-        rss.iter().map(|r| r.1).min().unwrap() >> 20,
-        RSS_BOUND_BYTES >> 20
-    );
-    assert!(
-        worst <= baseline + RSS_BOUND_BYTES,
-        "RSS after reloads grew from {baseline} to {worst} bytes"
-    );
+    // The highest RSS after reloads 36..50 against the highest after reloads 1..15: a leak of a
+    // fifth of the 45 MB model per reload is more than the bound.
+    assert_rss_bounded("terrain", &rss, 0..15, 35.., RSS_BOUND_BYTES);
 
     // A broken new file (atomically replaced, as a deployment does): the reload falls back to
     // the previous model, which keeps serving.

@@ -9,7 +9,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use sluice_integration_tests::cluster::Cluster;
 use sluice_integration_tests::stack::repo_root;
-use sluice_integration_tests::{completions_for, png_info, sha256_hex};
+use sluice_integration_tests::{completions_for, names_field, png_info, rejected_fields, sha256_hex};
 use sluice_schemas::CompletionStatus;
 use tokio::sync::OnceCell;
 
@@ -220,10 +220,7 @@ async fn flux_and_sd3_prompts_become_pngs_and_what_they_do_not_run_is_refused() 
     ] {
         let (status, reply) = c.submit(&body).await.unwrap();
         assert_eq!(status, 400, "{body}: {reply}");
-        assert!(
-            reply["fields"].as_array().unwrap().iter().any(|f| f["field"] == field),
-            "{body}: {reply}"
-        );
+        assert!(names_field(&reply, field), "{body}: {reply}");
     }
 }
 
@@ -423,11 +420,9 @@ async fn bad_input_images_are_refused_naming_the_field() {
     ] {
         let (status, reply) = c.submit(&body).await.unwrap();
         assert_eq!(status, 400, "{field} {says}: {reply}");
-        let named = reply["fields"]
-            .as_array()
-            .unwrap()
+        let named = rejected_fields(&reply)
             .iter()
-            .any(|f| f["field"].as_str().unwrap().starts_with(field) && f["message"].as_str().unwrap().contains(says));
+            .any(|(f, m)| f.starts_with(field) && m.contains(says));
         assert!(named, "{field} {says}: {reply}");
     }
 }
@@ -476,12 +471,7 @@ async fn the_catalog_bounds_requests_and_lists_the_models() {
     ] {
         let (status, reply) = c.submit(&body).await.unwrap();
         assert_eq!(status, 400, "{body}: {reply}");
-        let fields: Vec<&str> = reply["fields"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|f| f["field"].as_str().unwrap())
-            .collect();
+        let fields: Vec<&str> = rejected_fields(&reply).into_iter().map(|(f, _)| f).collect();
         assert!(fields.contains(&field), "{body}: {reply}");
         if field == "model" {
             assert!(

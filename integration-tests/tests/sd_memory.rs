@@ -14,7 +14,7 @@ use sluice_integration_tests::cluster::{Worker, metric_sum, metric_value};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::process::on_cuda;
 use sluice_integration_tests::stack::repo_root;
-use sluice_integration_tests::{Outcomes, Stack, Topics, diffusion_task, ids_of, publish_tasks, sd_task};
+use sluice_integration_tests::{Outcomes, ReloadRss, Stack, Topics, assert_rss_bounded, diffusion_task, ids_of, publish_tasks, sd_task};
 use sluice_schemas::CompletionStatus;
 use tokio::sync::OnceCell;
 
@@ -255,10 +255,7 @@ async fn twenty_reloads_under_load(model: &str, scenario: &str) {
         assert_eq!(status, 200, "{report}");
         let report = &report["reloads"][0];
         assert_eq!(report["result"], "reloaded", "{report}");
-        rss.push((
-            report["after_unload"]["rss_bytes"].as_u64().unwrap(),
-            report["after"]["rss_bytes"].as_u64().unwrap(),
-        ));
+        rss.push(ReloadRss::of(report));
         device_used.push(report["after_unload"]["device_process_bytes"].as_u64());
     }
     let done = outcomes(stack, &topics, &ids_of(&tasks));
@@ -267,21 +264,8 @@ async fn twenty_reloads_under_load(model: &str, scenario: &str) {
         tasks.len(),
         "every task completed across the reloads"
     );
-    let baseline = rss[4].1;
-    let worst = rss[5..].iter().map(|r| r.1).max().unwrap();
-    eprintln!(
-        "{model} reload RSS: first {} MB, warm baseline (after reload 5) {} MB, worst after reload 6..20 {} MB, last {} MB, lowest after an unload {} MB; bound baseline + {} MB",
-        rss[0].1 >> 20,
-        baseline >> 20,
-        worst >> 20,
-        rss[19].1 >> 20,
-        rss.iter().map(|r| r.0).min().unwrap() >> 20,
-        RSS_BOUND_BYTES >> 20
-    );
-    assert!(
-        worst <= baseline + RSS_BOUND_BYTES,
-        "RSS after reloads grew from {baseline} to {worst} bytes"
-    );
+    // The warm baseline is RSS after reload 5, against the worst after reloads 6..20.
+    assert_rss_bounded(model, &rss, 4..5, 5.., RSS_BOUND_BYTES);
     // On a GPU node: the device memory the worker holds right after each unload (NVML's
     // process list: the suite's other workers share the GPU) comes back to what it held after
     // the warm-up reloads, within DEVICE_BOUND_BYTES.
