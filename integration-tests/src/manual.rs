@@ -14,20 +14,24 @@ use std::path::{Path, PathBuf};
 
 use clap::CommandFactory;
 
-/// The manual's pages: the README and every Markdown file under `docs/`.
-fn pages(repo: &Path) -> Vec<PathBuf> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-            let path = entry.expect("readable").path();
-            if path.is_dir() {
-                walk(&path, out);
-            } else if path.extension().is_some_and(|e| e == "md") {
-                out.push(path);
-            }
+/// Every file under `dir` (at any depth) whose extension is `ext`.
+fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("readable").path();
+        if path.is_dir() {
+            out.extend(files(&path, ext));
+        } else if path.extension().is_some_and(|e| e == ext) {
+            out.push(path);
         }
     }
+    out
+}
+
+/// The manual's pages: the README and every Markdown file under `docs/`.
+fn pages(repo: &Path) -> Vec<PathBuf> {
     let mut out = vec![repo.join("README.md")];
-    walk(&repo.join("docs"), &mut out);
+    out.extend(files(&repo.join("docs"), "md"));
     out.sort();
     out
 }
@@ -151,19 +155,6 @@ fn accepted(repo: &Path) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     clap_env(&sluice_worker::config::Config::command(), &mut out);
     clap_env(&sluice_producer::config::Cli::command(), &mut out);
-    fn walk(dir: &Path, out: &mut BTreeSet<String>) {
-        for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-            let path = entry.expect("readable").path();
-            if path.is_dir() {
-                walk(&path, out);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path).expect("readable");
-                for prefix in ["env = ", "var(", "var_os(", "env_or("] {
-                    named_after(&text, prefix, out);
-                }
-            }
-        }
-    }
     for src in [
         "worker/src",
         "producer/src",
@@ -172,7 +163,12 @@ fn accepted(repo: &Path) -> BTreeSet<String> {
         "integration-tests/src",
         "integration-tests/tests",
     ] {
-        walk(&repo.join(src), &mut out);
+        for file in files(&repo.join(src), "rs") {
+            let text = std::fs::read_to_string(&file).expect("readable");
+            for prefix in ["env = ", "var(", "var_os(", "env_or("] {
+                named_after(&text, prefix, &mut out);
+            }
+        }
     }
     out
 }
