@@ -12,7 +12,7 @@ use sluice_schemas::{
     Catalog, HEADER_SCHEMA_VERSION, Idempotency, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate,
 };
 use sluice_service::kafka;
-use sluice_service::kafka_failure::{self, Failure};
+use sluice_service::kafka_failure;
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -25,10 +25,10 @@ pub enum SubmitError {
     /// The request is invalid; each violation names its field.
     #[error("invalid request: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     Invalid(Vec<Violation>),
-    /// The broker refused the record or could not take it (`failure` says which, by the shared
-    /// Kafka policy). Nothing was accepted.
-    #[error("the task could not be queued ({failure}): {source}")]
-    Unavailable { failure: Failure, source: KafkaError },
+    /// The broker refused the record or could not take it (the message names which, by the
+    /// shared Kafka policy). Nothing was accepted.
+    #[error("the task could not be queued ({}): {source}", kafka_failure::classify(source))]
+    Unavailable { source: KafkaError },
     /// The broker did not acknowledge the record in time. Nothing was accepted.
     #[error("the task could not be queued: no acknowledgement within {0:?}")]
     NotAcknowledged(Duration),
@@ -198,10 +198,7 @@ impl TaskPublisher {
             .send(FutureRecord::to(topic).key(key).payload(payload).headers(headers), timeout);
         match tokio::time::timeout(timeout + Duration::from_millis(500), send).await {
             Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
-            Ok(Err((source, _))) => Err(SubmitError::Unavailable {
-                failure: kafka_failure::classify(&source),
-                source,
-            }),
+            Ok(Err((source, _))) => Err(SubmitError::Unavailable { source }),
             Err(_) => Err(SubmitError::NotAcknowledged(timeout)),
         }
     }

@@ -10,7 +10,7 @@ use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sluice_schemas::{CompletionEvent, DlqRecord, HEADER_SCHEMA_VERSION, OriginalRecord, SCHEMA_VERSION, dlq_headers};
 use sluice_service::kafka;
-use sluice_service::kafka_failure::{self, Failure as KafkaFailure};
+use sluice_service::kafka_failure;
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -19,23 +19,13 @@ use crate::retry::Retriable;
 use crate::source::commit::{OutRecord, Outbox};
 use crate::source::record::{Origin, Record};
 
+/// Display names the error's class by the shared Kafka policy ([`kafka_failure::classify`]).
 #[derive(Debug, Error)]
-#[error("publishing to {topic} failed ({failure}): {source}")]
+#[error("publishing to {topic} failed ({}): {source}", kafka_failure::classify(source))]
 pub(crate) struct PublishError {
     pub topic: String,
-    pub failure: KafkaFailure,
     #[source]
     pub source: KafkaError,
-}
-
-impl PublishError {
-    fn new(topic: &str, source: KafkaError) -> PublishError {
-        PublishError {
-            topic: topic.to_owned(),
-            failure: kafka_failure::classify(&source),
-            source,
-        }
-    }
 }
 
 /// Broker errors of every class are retried until the worker gives up on its work (shutdown): a
@@ -200,7 +190,10 @@ impl Publisher {
             .send(record, self.queue_timeout)
             .await
             .map(|_| ())
-            .map_err(|(e, _)| PublishError::new(topic, e))
+            .map_err(|(source, _)| PublishError {
+                topic: topic.to_owned(),
+                source,
+            })
     }
 
     async fn publish_completion(&self, origin: &Origin, event: &CompletionEvent, trace: Option<&TraceHeaders>) -> Result<(), PublishError> {

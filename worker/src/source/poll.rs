@@ -61,17 +61,18 @@ pub(crate) fn poll_loop(
             // librdkafka's consumer is unusable after a fatal error; one seen here: a KIP-848
             // static member restarted before its previous instance's session expired
             // (UNRELEASED_INSTANCE_ID).
-            Some(Err(e)) if kafka_failure::classify(&e).ends_client() => {
+            Some(Err(e)) => {
                 let failure = kafka_failure::classify(&e);
-                tracing::error!(error = %e, %failure, "the Kafka consumer failed for good; the worker exits");
-                control.fatal.cancel();
-                break;
+                if failure.ends_client() {
+                    tracing::error!(error = %e, %failure, "the Kafka consumer failed for good; the worker exits");
+                    control.fatal.cancel();
+                    break;
+                }
+                if last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                    tracing::warn!(error = %e, %failure, "consumer error");
+                    last_error_log = Some(Instant::now());
+                }
             }
-            Some(Err(e)) if last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) => {
-                tracing::warn!(error = %e, "consumer error");
-                last_error_log = Some(Instant::now());
-            }
-            Some(Err(_)) => {}
             Some(Ok(message)) => {
                 let Some(sender) = &tx else { continue }; // stopping: not tracked, read again later
                 let tp = TopicPartition {
