@@ -10,37 +10,26 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use crate::repo_files::{CRATES, files};
+
 /// A module: its path of names from the crate root (`["pipeline", "task"]`).
 type Module = Vec<String>;
-
-/// The crates whose files are checked, as folders of the repository.
-const CRATES: [&str; 4] = ["worker/src", "producer/src", "service/src", "schemas/src"];
 
 /// A crate's module files: `a/b.rs` and `a/b/mod.rs` are module `a::b`, `lib.rs` the root. A
 /// binary's root (`main.rs`, `bin/`) starts another crate and is left out.
 fn modules(src: &Path) -> BTreeMap<Module, PathBuf> {
-    fn walk(src: &Path, dir: &Path, out: &mut BTreeMap<Module, PathBuf>) {
-        for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-            let path = entry.expect("readable").path();
-            let rel = path.strip_prefix(src).expect("under src");
-            if path.is_dir() {
-                if rel != Path::new("bin") {
-                    walk(src, &path, out);
-                }
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") || rel == Path::new("main.rs") {
-                continue;
-            }
-            let mut module: Module = rel.with_extension("").iter().map(|p| p.to_string_lossy().into_owned()).collect();
-            if module.last().is_some_and(|l| l == "mod" || l == "lib") {
-                module.pop();
-            }
-            out.insert(module, path);
-        }
-    }
     let mut out = BTreeMap::new();
-    walk(src, src, &mut out);
+    for path in files(src, "rs") {
+        let rel = path.strip_prefix(src).expect("under src");
+        if rel == Path::new("main.rs") || rel.starts_with("bin") {
+            continue;
+        }
+        let mut module: Module = rel.with_extension("").iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        if module.last().is_some_and(|l| l == "mod" || l == "lib") {
+            module.pop();
+        }
+        out.insert(module, path);
+    }
     out
 }
 

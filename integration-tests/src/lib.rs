@@ -17,6 +17,8 @@ pub mod receiver;
 pub mod records;
 pub mod rejected;
 pub mod reload_memory;
+#[cfg(test)]
+mod repo_files;
 pub mod stack;
 
 pub use kafka::{Consumed, TopicReader, produce_raw};

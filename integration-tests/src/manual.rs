@@ -14,19 +14,7 @@ use std::path::{Path, PathBuf};
 
 use clap::CommandFactory;
 
-/// Every file under `dir` (at any depth) whose extension is `ext`.
-fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-        let path = entry.expect("readable").path();
-        if path.is_dir() {
-            out.extend(files(&path, ext));
-        } else if path.extension().is_some_and(|e| e == ext) {
-            out.push(path);
-        }
-    }
-    out
-}
+use crate::repo_files::files;
 
 /// The manual's pages: the README and every Markdown file under `docs/`.
 fn pages(repo: &Path) -> Vec<PathBuf> {

@@ -7,6 +7,8 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
+use crate::repo_files::{CRATES, files};
+
 /// The Rust files the map names, as paths from the repository root.
 fn mapped(page: &str) -> Result<(BTreeSet<String>, BTreeSet<String>), String> {
     let section = page
@@ -44,17 +46,11 @@ fn mapped(page: &str) -> Result<(BTreeSet<String>, BTreeSet<String>), String> {
 }
 
 /// The Rust files under `root` (a folder of the repository), as paths from the repository root.
-fn tree(repo: &Path, root: &str, out: &mut BTreeSet<String>) {
-    let dir = repo.join(root);
-    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-        let entry = entry.expect("readable");
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if entry.file_type().expect("a type").is_dir() {
-            tree(repo, &format!("{root}{name}/"), out);
-        } else if name.ends_with(".rs") {
-            out.insert(format!("{root}{name}"));
-        }
-    }
+fn tree(repo: &Path, root: &str) -> BTreeSet<String> {
+    files(&repo.join(root), "rs")
+        .iter()
+        .map(|f| f.strip_prefix(repo).expect("in the repo").to_string_lossy().into_owned())
+        .collect()
 }
 
 #[test]
@@ -63,10 +59,7 @@ fn the_module_map_is_the_tree() {
     let page = std::fs::read_to_string(repo.join("docs/architecture.md")).expect("docs/architecture.md");
     let (roots, listed) = mapped(&page).unwrap();
     assert!(roots.contains("worker/src/") && roots.contains("producer/src/"), "{roots:?}");
-    let mut present = BTreeSet::new();
-    for root in &roots {
-        tree(&repo, root, &mut present);
-    }
+    let present: BTreeSet<String> = roots.iter().flat_map(|root| tree(&repo, root)).collect();
     let missing: Vec<_> = present.difference(&listed).collect();
     let stale: Vec<_> = listed.difference(&present).collect();
     assert!(missing.is_empty(), "in the tree, not in the module map: {missing:?}");
@@ -91,17 +84,17 @@ fn a_map_entry_belongs_to_the_folder_above_it() {
 fn every_mod_rs_is_thin() {
     const MOST: usize = 250;
     let repo = crate::stack::repo_root();
-    let mut files = BTreeSet::new();
-    for root in ["worker/src/", "producer/src/", "service/src/", "schemas/src/"] {
-        tree(&repo, root, &mut files);
-    }
-    let thick: Vec<String> = files
+    let mod_rs: Vec<String> = CRATES
         .iter()
+        .flat_map(|root| tree(&repo, root))
         .filter(|f| f.ends_with("/mod.rs"))
+        .collect();
+    let thick: Vec<String> = mod_rs
+        .iter()
         .map(|f| (f, std::fs::read_to_string(repo.join(f)).expect("readable").lines().count()))
         .filter(|(_, lines)| *lines >= MOST)
         .map(|(f, lines)| format!("{f}: {lines} lines"))
         .collect();
-    assert!(files.iter().any(|f| f.ends_with("/mod.rs")), "no mod.rs found");
+    assert!(!mod_rs.is_empty(), "no mod.rs found");
     assert!(thick.is_empty(), "mod.rs files of {MOST} lines or more: {thick:?}");
 }
