@@ -1,6 +1,6 @@
 //! What the UNet and the flow backends both run: a text encoder's call, classifier-free guidance,
-//! the VAE decode (one image at a time when the batch runs out of memory), and a call's rows and
-//! cancellations.
+//! the VAE decode (one image at a time when the batch runs out of memory), a call's rows, its
+//! cancellations and its outputs.
 
 use crate::engine::{Backend, Call, EngineError, OrtBackend, Tensor};
 
@@ -135,6 +135,23 @@ pub(in crate::models::diffusion) fn row_owners(call: &Call, n: usize) -> Result<
         return Err(EngineError::Run(format!("tasks own {} rows, the call has {n}", owner.len())));
     }
     Ok(owner)
+}
+
+/// A call's outputs, the same for every diffusion backend: `images` [n, 3, H, W] in [0, 1],
+/// `latents` (the final, unscaled latents) and `cancelled` [n] (1 for the rows of a task
+/// cancelled mid-loop; `owner` names each row's task).
+pub(in crate::models::diffusion) fn call_outputs(
+    (images, image_shape): (Vec<f32>, Vec<usize>),
+    (latents, latent_shape): (Vec<f32>, Vec<usize>),
+    owner: &[usize],
+    cancelled: &[bool],
+) -> Vec<Tensor> {
+    let cancelled_rows: Vec<f32> = owner.iter().map(|&t| if cancelled[t] { 1.0 } else { 0.0 }).collect();
+    vec![
+        Tensor::f32("images", image_shape, images),
+        Tensor::f32("latents", latent_shape, latents),
+        Tensor::f32("cancelled", vec![owner.len()], cancelled_rows),
+    ]
 }
 
 /// Classifier-free guidance: `uncond + g * (cond - uncond)`, as diffusers combines the two

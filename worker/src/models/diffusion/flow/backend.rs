@@ -20,7 +20,9 @@ use super::layout::{FlowFamily, FlowLayout};
 use crate::engine::{Backend, Call, ElementKind, EngineError, OrtBackend, Placement, Runtime, SessionOptions, Tensor};
 use crate::models::diffusion::request::SdBucket;
 use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
-use crate::models::diffusion::stages::{Hidden, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode};
+use crate::models::diffusion::stages::{
+    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode,
+};
 
 /// Where a flow model's text encoders live (the catalog's `text_encoders`): FLUX's T5-XXL is
 /// 4.7 B parameters beside a 12 B transformer, so on one GPU they compete for memory.
@@ -558,12 +560,7 @@ impl Backend for FlowBackend {
                 images.len()
             )));
         }
-        let cancelled_rows: Vec<f32> = owner.iter().map(|&t| if cancelled[t] { 1.0 } else { 0.0 }).collect();
-        Ok(vec![
-            Tensor::f32("images", image_shape, images),
-            Tensor::f32("latents", latent_shape, latents),
-            Tensor::f32("cancelled", vec![n], cancelled_rows),
-        ])
+        Ok(call_outputs((images, image_shape), (latents, latent_shape), &owner, &cancelled))
     }
 
     fn release_memory(&mut self) {

@@ -21,7 +21,9 @@ use crate::engine::{Backend, Call, ElementKind, EngineError, InputInfo, OrtBacke
 use crate::models::diffusion::layout::{Family, SdLayout};
 use crate::models::diffusion::request::{Mode, SdBucket};
 use crate::models::diffusion::schedulers::{ImageState, Schedule};
-use crate::models::diffusion::stages::{Hidden, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode};
+use crate::models::diffusion::stages::{
+    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode,
+};
 
 /// How the UNet wants its timestep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,12 +262,12 @@ impl Backend for SdBackend {
         let latents = rows.latents;
 
         let (images, image_shape) = self.decode_checked(&latents, &latent_shape)?;
-        let cancelled_rows: Vec<f32> = owner.iter().map(|&t| if cancelled[t] { 1.0 } else { 0.0 }).collect();
-        Ok(vec![
-            Tensor::f32("images", image_shape.to_vec(), images),
-            Tensor::f32("latents", latent_shape, latents),
-            Tensor::f32("cancelled", vec![n], cancelled_rows),
-        ])
+        Ok(call_outputs(
+            (images, image_shape.to_vec()),
+            (latents, latent_shape),
+            &owner,
+            &cancelled,
+        ))
     }
 
     fn release_memory(&mut self) {
