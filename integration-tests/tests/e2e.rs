@@ -499,6 +499,95 @@ async fn a_panic_in_model_code_fails_its_task_and_the_partition_moves_on() {
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// Between buckets the engine takes turns call by call. Four large maps (each run as calls of
+/// one tile), then single tiles, on one partition and one engine slot: every tile's call starts
+/// before the second map's last call ends. (When a batch held its place until all its calls
+/// had run, the tiles waited for three whole maps.) Start and end are the completion's: sent at
+/// + queued_ms, + inference_ms (the map's calls and the turns of others between them).
+#[tokio::test(flavor = "multi_thread")]
+async fn short_tasks_of_another_bucket_take_turns_with_a_long_tasks_calls() {
+    use sluice_integration_tests::cluster::Worker;
+    use sluice_integration_tests::{ids_of, publish_tasks};
+
+    let c = cluster().await;
+    let stack = &c.stack;
+    let topics = stack.topics("turns", 1).unwrap();
+    let models = stack.tiny_models().unwrap().display().to_string();
+    let env = [
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("SLUICE_ENGINE_SLOTS", "1"),
+        ("SLUICE_MAX_BATCH_ROWS", "1"),
+        ("SLUICE_MAX_WAIT_MS", "5"),
+    ];
+    let mut worker = Worker::on_topics(stack, "turns-0", "e2e-turns", &topics, &env).await.unwrap();
+    worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    // 2048² is 441 tiles: 441 calls a map.
+    let maps: Vec<(String, Value)> = (0..4).map(|i| terrain_task(300 + i, 2048, 2048, 50)).collect();
+    let tiles: Vec<(String, Value)> = (0..6).map(|i| terrain_task(400 + i, 128, 128, 50)).collect();
+    let all: Vec<(String, Value)> = maps.iter().chain(&tiles).cloned().collect();
+    let kafka = producer(stack.brokers()).unwrap();
+    publish_tasks(&kafka, &topics.tasks, &all).await.unwrap();
+    let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(180)).unwrap();
+    let calls = |task: &(String, Value)| {
+        let event = &done.completions[&task.0][0];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{}: {event:?}", task.0);
+        let sent: chrono::DateTime<chrono::Utc> = task.1["submitted_at"].as_str().unwrap().parse().unwrap();
+        let start = sent + chrono::Duration::milliseconds(event.timings.queued_ms as i64);
+        (start, start + chrono::Duration::milliseconds(event.timings.inference_ms as i64))
+    };
+    let mut map_ends: Vec<_> = maps.iter().map(|m| calls(m).1).collect();
+    map_ends.sort();
+    let tile_starts: Vec<_> = tiles.iter().map(|t| calls(t).0).collect();
+    let maps: Vec<_> = maps.iter().map(calls).collect();
+    assert!(
+        tile_starts.iter().all(|start| *start < map_ends[1]),
+        "the tiles' calls started at {tile_starts:?}, before the second map's end; the maps' calls ran {maps:?}"
+    );
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// An interactive task goes before queued batch work of its own bucket: forty single tiles of
+/// the batch lane, then one of the interactive lane, each a batch of its own, on one partition
+/// and one engine slot. The interactive tile's call starts before all but a few of the batch
+/// tiles' calls (those already out when it arrived); in one lane it would be the last.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_interactive_task_goes_before_queued_batch_work() {
+    use sluice_integration_tests::cluster::Worker;
+    use sluice_integration_tests::{ids_of, publish_tasks};
+
+    let c = cluster().await;
+    let stack = &c.stack;
+    let topics = stack.topics("lanes", 1).unwrap();
+    let models = stack.tiny_models().unwrap().display().to_string();
+    let env = [
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("SLUICE_ENGINE_SLOTS", "1"),
+        ("SLUICE_MAX_BATCH", "1"),
+    ];
+    let mut worker = Worker::on_topics(stack, "lanes-0", "e2e-lanes", &topics, &env).await.unwrap();
+    worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    let lane = |(id, mut task): (String, Value), lane: &str| {
+        task["priority"] = json!(lane);
+        (id, task)
+    };
+    let batch: Vec<(String, Value)> = (0..40).map(|i| lane(terrain_task(500 + i, 128, 128, 50), "batch")).collect();
+    let interactive = lane(terrain_task(600, 128, 128, 50), "interactive");
+    let all: Vec<(String, Value)> = batch.iter().chain([&interactive]).cloned().collect();
+    let kafka = producer(stack.brokers()).unwrap();
+    publish_tasks(&kafka, &topics.tasks, &all).await.unwrap();
+    let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(120)).unwrap();
+    let start = |task: &(String, Value)| {
+        let event = &done.completions[&task.0][0];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{}: {event:?}", task.0);
+        let sent: chrono::DateTime<chrono::Utc> = task.1["submitted_at"].as_str().unwrap().parse().unwrap();
+        sent + chrono::Duration::milliseconds(event.timings.queued_ms as i64)
+    };
+    let first = start(&interactive);
+    let before = batch.iter().filter(|t| start(t) < first).count();
+    assert!(before <= 10, "{before} of 40 batch tiles started before the interactive one");
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
 /// Every error answer of both services is JSON `{error, message, fields}`, unknown routes,
 /// wrong methods, oversized and unreadable bodies included.
 #[tokio::test(flavor = "multi_thread")]

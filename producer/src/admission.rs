@@ -56,6 +56,8 @@ impl ImageText<'_> {
 pub(crate) struct Limits<'a> {
     /// What a submitted webhook must satisfy (`None`: no webhooks on this deployment).
     pub webhooks: Option<&'a Policy>,
+    /// The priority lanes each tenant may ask for.
+    pub lanes: &'a crate::auth::TenantLanes,
     /// Whether an input store is configured for input images.
     pub images_accepted: bool,
     /// The body limit without its data URLs (`SLUICE_MAX_BODY_BYTES`): the HTTP layer lets a
@@ -96,6 +98,18 @@ pub(crate) fn record(catalog: &Catalog, limits: &Limits<'_>, tenant: &str, heade
     let record = TaskPublisher::record_with_key(catalog, &request, &submitter, key.as_deref()).map_err(invalid)?;
     if let Some(webhook) = &record.webhook {
         check_webhook(limits.webhooks, tenant, &webhook.url)?;
+    }
+    if !limits.lanes.allows(tenant, record.priority) {
+        let allowed: Vec<&str> = limits.lanes.of(tenant).iter().map(|l| l.name()).collect();
+        let message = format!(
+            "tenant {tenant} may not use the {} lane; it may use {} (SLUICE_TENANT_LANES)",
+            record.priority,
+            allowed.join(", ")
+        );
+        return Err(
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "invalid field(s): priority")
+                .with_fields([field("priority", message)]),
+        );
     }
     if images.init.is_some() && !limits.images_accepted {
         let message = "this deployment takes no input images (SLUICE_INPUT_URL is not set)";
@@ -262,8 +276,13 @@ mod tests {
     }
 
     fn admit(images_accepted: bool, body: serde_json::Value) -> Result<Admitted, ApiError> {
+        admit_with(images_accepted, &crate::auth::TenantLanes::default(), body)
+    }
+
+    fn admit_with(images_accepted: bool, lanes: &crate::auth::TenantLanes, body: serde_json::Value) -> Result<Admitted, ApiError> {
         let limits = Limits {
             webhooks: None,
+            lanes,
             images_accepted,
             max_body_bytes: 64 * 1024,
         };
@@ -272,6 +291,37 @@ mod tests {
 
     fn accepted(result: Result<Admitted, ApiError>) -> Admitted {
         result.unwrap_or_else(|e| panic!("refused: {}", e.message))
+    }
+
+    #[test]
+    fn a_lane_is_taken_only_where_the_tenant_may_use_it() {
+        use sluice_schemas::Priority;
+        let body = |lane: &str| serde_json::json!({"model": "sd", "prompt": "p", "priority": lane});
+        let unlisted = crate::auth::TenantLanes::default();
+        let refused = admit_with(false, &unlisted, body("interactive")).err().expect("refused");
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+        assert_eq!(refused.fields[0].field, "priority");
+        assert!(
+            refused.fields[0].message.contains("standard, batch"),
+            "{}",
+            refused.fields[0].message
+        );
+        assert_eq!(
+            accepted(admit_with(false, &unlisted, body("batch"))).record.priority,
+            Priority::Batch
+        );
+        let granted = crate::auth::TenantLanes::parse(&["acme=interactive".into()]).unwrap();
+        assert_eq!(
+            accepted(admit_with(false, &granted, body("interactive"))).record.priority,
+            Priority::Interactive
+        );
+        assert!(admit_with(false, &granted, body("batch")).is_err(), "only the lanes listed");
+        // Left out: standard, and the record leaves it out too.
+        let plain = accepted(admit(false, serde_json::json!({"model": "sd", "prompt": "p"})));
+        assert_eq!(plain.record.priority, Priority::Standard);
+        assert!(serde_json::to_value(&plain.record).unwrap().get("priority").is_none());
+        let bad = admit(false, body("urgent")).err().expect("refused");
+        assert_eq!(bad.fields[0].field, "priority");
     }
 
     #[test]

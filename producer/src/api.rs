@@ -34,6 +34,8 @@ pub struct AppState {
     pub view_caught_up: Option<crate::status::CaughtUp>,
     pub publisher: TaskPublisher,
     pub keys: ApiKeys,
+    /// The priority lanes each tenant may ask for.
+    pub lanes: crate::auth::TenantLanes,
     pub metrics: Metrics,
     pub publish_timeout: Duration,
     /// The longest an event stream stays open; the client reconnects with `Last-Event-ID`.
@@ -191,6 +193,7 @@ async fn submit_inner(s: &AppState, headers: &HeaderMap, body: axum::body::Body)
     let body = &body[..];
     let limits = admission::Limits {
         webhooks: s.webhooks.as_ref(),
+        lanes: &s.lanes,
         images_accepted: s.inputs.is_some(),
         max_body_bytes: s.max_body_bytes,
     };

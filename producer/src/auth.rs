@@ -1,7 +1,10 @@
 //! Caller authentication: bearer API keys, each bound to a tenant. Closed by default: without
-//! keys the producer refuses to start unless anonymous access is asked for by name.
+//! keys the producer refuses to start unless anonymous access is asked for by name. Beside the
+//! keys, the priority lanes each tenant may ask for ([`TenantLanes`]).
 
 use std::collections::HashMap;
+
+use sluice_schemas::Priority;
 
 use sha2::{Digest, Sha256};
 use thiserror::Error;
@@ -17,6 +20,8 @@ pub enum AuthError {
     BadEntry(usize),
     #[error("no API keys: set SLUICE_API_KEYS (tenant:key,…), or SLUICE_ALLOW_ANONYMOUS=true for an open API")]
     NoKeys,
+    #[error("SLUICE_TENANT_LANES entry {0:?} is malformed: expected tenant=lane+lane with lanes among interactive, standard, batch")]
+    BadLanes(String),
 }
 
 /// The configured keys, by their SHA-256: a lookup compares digests, never the key's bytes,
@@ -85,9 +90,60 @@ impl ApiKeys {
     }
 }
 
+/// The lanes each tenant may ask for (`SLUICE_TENANT_LANES`: `tenant=lane+lane,…`). A tenant
+/// not listed may use `standard` and `batch`: `interactive` goes before everyone's work, so it is
+/// granted by name.
+#[derive(Debug, Clone, Default)]
+pub struct TenantLanes {
+    lanes: HashMap<String, Vec<Priority>>,
+}
+
+impl TenantLanes {
+    /// The lanes of a tenant the configuration does not name.
+    pub const UNLISTED: [Priority; 2] = [Priority::Standard, Priority::Batch];
+
+    /// `tenant=lane+lane` entries (blank ones skipped).
+    pub fn parse(entries: &[String]) -> Result<TenantLanes, AuthError> {
+        let mut lanes = HashMap::new();
+        for entry in entries.iter().map(|e| e.trim()).filter(|e| !e.is_empty()) {
+            let bad = || AuthError::BadLanes(entry.to_owned());
+            let (tenant, names) = entry.split_once('=').ok_or_else(bad)?;
+            let tenant = tenant.trim();
+            let of: Option<Vec<Priority>> = names.split('+').map(|n| Priority::parse(n.trim())).collect();
+            match of {
+                Some(of) if !tenant.is_empty() && !of.is_empty() => lanes.insert(tenant.to_owned(), of),
+                _ => return Err(bad()),
+            };
+        }
+        Ok(TenantLanes { lanes })
+    }
+
+    /// The lanes `tenant` may ask for.
+    pub fn of(&self, tenant: &str) -> &[Priority] {
+        self.lanes.get(tenant).map_or(&Self::UNLISTED, Vec::as_slice)
+    }
+
+    pub fn allows(&self, tenant: &str, lane: Priority) -> bool {
+        self.of(tenant).contains(&lane)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lanes_are_granted_by_name_and_interactive_is_not_granted_by_default() {
+        let lanes = TenantLanes::parse(&["acme=interactive+standard".into(), " ".into(), "globex = batch".into()]).unwrap();
+        assert!(lanes.allows("acme", Priority::Interactive));
+        assert!(!lanes.allows("acme", Priority::Batch), "only what is listed");
+        assert_eq!(lanes.of("globex"), &[Priority::Batch]);
+        assert_eq!(lanes.of("initech"), &TenantLanes::UNLISTED);
+        assert!(!lanes.allows("initech", Priority::Interactive));
+        for bad in ["acme", "acme=", "=batch", "acme=urgent", "acme=batch+"] {
+            assert!(TenantLanes::parse(&[bad.into()]).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn maps_keys_to_tenants() {

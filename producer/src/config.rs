@@ -141,6 +141,10 @@ pub struct ServeArgs {
     /// `SLUICE_ALLOW_ANONYMOUS=true`.
     #[arg(long, env = "SLUICE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
+    /// Priority lanes per tenant, `tenant=lane+lane` entries, comma-separated (lanes:
+    /// interactive, standard, batch). A tenant not listed may ask for standard and batch.
+    #[arg(long, env = "SLUICE_TENANT_LANES", value_delimiter = ',')]
+    pub tenant_lanes: Vec<String>,
     /// Serve without API keys: every caller is tenant `default` and sees every task (local use
     /// only). Without keys and without this, the producer refuses to start.
     #[arg(long, env = "SLUICE_ALLOW_ANONYMOUS", default_value_t = false, action = clap::ArgAction::Set)]

@@ -142,6 +142,7 @@ impl TaskPublisher {
                 }])
             })?;
         let webhook = parsed.webhook.clone();
+        let priority = parsed.priority.unwrap_or_default();
         let (model, generation) = catalog
             .normalize(parsed, || fastrand::u64(0..=MAX_SEED))
             .map_err(SubmitError::Invalid)?;
@@ -158,6 +159,7 @@ impl TaskPublisher {
                 request_sha256: request_sha256(request),
             }),
             deadline,
+            priority,
             webhook,
         };
         // An image task is checked as it will be published, once its images are stored and

@@ -8,12 +8,14 @@
 pub mod catalog;
 pub mod decode;
 pub mod normalize;
+pub mod priority;
 pub mod records;
 pub mod sampler;
 pub mod validate;
 
 pub use catalog::{Catalog, CatalogError, CatalogModel, ModelKind, TaskMode, TextEncoders};
 pub use decode::{DecodeError, decode_task};
+pub use priority::Priority;
 pub use records::*;
 pub use sampler::Sampler;
 pub use validate::{RecordKind, Violation, validate};

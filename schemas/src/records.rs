@@ -37,6 +37,9 @@ pub struct TaskRequest {
     /// Run within this many seconds of submission or not at all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
+    /// The task's lane (`interactive`, `standard`, `batch`); `standard` when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<crate::Priority>,
     /// Where the task's events are pushed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webhook: Option<WebhookSpec>,
@@ -123,6 +126,10 @@ pub struct TaskRecord {
     /// `expired`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline: Option<DateTime<Utc>>,
+    /// The task's lane; left out when `standard`, so that a worker of an earlier release still
+    /// reads every standard task.
+    #[serde(default, skip_serializing_if = "crate::Priority::is_standard")]
+    pub priority: crate::Priority,
     /// Where the task's events are pushed (`webhook.schema.json`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webhook: Option<WebhookSpec>,

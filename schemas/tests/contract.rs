@@ -152,6 +152,7 @@ fn fully_populated_types_validate() {
         params: Some(normalize::terrain::Params::default().to_map()),
         deadline: None,
         ttl_seconds: Some(3600),
+        priority: Some(sluice_schemas::Priority::Interactive),
         webhook: Some(WebhookSpec {
             url: "https://hooks.example.com/sluice".into(),
             events: vec![WebhookEvent::Started, WebhookEvent::Progress, WebhookEvent::Completed],
@@ -174,6 +175,7 @@ fn fully_populated_types_validate() {
         request: generation,
         idempotency: None,
         deadline: Some(when),
+        priority: sluice_schemas::Priority::Interactive,
         webhook,
     };
     must_validate(RecordKind::Task, &task);
@@ -316,6 +318,7 @@ fn normalized_minimal_request_is_a_valid_task() {
         request: generation,
         idempotency: None,
         deadline: None,
+        priority: Default::default(),
         webhook: None,
     };
     must_validate(RecordKind::Task, &task);
@@ -332,8 +335,8 @@ fn original_record_keeps_bytes() {
     assert_eq!(back.headers().unwrap(), headers);
 }
 
-/// The `sampler` enum of a schema file, as its strings.
-fn sampler_enum(file: &str, pointer: &str) -> Vec<String> {
+/// An enum of a schema file, as its strings.
+fn schema_enum(file: &str, pointer: &str) -> Vec<String> {
     let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
     let schema: Value = serde_json::from_str(&fs::read_to_string(Path::new(&root).join("v1").join(file)).unwrap()).unwrap();
     let values = schema.pointer(pointer).unwrap_or_else(|| panic!("{file}: nothing at {pointer}"));
@@ -341,12 +344,18 @@ fn sampler_enum(file: &str, pointer: &str) -> Vec<String> {
 }
 
 #[test]
-fn the_schemas_sampler_enums_are_the_sampler_type() {
+fn the_schemas_schema_enums_are_the_sampler_type() {
     let names: Vec<String> = Sampler::ALL.map(|s| s.name().to_owned()).to_vec();
     // The generation of any task: terrain's `onestep` first, then every diffusion sampler.
-    let generation = sampler_enum("generation.schema.json", "/$defs/generation/properties/sampler/enum");
+    let generation = schema_enum("generation.schema.json", "/$defs/generation/properties/sampler/enum");
     assert_eq!(generation.first().map(String::as_str), Some("onestep"));
     assert_eq!(generation[1..], names[..], "generation.schema.json");
-    let request = sampler_enum("stable-diffusion-request.schema.json", "/properties/sampler/enum");
+    let request = schema_enum("stable-diffusion-request.schema.json", "/properties/sampler/enum");
     assert_eq!(request, names, "stable-diffusion-request.schema.json");
+}
+
+#[test]
+fn the_schemas_priority_enum_is_the_priority_type() {
+    let names: Vec<String> = sluice_schemas::Priority::ALL.map(|p| p.name().to_owned()).to_vec();
+    assert_eq!(schema_enum("generation.schema.json", "/$defs/priority/enum"), names);
 }

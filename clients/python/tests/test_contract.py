@@ -68,6 +68,7 @@ def test_the_enums_are_the_schemas() -> None:
     assert set(types.TERMINAL_STATES) == literal(types.CompletionState)
     assert literal(types.DlqReason) == enum("dlq.schema.json#/$defs/reason")
     assert literal(types.Sampler) == enum("generation.schema.json#/$defs/generation/properties/sampler")
+    assert literal(types.Priority) == enum("generation.schema.json#/$defs/priority")
     assert literal(types.WebhookEvent) == enum("webhook.schema.json#/$defs/event")
     modes = typing.get_args(typing.get_type_hints(types.ModelInfo)["modes"])[0]
     assert literal(modes) == enum("model-list.schema.json#/properties/models/items/properties/modes/items")
@@ -78,4 +79,4 @@ def test_submit_fields_are_request_fields() -> None:
     request = schema("task-request.schema.json")
     generation = schema("generation.schema.json#/$defs/generation")
     known = set(request["properties"]) | set(generation["properties"])
-    assert {"model", "prompt", "webhook", "deadline", "ttl_seconds"} <= known
+    assert {"model", "prompt", "webhook", "deadline", "ttl_seconds", "priority"} <= known

@@ -79,6 +79,7 @@ async fn main() -> anyhow::Result<()> {
         for which in [
             "pipeline",
             "delivery",
+            "turns",
             "group",
             "adaptive",
             "adaptive-sd",
@@ -109,12 +110,15 @@ async fn main() -> anyhow::Result<()> {
     if which == "group" {
         return group::run(&stack).await;
     }
+    if which == "turns" {
+        return turns::run(&stack).await;
+    }
     if which == "reloads" {
         return reloads(&stack).await;
     }
     anyhow::ensure!(
         which == "pipeline",
-        "unknown benchmark {which:?}: all, pipeline, delivery, group, adaptive, adaptive-sd, adaptive-sdxl, reloads or status-view"
+        "unknown benchmark {which:?}: all, pipeline, delivery, turns, group, adaptive, adaptive-sd, adaptive-sdxl, reloads or status-view"
     );
     // `sluice-bench pipeline [terrain|tiny|sd|sdxl|flux|sd3]`: one model only.
     let only = std::env::args().nth(2);
@@ -426,11 +430,11 @@ async fn images_per_second(
             .collect(),
     };
     for _ in 0..2 {
-        engine.run(model, call.clone(), false).await?;
+        engine.run(model, call.clone(), false, Default::default()).await?;
     }
     let started = Instant::now();
     for _ in 0..batches {
-        engine.run(model, call.clone(), false).await?;
+        engine.run(model, call.clone(), false, Default::default()).await?;
     }
     Ok((batches * prepared.iter().map(|p| p.rows).sum::<usize>()) as f64 / started.elapsed().as_secs_f64())
 }
@@ -956,7 +960,7 @@ mod delivery {
     }
 
     /// Publishes one task to `partition`.
-    async fn to_partition(
+    pub(super) async fn to_partition(
         kafka: &rdkafka::producer::FutureProducer,
         topic: &str,
         partition: i32,
@@ -968,7 +972,7 @@ mod delivery {
         Ok(())
     }
 
-    async fn worker(
+    pub(super) async fn worker(
         stack: &Stack,
         mode: &str,
         topics: &sluice_integration_tests::stack::Topics,
@@ -995,14 +999,27 @@ mod delivery {
 
     /// Reads `n` completions `read_committed` on a thread of its own, handing each one's task id
     /// and the moment it became visible.
-    fn read(stack: &Stack, topic: &str, n: usize) -> std::thread::JoinHandle<anyhow::Result<Vec<(String, Instant)>>> {
+    pub(super) fn read(stack: &Stack, topic: &str, n: usize) -> std::thread::JoinHandle<anyhow::Result<Vec<(String, Instant)>>> {
+        let events = read_events(stack, topic, n);
+        std::thread::spawn(move || {
+            let events = events.join().expect("reader thread")?;
+            Ok(events.into_iter().map(|(c, at)| (c.task_id.to_string(), at)).collect())
+        })
+    }
+
+    /// [`read`], with each completion whole.
+    pub(super) fn read_events(
+        stack: &Stack,
+        topic: &str,
+        n: usize,
+    ) -> std::thread::JoinHandle<anyhow::Result<Vec<(CompletionEvent, Instant)>>> {
         let (brokers, topic) = (stack.brokers().to_owned(), topic.to_owned());
         std::thread::spawn(move || {
             let mut reader = TopicReader::new(&brokers, &topic)?;
             let mut seen = Vec::new();
             reader.read_each(Duration::from_secs(900), |r| {
                 if let Ok(c) = serde_json::from_slice::<CompletionEvent>(&r.value) {
-                    seen.push((c.task_id.to_string(), r.received));
+                    seen.push((c, r.received));
                 }
                 seen.len() >= n
             })?;
@@ -1060,6 +1077,109 @@ mod delivery {
         ms.sort_by(f64::total_cmp);
         let at = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
         Ok((at(0.5), at(0.99), ms[ms.len() - 1]))
+    }
+}
+
+/// turns: short tasks behind long ones of another bucket, on the pretrained terrain model with
+/// one worker (one engine slot), in both delivery modes. `SLUICE_BENCH_TURNS_MAPS` maps of
+/// `SLUICE_BENCH_TURNS_MAP_SIZE`² (each run as calls of at most 64 tiles), then
+/// `SLUICE_BENCH_TURNS_TILES` single-tile tasks, on one partition; each task's latency from send
+/// to its completion visible `read_committed`, and from send to the start of its call.
+mod turns {
+    use super::*;
+    use std::collections::HashMap;
+
+    pub async fn run(stack: &Stack) -> anyhow::Result<()> {
+        let maps = env_or("SLUICE_BENCH_TURNS_MAPS", 4);
+        let size = env_or("SLUICE_BENCH_TURNS_MAP_SIZE", 1024) as u32;
+        let tiles = env_or("SLUICE_BENCH_TURNS_TILES", 20);
+        let mut rows = Vec::new();
+        for round in 0..2 {
+            for mode in ["exactly-once", "at-least-once"] {
+                eprintln!("== turns {mode}, round {}", round + 1);
+                rows.push((mode, once(stack, mode, maps, size, tiles).await?));
+            }
+        }
+        println!();
+        println!(
+            "## turns: {maps} terrain maps of {size}² then {tiles} single tiles, one partition, one worker (one engine slot), pretrained terrain UNet"
+        );
+        println!();
+        println!("| mode | tiles' calls started, s p50 | tiles visible, s p50 / p99 | maps visible, s first / last |");
+        println!("|---|---|---|---|");
+        for (mode, r) in &rows {
+            println!(
+                "| {mode} | {:.1} | {:.1} / {:.1} | {:.1} / {:.1} |",
+                r.tiles_started, r.tiles.0, r.tiles.1, r.maps.0, r.maps.1
+            );
+        }
+        Ok(())
+    }
+
+    /// One run in `mode`.
+    async fn once(stack: &Stack, mode: &str, maps: usize, size: u32, tiles: usize) -> anyhow::Result<Turns> {
+        let topics = stack.topics(&format!("turns-{}", uuid::Uuid::new_v4().simple()), 1)?;
+        let kafka = producer(stack.brokers())?;
+        let models = stack.dir.join("models").display().to_string();
+        let w = delivery::worker(stack, mode, &topics, &[("SLUICE_MODEL_DIR", models.as_str())]).await?;
+        // Warm-up: the first calls of both buckets are not what is measured.
+        let warm = [terrain_task(1, 256, 256, 50), terrain_task(2, 128, 128, 50)];
+        let reader = delivery::read(stack, &topics.completions, warm.len());
+        for task in &warm {
+            delivery::to_partition(&kafka, &topics.tasks, 0, task).await?;
+        }
+        tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
+        let map_tasks: Vec<_> = (0..maps).map(|i| terrain_task(100 + i as u64, size, size, 50)).collect();
+        let tile_tasks: Vec<_> = (0..tiles).map(|i| terrain_task(200 + i as u64, 128, 128, 50)).collect();
+        // The topic read from its start: the warm-up's completions are read again.
+        let reader = delivery::read_events(stack, &topics.completions, warm.len() + maps + tiles);
+        let mut sent: HashMap<String, Instant> = HashMap::new();
+        for task in map_tasks.iter().chain(&tile_tasks) {
+            delivery::to_partition(&kafka, &topics.tasks, 0, task).await?;
+            sent.insert(task.0.clone(), Instant::now());
+        }
+        let seen = tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
+        drop(w);
+        let of = |ids: &[(String, serde_json::Value)]| -> anyhow::Result<Vec<(&CompletionEvent, Instant)>> {
+            let of: Vec<_> = seen
+                .iter()
+                .filter(|(c, _)| ids.iter().any(|(i, _)| *i == c.task_id.to_string()))
+                .map(|(c, at)| (c, *at))
+                .collect();
+            anyhow::ensure!(of.len() == ids.len(), "{} completions of {}", of.len(), ids.len());
+            Ok(of)
+        };
+        let sorted = |mut s: Vec<f64>| {
+            s.sort_by(f64::total_cmp);
+            s
+        };
+        // Visible: send to read_committed; started: send to the start of its call (queued_ms).
+        let visible = |ids| -> anyhow::Result<Vec<f64>> {
+            Ok(sorted(
+                of(ids)?
+                    .iter()
+                    .map(|(c, at)| (*at - sent[&c.task_id.to_string()]).as_secs_f64())
+                    .collect(),
+            ))
+        };
+        let started = sorted(of(&tile_tasks)?.iter().map(|(c, _)| c.timings.queued_ms as f64 / 1000.0).collect());
+        let (t, m) = (visible(&tile_tasks)?, visible(&map_tasks)?);
+        let at = |s: &[f64], q: f64| s[((s.len() as f64 * q) as usize).min(s.len() - 1)];
+        Ok(Turns {
+            tiles: (at(&t, 0.5), at(&t, 0.99)),
+            tiles_started: at(&started, 0.5),
+            maps: (m[0], m[m.len() - 1]),
+        })
+    }
+
+    /// One run's figures, seconds from each task's send.
+    struct Turns {
+        /// The tiles' completions visible, p50 and p99.
+        tiles: (f64, f64),
+        /// The tiles' calls started, p50.
+        tiles_started: f64,
+        /// The maps' completions visible, first and last.
+        maps: (f64, f64),
     }
 }
 

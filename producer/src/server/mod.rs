@@ -20,7 +20,7 @@ use sluice_schemas::{Catalog, CatalogError};
 use thiserror::Error;
 
 use crate::api::AppState;
-use crate::auth::{ApiKeys, AuthError};
+use crate::auth::{ApiKeys, AuthError, TenantLanes};
 use crate::config::ServeArgs;
 use crate::input_images::InputImages;
 use crate::metrics::Metrics;
@@ -91,6 +91,7 @@ pub enum ServeError {
 pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
     let metrics = Metrics::new();
     let keys = api_keys(&args)?;
+    let lanes = TenantLanes::parse(&args.tenant_lanes)?;
     let catalog = Catalog::load(args.publish.model_catalog.as_deref())?;
     tracing::info!(models = ?catalog.names(), "model catalog");
     let view = view::start(&args, &catalog, &metrics)?;
@@ -122,6 +123,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
         view_caught_up: Some(view.caught_up),
         publisher: TaskPublisher::connect(&args.publish, &metrics).map_err(ServeError::Publisher)?,
         keys,
+        lanes,
         metrics,
         publish_timeout: Duration::from_millis(args.publish.publish_timeout_ms),
         events_max: Duration::from_secs_f64(args.events_max_seconds.clamp(0.05, 86_400.0)),

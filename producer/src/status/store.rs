@@ -391,6 +391,7 @@ mod tests {
             },
             idempotency: None,
             deadline: None,
+            priority: Default::default(),
             webhook: None,
         }
     }

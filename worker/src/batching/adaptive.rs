@@ -197,6 +197,10 @@ pub trait BatchItem: Send + 'static {
     fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
         None
     }
+    /// The task's priority lane: its calls take their turn at the device gate by it.
+    fn lane(&self) -> sluice_schemas::Priority {
+        sluice_schemas::Priority::Standard
+    }
 }
 
 /// The model call of a chunk: inputs concatenated in item order, and each item's rows.
@@ -437,16 +441,32 @@ impl Adaptive {
     /// cap, or the parts its bucket learned to cut it in), as consecutive calls of at most that
     /// many rows whose outputs are joined, so that the size of a request never sets the size of
     /// a call. An error in any part is the task's.
-    async fn call<T: BatchItem>(&self, bucket: &Bucket, items: &[T], exclusive: bool) -> Result<Vec<Tensor>, EngineError> {
+    /// `had` counts the calls the batch has run, this one's parts included: each takes its turn
+    /// at the device gate with it. Also returns when the first part's turn came.
+    async fn call<T: BatchItem>(
+        &self,
+        bucket: &Bucket,
+        items: &[T],
+        exclusive: bool,
+        had: &mut u32,
+    ) -> Result<(Vec<Tensor>, Instant), EngineError> {
         let call = call_of(bucket, items);
+        // The best of its tasks' lanes (a batch is of one lane).
+        let lane = items.iter().map(BatchItem::lane).min().unwrap_or_default();
+        let mut turn = || {
+            let turn = crate::engine::Turn { lane, had: *had };
+            *had += 1;
+            turn
+        };
         let rows: usize = call.tasks.iter().map(|t| t.rows).sum();
         let part_rows = self.part_rows(bucket);
         if call.tasks.len() != 1 || rows <= part_rows || !by_rows(&call) {
-            return self.engine.run(&bucket.model, call, exclusive).await;
+            return self.engine.run_timed(&bucket.model, call, exclusive, turn()).await;
         }
         let task = &call.tasks[0];
         tracing::debug!(task_id = %task.id, rows, part_rows, "running the task in parts");
         let mut parts: Vec<Vec<Tensor>> = Vec::new();
+        let mut first = None;
         for start in (0..rows).step_by(part_rows) {
             let end = (start + part_rows).min(rows);
             let part = Call {
@@ -457,7 +477,9 @@ impl Adaptive {
                     ..task.clone()
                 }],
             };
-            parts.push(self.engine.run(&bucket.model, part, exclusive).await?);
+            let (outputs, granted) = self.engine.run_timed(&bucket.model, part, exclusive, turn()).await?;
+            first.get_or_insert(granted);
+            parts.push(outputs);
         }
         let outputs = parts[0].len();
         if let Some(odd) = parts.iter().find(|p| p.len() != outputs) {
@@ -466,9 +488,10 @@ impl Adaptive {
                 odd.len()
             )));
         }
-        Ok((0..outputs)
+        let joined = (0..outputs)
             .map(|i| Tensor::concat(&parts.iter().map(|p| &p[i]).collect::<Vec<_>>()))
-            .collect())
+            .collect();
+        Ok((joined, first.expect("at least one part")))
     }
 
     /// Rows the largest call of `items` (one chunk) holds, and whether they could be cut into
@@ -539,6 +562,7 @@ impl Adaptive {
         // Chunks to run before taking new ones from `pending`: halves of a chunk whose model error
         // is being isolated, or a single retried alone after an OOM.
         let mut retries: VecDeque<Chunk<T>> = VecDeque::new();
+        let mut had = 0;
         while let Some(chunk) = retries.pop_front().or_else(|| self.next_chunk(bucket, &mut pending)) {
             let Some(chunk) = self.clean_if_due(bucket, chunk, &mut on_done).await else {
                 continue;
@@ -549,10 +573,14 @@ impl Adaptive {
                 // ends, so that a failure leaves no pieces for the smaller call after it.
                 self.engine.release_memory(&bucket.model);
             }
-            let started = Instant::now();
-            let result = self.call(bucket, &chunk.items, chunk.exclusive).await;
-            let elapsed = started.elapsed();
-            match result {
+            let asked = Instant::now();
+            let result = self.call(bucket, &chunk.items, chunk.exclusive, &mut had).await;
+            // From its turn at the device (the wait for it left out) to its end.
+            let elapsed = match &result {
+                Ok((_, granted)) => granted.elapsed(),
+                Err(_) => asked.elapsed(),
+            };
+            match result.map(|(outputs, _)| outputs) {
                 Ok(outputs) => {
                     self.learn_from_success(bucket, size, chunk.clean, elapsed);
                     on_done(Done::Ran {

@@ -1,16 +1,28 @@
 //! Shape-bucketed dynamic batching. Tasks batch together only when the model can run them in
-//! one call with the same memory per task (same [`Bucket`]). The engine stage pulls: when it is
-//! ready for more work it asks for a batch, and gets the bucket whose oldest task has waited
-//! longest — as soon as that bucket holds its learned ceiling of tasks, or once its oldest task
-//! has waited `max_wait`. Under load batches are full; when idle a task waits at most `max_wait`.
+//! one call with the same memory per task (same [`Bucket`]) and are of one priority lane. The
+//! engine stage pulls: when it is ready for more work it asks for a batch, and gets a queue that
+//! is ready (it holds its learned ceiling of tasks, or its oldest task has waited `max_wait`):
+//! the best lane first, then the one whose oldest task came first, none overtaken more than
+//! [`turns::MAX_OVERTAKEN`] times. Under load batches are full; when idle a task waits at most
+//! `max_wait`.
+//!
+//! Fair between buckets: a batch is out from when the engine stage takes it until its last call
+//! ends ([`Out`]). Each lane and bucket may have [`Admission::steady`] batches out (the engine's
+//! slots and one more being prepared), all of them together [`Admission::most`], so that a
+//! short task of another bucket or lane reaches the device gate while a long bucket's batches
+//! run, never after every queued batch of it. The gate takes calls by lane, then in order of asking,
+//! and a batch asks again for each call (each part of a task cut in parts): between buckets
+//! the engine takes turns call by call.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_schemas::Priority;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use crate::engine::turns::{self, Waiter};
 use crate::models::Bucket;
 
 /// How many tasks of a bucket may go in one batch (the adaptive layer's learned ceiling).
@@ -18,11 +30,54 @@ pub trait BatchLimits: Send + Sync {
     fn limit(&self, bucket: &Bucket) -> usize;
 }
 
-/// A batch of one bucket.
+/// How many batches may be out at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Admission {
+    /// Batches of one lane and bucket: the engine's slots, and one more prepared while they run.
+    pub steady: usize,
+    /// Batches in all.
+    pub most: usize,
+}
+
+impl Admission {
+    /// For an engine of `slots` threads: `slots + 1` of each lane and bucket, three times that
+    /// in all.
+    pub fn for_slots(slots: usize) -> Admission {
+        let steady = slots.max(1) + 1;
+        Admission { steady, most: 3 * steady }
+    }
+}
+
+/// A batch of one bucket and lane.
 #[derive(Debug)]
 pub struct Batch<T> {
     pub bucket: Bucket,
     pub items: Vec<T>,
+    /// Held while the batch runs: dropping it tells the batcher the batch is done.
+    pub out: Out,
+}
+
+/// What the batcher queues by: a lane and a bucket.
+type Key = (Priority, Bucket);
+
+/// A batch out of the batcher; dropped when it has run.
+#[derive(Debug)]
+pub struct Out {
+    key: Option<Key>,
+    ended: mpsc::UnboundedSender<Key>,
+}
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            let _ = self.ended.send(key);
+        }
+    }
+}
+
+/// Work the batcher queues: it knows its priority lane.
+pub trait Laned {
+    fn lane(&self) -> Priority;
 }
 
 /// Asks the batcher for the next batch.
@@ -43,22 +98,53 @@ impl<T> BatchRequests<T> {
 struct Queued<T> {
     item: T,
     since: Instant,
+    /// Arrival order.
+    seq: u64,
+}
+
+/// The tasks of one lane and bucket, oldest first.
+struct Queue<T> {
+    items: VecDeque<Queued<T>>,
+    /// How many later arrivals went out before its oldest task ([`turns`]).
+    overtaken: u32,
+}
+
+impl<T> Default for Queue<T> {
+    fn default() -> Self {
+        Queue {
+            items: VecDeque::new(),
+            overtaken: 0,
+        }
+    }
 }
 
 /// The batcher actor: receives `(bucket, item)` and serves batch requests.
 pub struct Batcher<T> {
     input: mpsc::Receiver<(Bucket, T)>,
     requests: mpsc::Receiver<oneshot::Sender<Batch<T>>>,
-    queues: BTreeMap<Bucket, VecDeque<Queued<T>>>,
+    queues: BTreeMap<Key, Queue<T>>,
     waiting: VecDeque<oneshot::Sender<Batch<T>>>,
     limits: Arc<dyn BatchLimits>,
     max_wait: Duration,
     closed: bool,
+    admission: Admission,
+    /// Batches out, per lane and bucket (no entry: none).
+    out: HashMap<Key, usize>,
+    out_total: usize,
+    arrivals: u64,
+    ended_tx: mpsc::UnboundedSender<Key>,
+    ended: mpsc::UnboundedReceiver<Key>,
 }
 
-impl<T: Send + 'static> Batcher<T> {
-    pub fn new(input: mpsc::Receiver<(Bucket, T)>, limits: Arc<dyn BatchLimits>, max_wait: Duration) -> (Batcher<T>, BatchRequests<T>) {
+impl<T: Laned + Send + 'static> Batcher<T> {
+    pub fn new(
+        input: mpsc::Receiver<(Bucket, T)>,
+        limits: Arc<dyn BatchLimits>,
+        max_wait: Duration,
+        admission: Admission,
+    ) -> (Batcher<T>, BatchRequests<T>) {
         let (tx, requests) = mpsc::channel(16);
+        let (ended_tx, ended) = mpsc::unbounded_channel();
         let batcher = Batcher {
             input,
             requests,
@@ -67,58 +153,102 @@ impl<T: Send + 'static> Batcher<T> {
             limits,
             max_wait,
             closed: false,
+            admission: Admission {
+                steady: admission.steady.max(1),
+                most: admission.most.max(admission.steady.max(1)),
+            },
+            out: HashMap::new(),
+            out_total: 0,
+            arrivals: 0,
+            ended_tx,
+            ended,
         };
         (batcher, BatchRequests { tx })
     }
 
-    /// The bucket to serve next and whether it is ready: full, timed out, or the input closed.
-    fn next_ready(&self, now: Instant) -> Option<(Bucket, usize)> {
-        let (bucket, queue) = self
-            .queues
-            .iter()
-            .filter(|(_, q)| !q.is_empty())
-            .min_by_key(|(_, q)| q.front().expect("non-empty").since)?;
-        let limit = self.limits.limit(bucket);
-        let oldest = queue.front().expect("non-empty").since;
-        let any_full = self.queues.iter().any(|(b, q)| q.len() >= self.limits.limit(b));
-        if queue.len() >= limit || now >= oldest + self.max_wait || self.closed {
-            return Some((bucket.clone(), limit));
-        }
-        if any_full {
-            // The oldest bucket is not ready but another is full: serve the full one first.
-            let (bucket, _) = self.queues.iter().find(|(b, q)| q.len() >= self.limits.limit(b))?;
-            return Some((bucket.clone(), self.limits.limit(bucket)));
-        }
-        None
+    /// Whether a batch of `key` may go out now.
+    fn may_take(&self, key: &Key) -> bool {
+        self.out_total < self.admission.most && self.out.get(key).copied().unwrap_or(0) < self.admission.steady
     }
 
+    /// The queues that may go out now and are ready: full, timed out, or the input closed.
+    fn ready(&self, now: Instant) -> Vec<(Key, Waiter)> {
+        self.queues
+            .iter()
+            .filter(|(key, _)| self.may_take(key))
+            .filter_map(|(key, queue)| {
+                let oldest = queue.items.front()?;
+                let full = queue.items.len() >= self.limits.limit(&key.1);
+                (full || now >= oldest.since + self.max_wait || self.closed).then(|| {
+                    let turn = Waiter {
+                        overtaken: queue.overtaken,
+                        ..Waiter::new(key.0, oldest.seq)
+                    };
+                    (key.clone(), turn)
+                })
+            })
+            .collect()
+    }
+
+    /// When the next queue that may go out times out. One that may not go out is woken by a
+    /// batch's end instead.
     fn next_deadline(&self) -> Option<Instant> {
         self.queues
-            .values()
-            .filter_map(|q| q.front())
+            .iter()
+            .filter(|(key, _)| self.may_take(key))
+            .filter_map(|(_, q)| q.items.front())
             .map(|q| q.since + self.max_wait)
             .min()
     }
 
+    fn ended(&mut self, key: Key) {
+        self.out_total = self.out_total.saturating_sub(1);
+        if let Some(n) = self.out.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                self.out.remove(&key);
+            }
+        }
+    }
+
+    /// Hands out batches while requests wait and a queue is ready: whose turn it is by
+    /// [`turns`] (the best lane, then the oldest task; none overtaken more than the bound).
     fn serve(&mut self) {
         let now = Instant::now();
         while !self.waiting.is_empty() {
-            let Some((bucket, limit)) = self.next_ready(now) else { break };
-            let queue = self.queues.get_mut(&bucket).expect("bucket queued");
-            let n = limit.min(queue.len());
-            let items: Vec<T> = queue.drain(..n).map(|q| q.item).collect();
-            if queue.is_empty() {
-                self.queues.remove(&bucket);
+            let mut ready = self.ready(now);
+            let Some(i) = turns::next(ready.iter().map(|(_, turn)| *turn)) else {
+                break;
+            };
+            let (key, turn) = ready.swap_remove(i);
+            turns::went_first(&turn, ready.iter_mut().map(|(_, t)| t));
+            for (other, t) in &ready {
+                self.queues.get_mut(other).expect("queued").overtaken = t.overtaken;
+            }
+            let limit = self.limits.limit(&key.1);
+            let queue = self.queues.get_mut(&key).expect("queued");
+            queue.overtaken = 0;
+            let n = limit.min(queue.items.len());
+            let (items, since): (Vec<T>, Vec<(Instant, u64)>) = queue.items.drain(..n).map(|q| (q.item, (q.since, q.seq))).unzip();
+            if queue.items.is_empty() {
+                self.queues.remove(&key);
             }
             let reply = self.waiting.pop_front().expect("a waiting request");
+            *self.out.entry(key.clone()).or_default() += 1;
+            self.out_total += 1;
+            let out = Out {
+                key: Some(key.clone()),
+                ended: self.ended_tx.clone(),
+            };
             if let Err(batch) = reply.send(Batch {
-                bucket: bucket.clone(),
+                bucket: key.1.clone(),
                 items,
+                out,
             }) {
                 // The requester went away; keep its tasks at the front.
-                let queue = self.queues.entry(bucket).or_default();
-                for item in batch.items.into_iter().rev() {
-                    queue.push_front(Queued { item, since: now });
+                let queue = self.queues.entry(key).or_default();
+                for (item, (since, seq)) in batch.items.into_iter().zip(since).rev() {
+                    queue.items.push_front(Queued { item, since, seq });
                 }
             }
         }
@@ -137,13 +267,19 @@ impl<T: Send + 'static> Batcher<T> {
             let deadline = if self.waiting.is_empty() { None } else { self.next_deadline() };
             tokio::select! {
                 item = self.input.recv(), if !self.closed => match item {
-                    Some((bucket, item)) => self.queues.entry(bucket).or_default().push_back(Queued { item, since: Instant::now() }),
+                    Some((bucket, item)) => {
+                        self.arrivals += 1;
+                        let key = (item.lane(), bucket);
+                        let queued = Queued { item, since: Instant::now(), seq: self.arrivals };
+                        self.queues.entry(key).or_default().items.push_back(queued);
+                    }
                     None => self.closed = true,
                 },
                 request = self.requests.recv() => match request {
                     Some(reply) => self.waiting.push_back(reply),
                     None => return,
                 },
+                Some(key) = self.ended.recv() => self.ended(key),
                 _ = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {}
             }
         }
@@ -164,6 +300,21 @@ mod tests {
         }
     }
 
+    impl Laned for i32 {
+        fn lane(&self) -> Priority {
+            Priority::Standard
+        }
+    }
+
+    /// A task of a lane, by its number.
+    #[derive(Debug, PartialEq)]
+    struct Of(Priority, i32);
+    impl Laned for Of {
+        fn lane(&self) -> Priority {
+            self.0
+        }
+    }
+
     struct Fixed(usize);
     impl BatchLimits for Fixed {
         fn limit(&self, _: &Bucket) -> usize {
@@ -174,7 +325,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn full_buckets_go_at_once_partial_ones_after_max_wait() {
         let (tx, rx) = mpsc::channel(64);
-        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(3)), Duration::from_millis(50));
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(3)), Duration::from_millis(50), Admission::for_slots(4));
         tokio::spawn(batcher.run());
         for i in 0..4 {
             tx.send((bucket(1), i)).await.unwrap();
@@ -197,7 +348,7 @@ mod tests {
     #[tokio::test]
     async fn idles_without_spinning_when_nobody_asks() {
         let (tx, rx) = mpsc::channel(8);
-        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(4)), Duration::from_millis(1));
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(4)), Duration::from_millis(1), Admission::for_slots(1));
         let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = polls.clone();
         // Count how often the batcher's future is polled while a partial bucket is past its deadline
@@ -221,5 +372,97 @@ mod tests {
         drop(tx);
         drop(requests);
         run.await.unwrap();
+    }
+
+    /// Asks for a batch and gives up after `wait` (paused time): what the batcher handed out.
+    async fn next_within<T>(requests: &BatchRequests<T>, wait: Duration) -> Option<Batch<T>> {
+        tokio::time::timeout(wait, requests.next()).await.ok().flatten()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_bucket_has_at_most_steady_batches_out_and_all_together_most() {
+        let (tx, rx) = mpsc::channel(64);
+        let admission = Admission { steady: 2, most: 5 };
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
+        tokio::spawn(batcher.run());
+        // Four one-task batches of a long bucket, then three of another and one of a third.
+        for i in 0..4 {
+            tx.send((bucket(64), i)).await.unwrap();
+        }
+        for i in 100..103 {
+            tx.send((bucket(1), i)).await.unwrap();
+        }
+        tx.send((bucket(2), 200)).await.unwrap();
+        let mut out = Vec::new();
+        for _ in 0..5 {
+            out.push(next_within(&requests, Duration::from_secs(1)).await.expect("below the bounds"));
+        }
+        let items: Vec<i32> = out.iter().map(|b| b.items[0]).collect();
+        assert_eq!(items, vec![0, 1, 100, 101, 200], "oldest first, two of a bucket at most");
+        // Five out, the most: nothing more, though bucket 1 has a task left.
+        assert!(next_within(&requests, Duration::from_secs(1)).await.is_none(), "past most");
+        drop(out.remove(4)); // 200 ended: bucket 1 still has two out, the long one too
+        assert!(next_within(&requests, Duration::from_secs(1)).await.is_none(), "steady per bucket");
+        drop(out.remove(2)); // 100 ended
+        assert_eq!(next_within(&requests, Duration::from_secs(1)).await.unwrap().items, vec![102]);
+        drop(out.remove(0)); // 0 ended
+        assert_eq!(next_within(&requests, Duration::from_secs(1)).await.unwrap().items, vec![2]);
+        drop(out);
+        assert_eq!(requests.next().await.unwrap().items, vec![3]);
+        drop(tx);
+        assert!(requests.next().await.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_whose_requester_went_away_is_queued_again_and_not_counted_out() {
+        let (tx, rx) = mpsc::channel(64);
+        let admission = Admission { steady: 1, most: 1 };
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
+        tokio::spawn(batcher.run());
+        // A request that gives up before the batcher has anything for it.
+        assert!(next_within(&requests, Duration::from_millis(1)).await.is_none());
+        tx.send((bucket(1), 1)).await.unwrap();
+        tx.send((bucket(1), 2)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let first = requests.next().await.expect("the task given back is handed out again");
+        assert_eq!(first.items, vec![1]);
+        drop(first);
+        assert_eq!(requests.next().await.unwrap().items, vec![2]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lanes_go_best_first_and_batch_work_waits_at_most_the_bound() {
+        use Priority::*;
+        let (tx, rx) = mpsc::channel(256);
+        // One batch out at a time: every handout is a choice.
+        let admission = Admission { steady: 1, most: 1 };
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
+        tokio::spawn(batcher.run());
+        tx.send((bucket(1), Of(Batch, 0))).await.unwrap();
+        tx.send((bucket(1), Of(Standard, 1))).await.unwrap();
+        tx.send((bucket(1), Of(Interactive, 2))).await.unwrap();
+        // All three queued before the first request.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut order = Vec::new();
+        for _ in 0..3 {
+            let batch = requests.next().await.unwrap();
+            order.push(batch.items[0].1);
+        }
+        assert_eq!(order, vec![2, 1, 0], "interactive, standard, batch");
+        // A batch task, then interactive ones arriving faster than they are served: the batch
+        // task goes out after at most MAX_OVERTAKEN of them.
+        tx.send((bucket(1), Of(Batch, 100))).await.unwrap();
+        let mut served_before = 0;
+        for i in 0..100 {
+            tx.send((bucket(2), Of(Interactive, 200 + 2 * i))).await.unwrap();
+            tx.send((bucket(3), Of(Interactive, 201 + 2 * i))).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let batch = requests.next().await.unwrap();
+            if batch.items[0].0 == Batch {
+                break;
+            }
+            served_before += 1;
+        }
+        assert_eq!(served_before, turns::MAX_OVERTAKEN as usize);
     }
 }

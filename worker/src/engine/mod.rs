@@ -2,18 +2,21 @@
 //!
 //! Inference runs on `slots` OS threads (never on the async runtime), each owning its own session
 //! of every loaded model. A run takes one permit of the device gate; an *exclusive* run takes all
-//! of them, so nothing else runs on the device beside it. The adaptive batcher
+//! of them, so nothing else runs on the device beside it. Waiting runs take turns by priority
+//! lane, then in order of asking ([`turns`]). The adaptive batcher
 //! ([`crate::batching::adaptive`]) uses exclusive runs once a bucket is down to batch 1, so that concurrent
 //! singles do not fight for memory.
 
 pub mod gpu;
 
 mod error;
+mod gate;
 mod key;
 mod pool;
 mod runtime;
 mod session;
 mod tensor;
+pub(crate) mod turns;
 
 use std::sync::Arc;
 
@@ -24,6 +27,7 @@ pub use pool::{Engine, Loader};
 pub use runtime::{ArenaStats, Runtime, RuntimeOptions};
 pub use session::{ArenaExtend, ConvSearch, Device, ElementKind, InputInfo, OrtBackend, Placement, SessionOptions};
 pub use tensor::{Tensor, TensorData};
+pub use turns::Turn;
 
 /// One model call: the inputs of a batch and which task owns which rows.
 #[derive(Debug, Clone)]

@@ -4,9 +4,13 @@ use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::Instant;
 
-use tokio::sync::{Semaphore, oneshot};
+use sluice_schemas::Priority;
+use tokio::sync::oneshot;
 
+use super::gate::Gate;
+use super::turns::Turn;
 use super::{Backend, Call, EngineError, Placement, Tensor};
 use crate::panics;
 
@@ -46,7 +50,7 @@ pub struct Engine {
 struct Inner {
     slots: Vec<std_mpsc::Sender<Command>>,
     idle: Mutex<Vec<usize>>,
-    gate: Semaphore,
+    gate: Gate,
     /// How each loaded model was loaded, for [`Engine::rebuild`].
     loaders: Mutex<HashMap<String, Loader>>,
 }
@@ -69,7 +73,7 @@ impl Engine {
             inner: Arc::new(Inner {
                 slots: senders,
                 idle: Mutex::new((0..slots).rev().collect()),
-                gate: Semaphore::new(slots),
+                gate: Gate::new(slots as u32),
                 loaders: Mutex::new(HashMap::new()),
             }),
         }
@@ -79,11 +83,18 @@ impl Engine {
         self.inner.slots.len()
     }
 
-    /// Runs a batch of `model` on one engine thread. An `exclusive` run waits until no other run
-    /// is on the device and keeps it to itself.
-    pub async fn run(&self, model: &str, call: Call, exclusive: bool) -> Result<Vec<Tensor>, EngineError> {
+    /// Runs a batch of `model` on one engine thread, in its `turn` among the calls waiting for
+    /// the device ([`super::turns`]). An `exclusive` run waits until no other run is on the
+    /// device and keeps it to itself.
+    pub async fn run(&self, model: &str, call: Call, exclusive: bool, turn: Turn) -> Result<Vec<Tensor>, EngineError> {
+        Ok(self.run_timed(model, call, exclusive, turn).await?.0)
+    }
+
+    /// [`Engine::run`], and when its turn came (the wait for the device left out).
+    pub async fn run_timed(&self, model: &str, call: Call, exclusive: bool, turn: Turn) -> Result<(Vec<Tensor>, Instant), EngineError> {
         let permits = if exclusive { self.inner.slots.len() as u32 } else { 1 };
-        let _permit = self.inner.gate.acquire_many(permits).await.map_err(|_| EngineError::Stopped)?;
+        let _permit = self.inner.gate.acquire(permits, turn).await;
+        let granted = Instant::now();
         let slot = self
             .inner
             .idle
@@ -100,7 +111,7 @@ impl Engine {
                 reply,
             })
             .map_err(|_| EngineError::Stopped)?;
-        rx.await.map_err(|_| EngineError::Stopped)?
+        Ok((rx.await.map_err(|_| EngineError::Stopped)??, granted))
     }
 
     /// Loads `model` on every engine thread. On failure, threads that did load it drop it again,
@@ -164,12 +175,12 @@ impl Engine {
     /// allocator left behind is gone afterwards, whatever the allocator. On an error a model may
     /// be left unloaded: the caller decides whether the process can still serve.
     pub async fn rebuild(&self, between: impl FnOnce() -> Result<(), EngineError>) -> Result<(), EngineError> {
-        let _all = self
-            .inner
-            .gate
-            .acquire_many(self.inner.slots.len() as u32)
-            .await
-            .map_err(|_| EngineError::Stopped)?;
+        // First among those waiting: a rebuild is what a call in trouble waits for.
+        let first = Turn {
+            lane: Priority::Interactive,
+            had: 0,
+        };
+        let _all = self.inner.gate.acquire(self.inner.slots.len() as u32, first).await;
         let mut loaders: Vec<(String, Loader)> = self
             .inner
             .loaders

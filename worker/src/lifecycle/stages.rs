@@ -14,7 +14,7 @@ use super::kafka::{self, Clients};
 use super::load::Loaded;
 use super::{Setup, StartError};
 use crate::batching::adaptive::{Adaptive, BatchSize};
-use crate::batching::batcher::Batcher;
+use crate::batching::batcher::{Admission, Batcher};
 use crate::config::DeliveryMode;
 use crate::models::serving::Rebuild;
 use crate::outcome::progress::{self, ProgressSink};
@@ -64,7 +64,12 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
 
     let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * 2 + 16);
     let (job_tx, job_rx) = mpsc::channel(d.max_in_flight + 16);
-    let (batcher, requests) = Batcher::new(job_rx, adaptive, Duration::from_millis(b.max_wait_ms));
+    let (batcher, requests) = Batcher::new(
+        job_rx,
+        adaptive,
+        Duration::from_millis(b.max_wait_ms),
+        Admission::for_slots(loaded.engine.slots()),
+    );
     let control = SourceControl {
         stop_reading: CancellationToken::new(),
         close: CancellationToken::new(),
@@ -89,7 +94,7 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
     let stages = vec![
         tokio::spawn(pipeline::decode(record_rx, job_tx, decode.clone())),
         tokio::spawn(batcher.run()),
-        tokio::spawn(pipeline::engine(requests, engine.clone(), loaded.engine.slots() + 1)),
+        tokio::spawn(pipeline::engine(requests, engine.clone())),
     ];
     let commit_loop = tokio::spawn(commit_loop(
         clients.committer.clone(),

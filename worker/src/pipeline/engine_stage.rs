@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use sluice_schemas::{CompletionStatus, DlqReason};
-use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 use crate::batching::adaptive::{BatchItem, Done};
@@ -20,23 +19,19 @@ use crate::pipeline::task::Job;
 use super::finish::{Ran, finish};
 use super::{EngineStage, Item};
 
-/// The engine stage: pulls batches and runs up to `concurrency` of them at once (one more than
-/// the engine slots, so the next batch is prepared while one runs).
-pub(crate) async fn engine(requests: BatchRequests<Job>, stage: Arc<EngineStage>, concurrency: usize) {
-    let permits = Arc::new(Semaphore::new(concurrency.max(1)));
-    loop {
-        let permit = permits.clone().acquire_owned().await.expect("never closed");
-        let Some(batch) = requests.next().await else { break };
+/// The engine stage: pulls batches and runs each on a task of its own; the batcher hands out
+/// only as many at once as its [`crate::batching::batcher::Admission`] allows (one more than
+/// the engine slots, so the next batch is prepared while one runs, and more of other buckets).
+pub(crate) async fn engine(requests: BatchRequests<Job>, stage: Arc<EngineStage>) {
+    while let Some(batch) = requests.next().await {
         let stage2 = stage.clone();
-        stage.tasks.spawn(async move {
-            run_batch(&stage2, batch).await;
-            drop(permit);
-        });
+        stage.tasks.spawn(async move { run_batch(&stage2, batch).await });
     }
 }
 
 async fn run_batch(stage: &EngineStage, batch: Batch<Job>) {
-    let Batch { bucket, items } = batch;
+    // `_out` is held to the end: the batcher counts the batch out until then.
+    let Batch { bucket, items, out: _out } = batch;
     let jobs = still_wanted(stage, items);
     if jobs.is_empty() {
         return;

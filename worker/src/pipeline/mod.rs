@@ -132,6 +132,9 @@ impl BatchItem for Item {
         let r = &self.job.task.request;
         format!("{}x{}x{}", r.width, r.height, r.num_images)
     }
+    fn lane(&self) -> sluice_schemas::Priority {
+        self.job.task.priority
+    }
     fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
         self.progress.clone().map(|p| p as Arc<dyn crate::engine::TaskHooks>)
     }

@@ -24,3 +24,9 @@ impl Job {
         (now - self.task.submitted_at).num_milliseconds().max(0) as u64
     }
 }
+
+impl crate::batching::batcher::Laned for Job {
+    fn lane(&self) -> sluice_schemas::Priority {
+        self.task.priority
+    }
+}

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use super::*;
 use crate::batching::adaptive::BatchSize;
-use crate::batching::batcher::Batcher;
+use crate::batching::batcher::{Admission, Batcher};
 use crate::engine::{Engine, SessionOptions};
 use crate::models::Registry;
 use crate::models::serving::Health;
@@ -213,12 +213,11 @@ async fn tasks_finish_out_of_order_and_offsets_are_acknowledged_only_after_their
     });
     let (record_tx, record_rx) = mpsc::channel(256);
     let (job_tx, job_rx) = mpsc::channel(256);
-    let (batcher, requests) = Batcher::new(job_rx, adaptive, Duration::from_millis(5));
+    let (batcher, requests) = Batcher::new(job_rx, adaptive, Duration::from_millis(5), Admission::for_slots(2));
     let stages = [
         tokio::spawn(decode(record_rx, job_tx, decode_stage)),
         tokio::spawn(batcher.run()),
-        // One more batch at once than engine threads, as the worker runs it.
-        tokio::spawn(super::engine(requests, engine_stage, 3)),
+        tokio::spawn(super::engine(requests, engine_stage)),
     ];
 
     // 60 records: tasks of 1-3 images, a task whose model code panics, one it fails on, a

@@ -220,6 +220,7 @@ def submission(
     webhook: str | WebhookSpec | None,
     deadline: str | None,
     ttl_seconds: int | None,
+    priority: str | None = None,
 ) -> dict[str, Any]:
     """The body of `POST /v1/tasks`: the request's fields as the schema names them."""
     body: dict[str, Any] = {"model": model}
@@ -232,6 +233,8 @@ def submission(
         body["deadline"] = deadline
     if ttl_seconds is not None:
         body["ttl_seconds"] = ttl_seconds
+    if priority is not None:
+        body["priority"] = priority
     return body
 
 

@@ -13,7 +13,7 @@ import httpx
 
 from . import _protocol as p
 from .errors import APIError, NotFound, SluiceError
-from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
+from .types import ModelInfo, Priority, TaskPage, TaskState, TaskStatus, WebhookSpec
 
 class AsyncClient:
     """A producer's HTTP API, for asyncio. See `sluice.Client`."""
@@ -79,11 +79,14 @@ class AsyncClient:
         webhook: str | WebhookSpec | None = None,
         deadline: str | None = None,
         ttl_seconds: int | None = None,
+        priority: Priority | None = None,
         user: str | None = None,
         **params: Any,
     ) -> AsyncTask:
         """See `sluice.Client.submit`."""
-        body = p.submission(model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds)
+        body = p.submission(
+            model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds, priority=priority
+        )
         headers = p.submission_headers(idempotency_key, user or self._settings.user)
         reply = p.json_body(await self._request("POST", "/v1/tasks", json=body, headers=headers))
         return AsyncTask(self, str(reply["task_id"]), submitted=True)

@@ -12,7 +12,7 @@ import httpx
 
 from . import _protocol as p
 from .errors import APIError, NotFound, SluiceError
-from .types import ModelInfo, TaskPage, TaskState, TaskStatus, WebhookSpec
+from .types import ModelInfo, Priority, TaskPage, TaskState, TaskStatus, WebhookSpec
 
 class Client:
     """A producer's HTTP API.
@@ -88,12 +88,15 @@ class Client:
         webhook: str | WebhookSpec | None = None,
         deadline: str | None = None,
         ttl_seconds: int | None = None,
+        priority: Priority | None = None,
         user: str | None = None,
         **params: Any,
     ) -> Task:
         """Queues a task: `params` are the request's other fields (`width`, `steps`, `seed`,
         `num_images`, `params` for model-specific values, …). Returns once the broker holds it."""
-        body = p.submission(model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds)
+        body = p.submission(
+            model, prompt, params, webhook=webhook, deadline=deadline, ttl_seconds=ttl_seconds, priority=priority
+        )
         headers = p.submission_headers(idempotency_key, user or self._settings.user)
         reply = p.json_body(self._request("POST", "/v1/tasks", json=body, headers=headers))
         return Task(self, str(reply["task_id"]), submitted=True)

@@ -33,6 +33,8 @@ DlqReason = Literal[
 """`dlq.schema.json#/$defs/reason`: why a task was dead-lettered."""
 
 Sampler = Literal["onestep", "euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_karras", "lcm", "flow_euler"]
+# A task's lane: workers take interactive work first and batch work last.
+Priority = Literal["interactive", "standard", "batch"]
 """`generation.schema.json#/$defs/generation/properties/sampler`."""
 
 WebhookEvent = Literal["started", "progress", "completed"]
