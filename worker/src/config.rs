@@ -10,6 +10,7 @@ use clap::{Args, Parser, ValueEnum};
 use sluice_service::kafka::KafkaClientArgs;
 use sluice_service::telemetry::LogFormat;
 
+use crate::batching::fair::TenantWeights;
 use crate::engine::{ArenaExtend, ConvSearch};
 
 #[derive(Debug, Clone, Parser)]
@@ -286,6 +287,10 @@ pub struct BatchingArgs {
     /// Clean batches at the learned ceiling before trying one task more.
     #[arg(long, env = "SLUICE_PROBE_AFTER", default_value_t = 16)]
     pub probe_after: u32,
+    /// Tenants' shares of the device within a priority lane, `tenant=weight,…` (1 to 1000; a
+    /// tenant not listed weighs 1): backlogged tenants get rows in proportion to their weights.
+    #[arg(long, env = "SLUICE_TENANT_WEIGHTS", value_parser = TenantWeights::from_arg, default_value = "")]
+    pub tenant_weights: TenantWeights,
     /// Turns off the exclusive device permit at batch 1 (for experiments only).
     #[arg(long, env = "SLUICE_NO_SERIALIZE_SINGLES", hide = true)]
     pub no_serialize_singles: bool,

@@ -22,6 +22,7 @@ use sluice_schemas::Priority;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use super::fair::{Fair, TenantWeights};
 use crate::engine::turns::{self, Waiter};
 use crate::models::Bucket;
 
@@ -75,9 +76,10 @@ impl Drop for Out {
     }
 }
 
-/// Work the batcher queues: it knows its priority lane.
-pub trait Laned {
+/// Work the batcher queues: its priority lane and its tenant.
+pub trait Work {
     fn lane(&self) -> Priority;
+    fn tenant(&self) -> &str;
 }
 
 /// Asks the batcher for the next batch.
@@ -98,8 +100,8 @@ impl<T> BatchRequests<T> {
 struct Queued<T> {
     item: T,
     since: Instant,
-    /// Arrival order.
-    seq: u64,
+    /// Its place: the tenants' fair start tag ([`Fair`]), then arrival.
+    order: (u64, u64),
 }
 
 /// The tasks of one lane and bucket, oldest first.
@@ -132,11 +134,12 @@ pub struct Batcher<T> {
     out: HashMap<Key, usize>,
     out_total: usize,
     arrivals: u64,
+    fair: Fair,
     ended_tx: mpsc::UnboundedSender<Key>,
     ended: mpsc::UnboundedReceiver<Key>,
 }
 
-impl<T: Laned + Send + 'static> Batcher<T> {
+impl<T: Work + Send + 'static> Batcher<T> {
     pub fn new(
         input: mpsc::Receiver<(Bucket, T)>,
         limits: Arc<dyn BatchLimits>,
@@ -160,10 +163,17 @@ impl<T: Laned + Send + 'static> Batcher<T> {
             out: HashMap::new(),
             out_total: 0,
             arrivals: 0,
+            fair: Fair::default(),
             ended_tx,
             ended,
         };
         (batcher, BatchRequests { tx })
+    }
+
+    /// Shares the device between tenants by these weights (every tenant weighs 1 without).
+    pub fn with_tenant_weights(mut self, weights: TenantWeights) -> Self {
+        self.fair = Fair::new(weights);
+        self
     }
 
     /// Whether a batch of `key` may go out now.
@@ -182,7 +192,7 @@ impl<T: Laned + Send + 'static> Batcher<T> {
                 (full || now >= oldest.since + self.max_wait || self.closed).then(|| {
                     let turn = Waiter {
                         overtaken: queue.overtaken,
-                        ..Waiter::new(key.0, oldest.seq)
+                        ..Waiter::new(key.0, oldest.order.0)
                     };
                     (key.clone(), turn)
                 })
@@ -211,6 +221,22 @@ impl<T: Laned + Send + 'static> Batcher<T> {
         }
     }
 
+    /// Queues `item` in its lane and bucket, in its tenant's fair place.
+    fn arrive(&mut self, bucket: Bucket, item: T) {
+        self.arrivals += 1;
+        let order = (self.fair.arrive(item.tenant(), bucket.rows_per_task), self.arrivals);
+        let queue = &mut self.queues.entry((item.lane(), bucket)).or_default().items;
+        let at = queue.partition_point(|q| q.order < order);
+        queue.insert(
+            at,
+            Queued {
+                item,
+                since: Instant::now(),
+                order,
+            },
+        );
+    }
+
     /// Hands out batches while requests wait and a queue is ready: whose turn it is by
     /// [`turns`] (the best lane, then the oldest task; none overtaken more than the bound).
     fn serve(&mut self) {
@@ -229,7 +255,10 @@ impl<T: Laned + Send + 'static> Batcher<T> {
             let queue = self.queues.get_mut(&key).expect("queued");
             queue.overtaken = 0;
             let n = limit.min(queue.items.len());
-            let (items, since): (Vec<T>, Vec<(Instant, u64)>) = queue.items.drain(..n).map(|q| (q.item, (q.since, q.seq))).unzip();
+            let (items, since): (Vec<T>, Vec<(Instant, (u64, u64))>) = queue.items.drain(..n).map(|q| (q.item, (q.since, q.order))).unzip();
+            if let Some((_, (tag, _))) = since.last() {
+                self.fair.served(*tag);
+            }
             if queue.items.is_empty() {
                 self.queues.remove(&key);
             }
@@ -247,8 +276,8 @@ impl<T: Laned + Send + 'static> Batcher<T> {
             }) {
                 // The requester went away; keep its tasks at the front.
                 let queue = self.queues.entry(key).or_default();
-                for (item, (since, seq)) in batch.items.into_iter().zip(since).rev() {
-                    queue.items.push_front(Queued { item, since, seq });
+                for (item, (since, order)) in batch.items.into_iter().zip(since).rev() {
+                    queue.items.push_front(Queued { item, since, order });
                 }
             }
         }
@@ -267,12 +296,7 @@ impl<T: Laned + Send + 'static> Batcher<T> {
             let deadline = if self.waiting.is_empty() { None } else { self.next_deadline() };
             tokio::select! {
                 item = self.input.recv(), if !self.closed => match item {
-                    Some((bucket, item)) => {
-                        self.arrivals += 1;
-                        let key = (item.lane(), bucket);
-                        let queued = Queued { item, since: Instant::now(), seq: self.arrivals };
-                        self.queues.entry(key).or_default().items.push_back(queued);
-                    }
+                    Some((bucket, item)) => self.arrive(bucket, item),
                     None => self.closed = true,
                 },
                 request = self.requests.recv() => match request {
@@ -300,17 +324,35 @@ mod tests {
         }
     }
 
-    impl Laned for i32 {
+    impl Work for i32 {
         fn lane(&self) -> Priority {
             Priority::Standard
+        }
+        fn tenant(&self) -> &str {
+            "t"
         }
     }
 
     /// A task of a lane, by its number.
     #[derive(Debug, PartialEq)]
     struct Of(Priority, i32);
-    impl Laned for Of {
+    impl Work for Of {
         fn lane(&self) -> Priority {
+            self.0
+        }
+        fn tenant(&self) -> &str {
+            "t"
+        }
+    }
+
+    /// A task of a tenant, by its number.
+    #[derive(Debug, PartialEq)]
+    struct By(&'static str, i32);
+    impl Work for By {
+        fn lane(&self) -> Priority {
+            Priority::Standard
+        }
+        fn tenant(&self) -> &str {
             self.0
         }
     }
@@ -464,5 +506,28 @@ mod tests {
             served_before += 1;
         }
         assert_eq!(served_before, turns::MAX_OVERTAKEN as usize);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_is_not_held_behind_another_tenants_flood() {
+        let (tx, rx) = mpsc::channel(256);
+        let admission = Admission { steady: 1, most: 1 };
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
+        tokio::spawn(batcher.run());
+        for i in 0..40 {
+            tx.send((bucket(1), By("flood", i))).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        for _ in 0..5 {
+            assert_eq!(requests.next().await.unwrap().items[0].0, "flood");
+        }
+        tx.send((bucket(1), By("light", 100))).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut next = Vec::new();
+        for _ in 0..2 {
+            // Each batch dropped (ended) before the next is asked for: one out at most.
+            next.push(requests.next().await.unwrap().items[0].0);
+        }
+        assert!(next.contains(&"light"), "behind the flood: {next:?}");
     }
 }

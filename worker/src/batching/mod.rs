@@ -6,3 +6,4 @@
 
 pub mod adaptive;
 pub(crate) mod batcher;
+pub mod fair;

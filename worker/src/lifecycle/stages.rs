@@ -70,6 +70,7 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
         Duration::from_millis(b.max_wait_ms),
         Admission::for_slots(loaded.engine.slots()),
     );
+    let batcher = batcher.with_tenant_weights(b.tenant_weights.clone());
     let control = SourceControl {
         stop_reading: CancellationToken::new(),
         close: CancellationToken::new(),

@@ -25,8 +25,11 @@ impl Job {
     }
 }
 
-impl crate::batching::batcher::Laned for Job {
+impl crate::batching::batcher::Work for Job {
     fn lane(&self) -> sluice_schemas::Priority {
         self.task.priority
+    }
+    fn tenant(&self) -> &str {
+        &self.task.tenant
     }
 }
