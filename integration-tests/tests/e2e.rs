@@ -499,6 +499,16 @@ async fn a_panic_in_model_code_fails_its_task_and_the_partition_moves_on() {
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// When a succeeded task's calls ran, by its completion: from its turn at the device (sent at +
+/// `queued_ms`) to their end (+ `inference_ms`).
+fn call_span(done: &Outcomes, task: &(String, Value)) -> (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) {
+    let event = &done.completions[&task.0][0];
+    assert_eq!(event.status, CompletionStatus::Succeeded, "{}: {event:?}", task.0);
+    let sent: chrono::DateTime<chrono::Utc> = task.1["submitted_at"].as_str().unwrap().parse().unwrap();
+    let start = sent + chrono::Duration::milliseconds(event.timings.queued_ms as i64);
+    (start, start + chrono::Duration::milliseconds(event.timings.inference_ms as i64))
+}
+
 /// Between buckets the engine takes turns call by call. Four large maps (each run as calls of
 /// one tile), then single tiles, on one partition and one engine slot: every tile's call starts
 /// before the second map's last call ends. (When a batch held its place until all its calls
@@ -528,13 +538,7 @@ async fn short_tasks_of_another_bucket_take_turns_with_a_long_tasks_calls() {
     let kafka = producer(stack.brokers()).unwrap();
     publish_tasks(&kafka, &topics.tasks, &all).await.unwrap();
     let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(180)).unwrap();
-    let calls = |task: &(String, Value)| {
-        let event = &done.completions[&task.0][0];
-        assert_eq!(event.status, CompletionStatus::Succeeded, "{}: {event:?}", task.0);
-        let sent: chrono::DateTime<chrono::Utc> = task.1["submitted_at"].as_str().unwrap().parse().unwrap();
-        let start = sent + chrono::Duration::milliseconds(event.timings.queued_ms as i64);
-        (start, start + chrono::Duration::milliseconds(event.timings.inference_ms as i64))
-    };
+    let calls = |task: &(String, Value)| call_span(&done, task);
     let mut map_ends: Vec<_> = maps.iter().map(|m| calls(m).1).collect();
     map_ends.sort();
     let tile_starts: Vec<_> = tiles.iter().map(|t| calls(t).0).collect();
@@ -576,12 +580,7 @@ async fn an_interactive_task_goes_before_queued_batch_work() {
     let kafka = producer(stack.brokers()).unwrap();
     publish_tasks(&kafka, &topics.tasks, &all).await.unwrap();
     let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(120)).unwrap();
-    let start = |task: &(String, Value)| {
-        let event = &done.completions[&task.0][0];
-        assert_eq!(event.status, CompletionStatus::Succeeded, "{}: {event:?}", task.0);
-        let sent: chrono::DateTime<chrono::Utc> = task.1["submitted_at"].as_str().unwrap().parse().unwrap();
-        sent + chrono::Duration::milliseconds(event.timings.queued_ms as i64)
-    };
+    let start = |task: &(String, Value)| call_span(&done, task).0;
     let first = start(&interactive);
     let before = batch.iter().filter(|t| start(t) < first).count();
     assert!(before <= 10, "{before} of 40 batch tiles started before the interactive one");

@@ -416,6 +416,15 @@ mod tests {
         run.await.unwrap();
     }
 
+    /// A running batcher of one-task batches (max_wait 5 ms) under `admission`: its input and
+    /// its requests.
+    fn one_task_batches<T: Work + Send + 'static>(admission: Admission) -> (mpsc::Sender<(Bucket, T)>, BatchRequests<T>) {
+        let (tx, rx) = mpsc::channel(256);
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
+        tokio::spawn(batcher.run());
+        (tx, requests)
+    }
+
     /// Asks for a batch and gives up after `wait` (paused time): what the batcher handed out.
     async fn next_within<T>(requests: &BatchRequests<T>, wait: Duration) -> Option<Batch<T>> {
         tokio::time::timeout(wait, requests.next()).await.ok().flatten()
@@ -423,10 +432,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn each_bucket_has_at_most_steady_batches_out_and_all_together_most() {
-        let (tx, rx) = mpsc::channel(64);
-        let admission = Admission { steady: 2, most: 5 };
-        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
-        tokio::spawn(batcher.run());
+        let (tx, requests) = one_task_batches(Admission { steady: 2, most: 5 });
         // Four one-task batches of a long bucket, then three of another and one of a third.
         for i in 0..4 {
             tx.send((bucket(64), i)).await.unwrap();
@@ -457,10 +463,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_batch_whose_requester_went_away_is_queued_again_and_not_counted_out() {
-        let (tx, rx) = mpsc::channel(64);
-        let admission = Admission { steady: 1, most: 1 };
-        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
-        tokio::spawn(batcher.run());
+        let (tx, requests) = one_task_batches(Admission { steady: 1, most: 1 });
         // A request that gives up before the batcher has anything for it.
         assert!(next_within(&requests, Duration::from_millis(1)).await.is_none());
         tx.send((bucket(1), 1)).await.unwrap();
@@ -475,11 +478,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn lanes_go_best_first_and_batch_work_waits_at_most_the_bound() {
         use Priority::*;
-        let (tx, rx) = mpsc::channel(256);
         // One batch out at a time: every handout is a choice.
-        let admission = Admission { steady: 1, most: 1 };
-        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
-        tokio::spawn(batcher.run());
+        let (tx, requests) = one_task_batches(Admission { steady: 1, most: 1 });
         tx.send((bucket(1), Of(Batch, 0))).await.unwrap();
         tx.send((bucket(1), Of(Standard, 1))).await.unwrap();
         tx.send((bucket(1), Of(Interactive, 2))).await.unwrap();
@@ -510,10 +510,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_tenant_is_not_held_behind_another_tenants_flood() {
-        let (tx, rx) = mpsc::channel(256);
-        let admission = Admission { steady: 1, most: 1 };
-        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(1)), Duration::from_millis(5), admission);
-        tokio::spawn(batcher.run());
+        let (tx, requests) = one_task_batches(Admission { steady: 1, most: 1 });
         for i in 0..40 {
             tx.send((bucket(1), By("flood", i))).await.unwrap();
         }

@@ -133,7 +133,7 @@ impl BatchItem for Item {
         format!("{}x{}x{}", r.width, r.height, r.num_images)
     }
     fn lane(&self) -> sluice_schemas::Priority {
-        self.job.task.priority
+        crate::batching::batcher::Work::lane(&self.job)
     }
     fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
         self.progress.clone().map(|p| p as Arc<dyn crate::engine::TaskHooks>)
