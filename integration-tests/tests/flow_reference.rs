@@ -8,10 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use sluice_integration_tests::inprocess::{run_alone, runtime};
+use sluice_integration_tests::inprocess::{max_diff, rows_at_different_steps, run_alone, runtime};
 use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
-use sluice_worker::engine::{Call, CallTask, SessionOptions, Tensor};
-use sluice_worker::models::ModelAdapter;
 use sluice_worker::models::diffusion::flow::backend::EncoderPlacement;
 use sluice_worker::models::diffusion::npy;
 use sluice_worker::models::diffusion::request::{Draws, SdRequest};
@@ -65,28 +63,23 @@ fn latents_in(case: &Value) -> Vec<f32> {
 }
 
 /// Runs `request` from `latents` alone (see [`run_alone`]).
-fn run(model: &StableDiffusion, dir: &Path, request: &SdRequest, latents: Vec<f32>, extra: Vec<Tensor>) -> (Vec<f32>, Vec<Vec<u8>>) {
+fn run(model: &StableDiffusion, dir: &Path, request: &SdRequest, latents: Vec<f32>) -> (Vec<f32>, Vec<Vec<u8>>) {
     let draws = Draws {
         latents,
         noise: Vec::new(),
         image_noise: None,
     };
-    run_alone(model, dir, request, draws, extra)
+    run_alone(model, dir, request, draws, Vec::new())
 }
 
 fn run_case(case: &Value, text_encoders: EncoderPlacement) -> (Vec<f32>, Vec<Vec<u8>>) {
     let dir = model_dir(case);
     let model = StableDiffusion::open_with(runtime(), "flow", &dir, settings(case, text_encoders)).unwrap();
-    run(&model, &dir, &request(case), latents_in(case), Vec::new())
+    run(&model, &dir, &request(case), latents_in(case))
 }
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
 }
 
 /// Max level difference between two PNGs of the same size.
@@ -188,20 +181,10 @@ fn t5_prompts_tokenize_as_the_reference_tokenizer() {
     assert!(checked >= 30, "only {checked} prompts checked");
 }
 
-/// Concatenates two prepared calls' inputs row-wise (the same names, in order).
-fn rows_of(a: &[Tensor], b: &[Tensor]) -> Vec<Tensor> {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            assert_eq!(x.name, y.name);
-            Tensor::concat(&[x, y])
-        })
-        .collect()
-}
-
 /// Step-level batching: task A runs the first half of its steps alone; then A (from those
 /// latents, the rest of its steps) and B (from noise, every step) share transformer calls, A at
-/// step `half` while B is at step 0. Each ends where it ends alone.
+/// step `half` while B is at step 0. Each ends where it ends alone: latents within 1e-5, the same
+/// PNG bytes.
 fn rows_at_different_steps_match(case_name: &str) {
     let case = case(case_name);
     let dir = model_dir(&case);
@@ -217,54 +200,26 @@ fn rows_at_different_steps_match(case_name: &str) {
     let per = noise.len() / case["num_images"].as_u64().unwrap() as usize;
     let (a_noise, b_noise) = (noise[..per].to_vec(), noise[per..].to_vec());
     assert!(!b_noise.is_empty(), "{case_name}: two images' draws");
-    let steps = a.steps as i64;
-    let half = steps / 2;
-    assert!(half >= 1, "{case_name}: at least two steps");
-    let range = |begin: i64, end: i64| {
-        vec![
-            Tensor::i64("step_begin", vec![1], vec![begin]),
-            Tensor::i64("step_end", vec![1], vec![end]),
-        ]
-    };
-    let (a_alone, a_png) = run(&model, &dir, &a, a_noise.clone(), Vec::new());
-    let (b_alone, b_png) = run(&model, &dir, &b, b_noise.clone(), Vec::new());
-    let (a_half, _) = run(&model, &dir, &a, a_noise, range(0, half));
-    assert!(max_diff(&a_half, &a_alone) > 1e-2, "half the steps are not all of them");
-
     let draws = |latents| Draws {
         latents,
         noise: Vec::new(),
         image_noise: None,
     };
-    let (bucket, pa) = model.prepare_request(&a, Some(draws(a_half))).unwrap();
-    let (_, pb) = model.prepare_request(&b, Some(draws(b_noise))).unwrap();
-    let mut inputs = rows_of(&pa.inputs, &pb.inputs);
-    inputs.push(Tensor::i64("step_begin", vec![2], vec![half, 0]));
-    inputs.push(Tensor::i64("step_end", vec![2], vec![steps, steps]));
-    let task = |id: &str| CallTask {
-        id: id.into(),
-        rows: 1,
-        hooks: None,
-    };
-    let call = Call {
-        key: bucket.key,
-        inputs,
-        tasks: vec![task("a"), task("b")],
-    };
-    let mut backend = model.load(&dir, &SessionOptions::default()).unwrap();
-    let outputs = backend.run(&call).unwrap();
-    let latents = outputs.iter().find(|t| t.name == "latents").unwrap();
-    let (a_mixed, b_mixed) = (latents.f32_rows(0, 1).unwrap(), latents.f32_rows(1, 2).unwrap());
-    let (ea, eb) = (max_diff(a_mixed, &a_alone), max_diff(b_mixed, &b_alone));
+    let (ra, rb) = rows_at_different_steps(&model, &dir, (&a, draws(a_noise)), (&b, draws(b_noise)))
+        .unwrap_or_else(|| panic!("{case_name}: at least two steps"));
     assert!(
-        ea <= 1e-4 && eb <= 1e-4,
-        "{case_name}: rows at different steps moved: A {ea}, B {eb}"
+        ra.latents <= 1e-5 && rb.latents <= 1e-5,
+        "{case_name}: rows at different steps moved: A {}, B {}",
+        ra.latents,
+        rb.latents
     );
-    let pngs_a = pa.render.render(&outputs, 0..1).unwrap();
-    let pngs_b = pb.render.render(&outputs, 1..2).unwrap();
-    assert!(png_levels(&pngs_a[0].bytes, &a_png[0]) <= 1);
-    assert!(png_levels(&pngs_b[0].bytes, &b_png[0]) <= 1);
-    eprintln!("{case_name}: mixed-step call vs alone: A {ea:.2e}, B {eb:.2e}");
+    assert!(
+        ra.same_png && rb.same_png,
+        "{case_name}: PNGs differ from alone (A {}, B {})",
+        ra.same_png,
+        rb.same_png
+    );
+    eprintln!("{case_name}: mixed-step call vs alone: A {:.2e}, B {:.2e}", ra.latents, rb.latents);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::Value;
-use sluice_integration_tests::inprocess::{run_alone, runtime};
+use sluice_integration_tests::inprocess::{rows_at_different_steps, run_alone, runtime};
 use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
 use sluice_worker::engine::{Call, CallTask, SessionOptions};
 use sluice_worker::models::ModelAdapter;
@@ -87,9 +87,8 @@ fn image_input(set: Set, case: &Value) -> Option<ImageInput> {
     Some(input::image_input(&init, read("mask_image").as_deref(), strength, w, h).unwrap())
 }
 
-/// Runs a case; returns (final latents, PNG bytes per image).
-fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
-    let model = StableDiffusion::open(runtime(), "sd", dir).unwrap();
+/// A case's request and its recorded draws.
+fn case_request(set: Set, case: &Value) -> (SdRequest, Draws) {
     let n = case["num_images"].as_u64().unwrap() as usize;
     let request = SdRequest {
         prompt: case["prompt"].as_str().unwrap().to_owned(),
@@ -124,7 +123,34 @@ fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
         noise,
         image_noise,
     };
+    (request, draws)
+}
+
+/// Runs a case; returns (final latents, PNG bytes per image).
+fn run_case(set: Set, case: &Value, dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
+    let model = StableDiffusion::open(runtime(), "sd", dir).unwrap();
+    let (request, draws) = case_request(set, case);
     run_alone(&model, dir, &request, draws, Vec::new())
+}
+
+/// Image `k` of a request alone: one image, its draws.
+fn one_image(request: &SdRequest, draws: &Draws, k: usize) -> (SdRequest, Draws) {
+    let n = request.num_images;
+    let row = |values: &[f32]| {
+        let per = values.len() / n;
+        values[k * per..(k + 1) * per].to_vec()
+    };
+    let one = SdRequest {
+        num_images: 1,
+        ..request.clone()
+    };
+    let draws = Draws {
+        latents: row(&draws.latents),
+        noise: row(&draws.noise),
+        // The VAE draw is the task's, one for all its images.
+        image_noise: draws.image_noise.clone(),
+    };
+    (one, draws)
 }
 
 #[test]
@@ -173,6 +199,55 @@ fn every_case_matches(set: Set, count: usize) {
         report.push(format!("{name}: max |Δ latents| {latent_err:.2e}, max |Δ PNG| {level_err}"));
     }
     assert_eq!(report.len(), count, "every recorded case");
+    eprintln!("{}", report.join("\n"));
+}
+
+/// Step-level batching on the UNet families. Every recorded case whose bucket runs two steps
+/// or more: its first image runs half its steps in one call and stops, then carries on (its
+/// latents and solver state from that call's outputs) in a call shared with another request of
+/// the bucket (another prompt, guidance and draws) at its first step. Both land where they land
+/// alone: final latents within 1e-5 and the same PNG bytes. Rows at different steps take UNet
+/// calls of their own (the export's timestep is a scalar), rows at one step share one.
+#[test]
+fn every_reference_case_gives_its_image_in_a_call_beside_rows_at_other_steps() {
+    let mut report = Vec::new();
+    for set in [Set::Sd, Set::Sdxl, Set::Image] {
+        for case in set.cases() {
+            let name = format!("{set:?}/{}", case["name"].as_str().unwrap());
+            let dir = model_dir(&case);
+            let model = StableDiffusion::open(runtime(), "sd", &dir).unwrap();
+            let (request, draws) = case_request(set, &case);
+            let (a, a_draws) = one_image(&request, &draws, 0);
+            let (mut b, b_draws) = one_image(&request, &draws, request.num_images - 1);
+            b.prompt = "a watercolor of a lighthouse at dusk".into();
+            if b.guidance_scale > 1.0 {
+                b.guidance_scale += 2.0;
+            }
+            let Some((ra, rb)) = rows_at_different_steps(&model, &dir, (&a, a_draws), (&b, b_draws)) else {
+                continue;
+            };
+            assert!(
+                ra.latents <= 1e-5 && rb.latents <= 1e-5,
+                "{name}: rows at different steps moved: A {:.2e}, B {:.2e}",
+                ra.latents,
+                rb.latents
+            );
+            assert!(
+                ra.same_png && rb.same_png,
+                "{name}: PNGs differ from alone (A {}, B {})",
+                ra.same_png,
+                rb.same_png
+            );
+            report.push(format!("{name}: A {:.2e}, B {:.2e}", ra.latents, rb.latents));
+        }
+    }
+    // Every case but the three of one step (two one-step turbo cases, img2img at strength 0.3).
+    assert_eq!(
+        report.len(),
+        20 + SDXL_CASES + IMAGE_CASES - 3,
+        "cases mixed:\n{}",
+        report.join("\n")
+    );
     eprintln!("{}", report.join("\n"));
 }
 

@@ -137,6 +137,71 @@ pub(in crate::models::diffusion) fn row_owners(call: &Call, n: usize) -> Result<
     Ok(owner)
 }
 
+/// Each row's step range, `begin..end`: `step_begin`/`step_end` [n] int64 when the call has them,
+/// else `first..steps` (every step the schedule runs). A range starts at `first` or later and ends
+/// at `steps` or sooner, so rows that started at other times can share a call and a row can stop
+/// early (its state is then the call's output, to be fed back later).
+pub(in crate::models::diffusion) fn step_ranges(
+    call: &Call,
+    n: usize,
+    first: usize,
+    steps: usize,
+) -> Result<(Vec<usize>, Vec<usize>), EngineError> {
+    let read = |name: &str, default: usize| -> Result<Vec<usize>, EngineError> {
+        let Ok(t) = input(call, name) else { return Ok(vec![default; n]) };
+        let values = t
+            .i64_rows(0, t.rows())
+            .ok_or_else(|| EngineError::Run(format!("`{name}` must be int64")))?;
+        if values.len() != n {
+            return Err(EngineError::Run(format!("`{name}` has {} values for {n} rows", values.len())));
+        }
+        values
+            .iter()
+            .map(|&v| usize::try_from(v).ok().filter(|&v| (first..=steps).contains(&v)))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| EngineError::Run(format!("`{name}` must be within {first}..={steps}")))
+    };
+    let (begin, end) = (read("step_begin", first)?, read("step_end", steps)?);
+    if begin.iter().zip(&end).any(|(b, e)| b > e) {
+        return Err(EngineError::Run("a row's step_begin is after its step_end".into()));
+    }
+    Ok((begin, end))
+}
+
+/// `name` [n, ...] as `per_row` floats a row, checked.
+pub(in crate::models::diffusion) fn row_values<'a>(call: &'a Call, name: &str, n: usize, per_row: usize) -> Result<&'a [f32], EngineError> {
+    let values = input(call, name)?.floats()?;
+    match values.len() == n * per_row {
+        true => Ok(values),
+        false => Err(EngineError::Run(format!(
+            "`{name}` has {} values, expected {n}x{per_row}",
+            values.len()
+        ))),
+    }
+}
+
+/// Rows that begin after the bucket's `first` step (`at`, from [`step_ranges`]) carry on where an
+/// earlier call left them: their rows of `latents` (`per_row` values each) become their
+/// `step_latents`, that call's `latents` output. Other rows keep theirs; a call with none needs
+/// no `step_latents`.
+pub(in crate::models::diffusion) fn resume_latents(
+    call: &Call,
+    at: &[usize],
+    first: usize,
+    per_row: usize,
+    latents: &mut [f32],
+) -> Result<(), EngineError> {
+    if at.iter().all(|&i| i == first) {
+        return Ok(());
+    }
+    let resumed = row_values(call, "step_latents", at.len(), per_row)?;
+    for (r, _) in at.iter().enumerate().filter(|&(_, &i)| i > first) {
+        let span = r * per_row..(r + 1) * per_row;
+        latents[span.clone()].copy_from_slice(&resumed[span]);
+    }
+    Ok(())
+}
+
 /// A call's outputs, the same for every diffusion backend: `images` [n, 3, H, W] in [0, 1],
 /// `latents` (the final, unscaled latents) and `cancelled` [n] (1 for the rows of a task
 /// cancelled mid-loop; `owner` names each row's task).

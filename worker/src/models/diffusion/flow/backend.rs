@@ -21,7 +21,7 @@ use crate::engine::{Backend, Call, ElementKind, EngineError, OrtBackend, Placeme
 use crate::models::diffusion::request::SdBucket;
 use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
 use crate::models::diffusion::stages::{
-    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode,
+    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners, step_ranges, vae_decode,
 };
 
 /// Where a flow model's text encoders live (the catalog's `text_encoders`): FLUX's T5-XXL is
@@ -454,29 +454,6 @@ fn check_call(call: &Call, layout: &FlowLayout, n: usize, [c, h, w]: [usize; 3])
     Ok(())
 }
 
-/// Each row's step range: `step_begin`/`step_end` when the call has them, else every step.
-fn step_ranges(call: &Call, n: usize, steps: usize) -> Result<(Vec<usize>, Vec<usize>), EngineError> {
-    let read = |name: &str, default: usize| -> Result<Vec<usize>, EngineError> {
-        let Ok(t) = input(call, name) else { return Ok(vec![default; n]) };
-        let values = t
-            .i64_rows(0, t.rows())
-            .ok_or_else(|| EngineError::Run(format!("`{name}` must be int64")))?;
-        if values.len() != n {
-            return Err(EngineError::Run(format!("`{name}` has {} values for {n} rows", values.len())));
-        }
-        values
-            .iter()
-            .map(|&v| usize::try_from(v).ok().filter(|&v| v <= steps))
-            .collect::<Option<Vec<usize>>>()
-            .ok_or_else(|| EngineError::Run(format!("`{name}` must be within 0..={steps}")))
-    };
-    let (begin, end) = (read("step_begin", 0)?, read("step_end", steps)?);
-    if begin.iter().zip(&end).any(|(b, e)| b > e) {
-        return Err(EngineError::Run("a row's step_begin is after its step_end".into()));
-    }
-    Ok((begin, end))
-}
-
 impl Backend for FlowBackend {
     fn run(&mut self, call: &Call) -> Result<Vec<Tensor>, EngineError> {
         let bucket = call
@@ -494,16 +471,17 @@ impl Backend for FlowBackend {
         check_call(call, &self.layout, n, dims)?;
         let per_row: usize = dims.iter().product();
         let guidance = input(call, "guidance")?.floats()?.to_vec();
-        let (at, end) = step_ranges(call, n, schedule.steps())?;
+        let (at, end) = step_ranges(call, n, 0, schedule.steps())?;
         let owner = row_owners(call, n)?;
         // Everything checked before the text encoders run (and, on demand, load).
         let text = self.conditioning(call, bucket.cfg)?;
-        let start = latents_in.floats()?;
+        let mut start = latents_in.floats()?.to_vec();
+        resume_latents(call, &at, 0, per_row, &mut start)?;
         let flux = self.layout.family == FlowFamily::Flux;
         let mut rows = FlowRows {
             latents: match flux {
                 true => start.chunks(per_row).flat_map(|row| pack(row, dims)).collect(),
-                false => start.to_vec(),
+                false => start,
             },
             dims,
             per_row,

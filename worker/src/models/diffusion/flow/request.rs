@@ -5,8 +5,9 @@
 //! `t5_ids` [n, L]; with SD3's classifier-free guidance the negative prompt's as `uncond_…`;
 //! `latents` [n, 16, h/8, w/8] standard normal, *unpacked* (the draw diffusers makes, before
 //! FLUX's 2×2 packing); `guidance` [n]. Optional, for step-level batching: `step_begin` and
-//! `step_end` [n] int64, the steps each row runs (`latents` are then that row's latents at
-//! `step_begin`); absent, every row runs every step.
+//! `step_end` [n] int64, the steps each row runs (absent, every row runs every step), and for
+//! rows that begin after step 0 `step_latents` [n, 16, h/8, w/8], their latents at `step_begin`
+//! (an earlier call's `latents` output), as the UNet families take them.
 
 use super::layout::{FlowFamily, FlowLayout};
 use crate::engine::Tensor;

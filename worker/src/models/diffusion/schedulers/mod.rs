@@ -79,6 +79,23 @@ pub struct ImageState {
     lower_order_nums: usize,
 }
 
+impl ImageState {
+    /// The state of an image that has run `ran` steps, carried out of one call and into another:
+    /// the multistep solver's previous prediction (none before the first step). Its order rises
+    /// by one a step up to two, so `ran` gives it back.
+    pub fn resumed(previous: Option<Vec<f32>>, ran: usize) -> ImageState {
+        ImageState {
+            lower_order_nums: if previous.is_some() { ran.min(2) } else { 0 },
+            previous,
+        }
+    }
+
+    /// The multistep solver's previous prediction, once it has one.
+    pub fn previous(&self) -> Option<&[f32]> {
+        self.previous.as_deref()
+    }
+}
+
 impl Schedule {
     pub fn new(sampler: Sampler, config: &SchedulerConfig, steps: usize) -> Result<Schedule, ScheduleError> {
         if steps == 0 {
@@ -182,6 +199,19 @@ impl Schedule {
             Plan::Lcm(_) => run - 1,
             _ => 0,
         }
+    }
+
+    /// Whether images carry state from one step to the next beyond their latents (the multistep
+    /// solver's previous prediction, [`ImageState`]).
+    pub fn multistep(&self) -> bool {
+        matches!(self.plan, Plan::Dpm(_))
+    }
+
+    /// Which of an image's noise draws step `i` takes, when it draws ([`Schedule::draws_noise`]):
+    /// the samplers that draw do so at every step run but LCM's last, so it is the step's place
+    /// among the steps run, whichever call runs it.
+    pub fn draw_index(&self, i: usize) -> usize {
+        i - self.begin
     }
 
     /// Whether step `i` draws noise (in order: the k-th draw is for the k-th step that does).

@@ -6,8 +6,19 @@
 //! `latents` [n, c, h/8, w/8] standard normal, `noise` [n, draws, c, h/8, w/8] (ancestral and
 //! LCM samplers), `guidance` [n]; SDXL adds `cond_ids_2`/`uncond_ids_2` (its second tokenizer)
 //! and, with guidance, `uncond_zero` [n] (1: all-zero unconditional embeddings). Outputs:
-//! `images` [n, 3, H, W] in [0, 1], `latents` (the final, unscaled latents) and `cancelled` [n]
-//! (1 for images of a task cancelled mid-loop).
+//! `images` [n, 3, H, W] in [0, 1], `latents` (the final, unscaled latents), `cancelled` [n]
+//! (1 for images of a task cancelled mid-loop) and, for the multistep samplers (DPM-Solver++),
+//! `solver_previous` [n, c, h/8, w/8] (each row's previous prediction; zeros before its first).
+//!
+//! The loop is step-level, as the flow backend's: optional `step_begin`/`step_end` [n] int64 give
+//! each row the steps it runs (every step of the bucket by default), so a row can stop early and
+//! carry on in a later call, beside rows at other steps. A row that begins after the bucket's
+//! first step takes its latents from `step_latents` and its solver state from `solver_previous`
+//! (the earlier call's `latents` and `solver_previous`); its `latents`, `noise` and image inputs
+//! stay the task's own (an ordinary UNet's inpainting blends with the initial noise, and the k-th
+//! step run takes the k-th draw). Optimum's UNet export takes one scalar timestep, so each step
+//! runs the rows that are at it as one UNet call: rows at the same step share it, rows at
+//! different steps take one call each.
 //!
 //! Every stage can run out of memory; the error goes back to the adaptive batcher, which halves
 //! the batch. The VAE decode, the classic high-resolution OOM, first falls back to one image at a
@@ -22,7 +33,8 @@ use crate::models::diffusion::layout::{Family, SdLayout};
 use crate::models::diffusion::request::{Mode, SdBucket};
 use crate::models::diffusion::schedulers::{ImageState, Schedule};
 use crate::models::diffusion::stages::{
-    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, row_owners, vae_decode,
+    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners, row_values, step_ranges,
+    vae_decode,
 };
 
 /// How the UNet wants its timestep.
@@ -210,6 +222,8 @@ impl Backend for SdBackend {
             mode => Some(self.image_latents(call, mode, bucket.begin, n, per_image)?),
         };
         let start = latents_in.floats()?;
+        let (first, steps) = (schedule.begin(), schedule.timesteps().len());
+        let (mut at, end) = step_ranges(call, n, first, steps)?;
         let mut rows = Rows {
             latents: match &image {
                 Some(image) => image.initial(&schedule, start)?,
@@ -219,55 +233,49 @@ impl Backend for SdBackend {
             per_image,
             noise,
             draws,
-            draw: 0,
         };
+        rows.resume(call, &schedule, &at)?;
         let owner = row_owners(call, n)?;
         let mut cancelled = vec![false; call.tasks.len()];
-        let (begin, steps) = (schedule.begin(), schedule.timesteps().len());
         let mut unet_shape = latent_shape.clone();
         unet_shape[1] = self.unet_channels;
-        for (i, &t) in schedule.timesteps().iter().enumerate().skip(begin) {
+        loop {
             note_cancellations(call, &mut cancelled);
-            let active: Vec<usize> = (0..n).filter(|&r| !cancelled[owner[r]]).collect();
+            let active: Vec<usize> = (0..n).filter(|&r| !cancelled[owner[r]] && at[r] < end[r]).collect();
             if active.is_empty() {
                 break;
             }
-            let b = active.len();
-            let mut sample = rows.model_input(&schedule, i, &active)?;
-            if let Some(image) = image.as_ref().filter(|_| self.unet_channels != latent_shape[1]) {
-                sample = image.with_mask_channels(&sample, &active, per_image);
-            }
-            let (inputs, unet_rows) = self.unet_inputs(&text, &active, sample, &unet_shape, t);
-            let out = self.unet.run_tensors(&inputs)?;
-            let pred = out
-                .iter()
-                .find(|t| t.name == "out_sample")
-                .or(out.first())
-                .and_then(|t| t.f32_rows(0, unet_rows))
-                .ok_or_else(|| EngineError::Run("unet output is not float32".into()))?;
-            rows.step(&schedule, i, &active, |k, r| {
-                if text.uncond.is_some() {
-                    let uncond = &pred[k * per_image..(k + 1) * per_image];
-                    let cond = &pred[(b + k) * per_image..(b + k + 1) * per_image];
-                    guided(uncond, cond, guidance[r])
-                } else {
-                    pred[k * per_image..(k + 1) * per_image].to_vec()
+            // The export takes one timestep a call (Optimum's is a scalar), so the rows at each
+            // step run together: one UNet call per step the running rows are at.
+            let mut at_steps: Vec<usize> = active.iter().map(|&r| at[r]).collect();
+            at_steps.sort_unstable();
+            at_steps.dedup();
+            for i in at_steps {
+                let group: Vec<usize> = active.iter().copied().filter(|&r| at[r] == i).collect();
+                self.unet_step(
+                    &schedule,
+                    i,
+                    &group,
+                    &mut rows,
+                    &text,
+                    &guidance,
+                    (&unet_shape, &latent_shape),
+                    image.as_ref(),
+                    start,
+                )?;
+                for &r in &group {
+                    at[r] += 1;
                 }
-            })?;
-            if let Some(image) = image.as_ref().filter(|_| self.unet_channels == latent_shape[1]) {
-                image.blend_known_region(&schedule, i, &mut rows.latents, &active, start)?;
             }
-            report_progress(call, &cancelled, i + 1 - begin, steps - begin);
+            report_progress(call, &cancelled, &active, &owner, &at, (first, steps));
         }
+        let previous = schedule.multistep().then(|| rows.previous());
         let latents = rows.latents;
 
         let (images, image_shape) = self.decode_checked(&latents, &latent_shape)?;
-        Ok(call_outputs(
-            (images, image_shape.to_vec()),
-            (latents, latent_shape),
-            &owner,
-            &cancelled,
-        ))
+        let mut outputs = call_outputs((images, image_shape.to_vec()), (latents, latent_shape.clone()), &owner, &cancelled);
+        outputs.extend(previous.map(|p| Tensor::f32("solver_previous", latent_shape, p)));
+        Ok(outputs)
     }
 
     fn release_memory(&mut self) {
@@ -452,6 +460,50 @@ impl SdBackend {
         ImageLatents::encode(encoder, call)
     }
 
+    /// Step `i` of the `group` rows (all at step `i`): the UNet on their latents, guidance, the
+    /// sampler's step, and an ordinary UNet's inpainting blend.
+    #[allow(clippy::too_many_arguments)]
+    fn unet_step(
+        &mut self,
+        schedule: &Schedule,
+        i: usize,
+        group: &[usize],
+        rows: &mut Rows<'_>,
+        text: &Conditioning,
+        guidance: &[f32],
+        (unet_shape, latent_shape): (&[usize], &[usize]),
+        image: Option<&ImageLatents>,
+        start: &[f32],
+    ) -> Result<(), EngineError> {
+        let (b, per_image) = (group.len(), rows.per_image);
+        let mut sample = rows.model_input(schedule, i, group)?;
+        let mask_channels = self.unet_channels != latent_shape[1];
+        if let Some(image) = image.filter(|_| mask_channels) {
+            sample = image.with_mask_channels(&sample, group, per_image);
+        }
+        let (inputs, unet_rows) = self.unet_inputs(text, group, sample, unet_shape, schedule.timesteps()[i]);
+        let out = self.unet.run_tensors(&inputs)?;
+        let pred = out
+            .iter()
+            .find(|t| t.name == "out_sample")
+            .or(out.first())
+            .and_then(|t| t.f32_rows(0, unet_rows))
+            .ok_or_else(|| EngineError::Run("unet output is not float32".into()))?;
+        rows.step(schedule, i, group, |k, r| {
+            if text.uncond.is_some() {
+                let uncond = &pred[k * per_image..(k + 1) * per_image];
+                let cond = &pred[(b + k) * per_image..(b + k + 1) * per_image];
+                guided(uncond, cond, guidance[r])
+            } else {
+                pred[k * per_image..(k + 1) * per_image].to_vec()
+            }
+        })?;
+        if let Some(image) = image.filter(|_| !mask_channels) {
+            image.blend_known_region(schedule, i, &mut rows.latents, group, start)?;
+        }
+        Ok(())
+    }
+
     /// The final latents through the VAE decoder, checked against the images' shape.
     fn decode_checked(&mut self, latents: &[f32], latent_shape: &[usize]) -> Result<(Vec<f32>, [usize; 4]), EngineError> {
         let images = self.decode(latents, latent_shape)?;
@@ -481,11 +533,36 @@ struct Rows<'a> {
     /// `draws` draws per row, for samplers that add noise.
     noise: Option<&'a [f32]>,
     draws: usize,
-    /// Draws used so far (the same for every row).
-    draw: usize,
 }
 
 impl Rows<'_> {
+    /// Rows that begin after the schedule's first step carry on from where an earlier call left
+    /// them: their latents from `step_latents` and, for the multistep solver, its previous
+    /// prediction from `solver_previous` (both [n, c, h, w], the earlier call's `latents` and
+    /// `solver_previous`). Their noise draws are the task's, indexed by step.
+    fn resume(&mut self, call: &Call, schedule: &Schedule, at: &[usize]) -> Result<(), EngineError> {
+        let (first, per_image) = (schedule.begin(), self.per_image);
+        resume_latents(call, at, first, per_image, &mut self.latents)?;
+        if !schedule.multistep() || at.iter().all(|&i| i == first) {
+            return Ok(());
+        }
+        let previous = row_values(call, "solver_previous", at.len(), per_image)?;
+        for (r, &i) in at.iter().enumerate().filter(|&(_, &i)| i > first) {
+            let span = r * per_image..(r + 1) * per_image;
+            self.states[r] = ImageState::resumed(Some(previous[span].to_vec()), i - first);
+        }
+        Ok(())
+    }
+
+    /// Each row's multistep state, zeros for a row that has none yet.
+    fn previous(&self) -> Vec<f32> {
+        let zeros = vec![0.0; self.per_image];
+        self.states
+            .iter()
+            .flat_map(|s| s.previous().unwrap_or(&zeros).iter().copied())
+            .collect()
+    }
+
     /// The `active` rows' latents, scaled for the model at step `i`.
     fn model_input(&self, schedule: &Schedule, i: usize, active: &[usize]) -> Result<Vec<f32>, EngineError> {
         let per_image = self.per_image;
@@ -513,7 +590,7 @@ impl Rows<'_> {
             let model_output = output(k, r);
             let step_noise = match (draws_now, self.noise) {
                 (true, Some(noise)) => {
-                    let at = r * draws + self.draw;
+                    let at = r * draws + schedule.draw_index(i);
                     Some(&noise[at * per_image..(at + 1) * per_image])
                 }
                 _ => None,
@@ -527,9 +604,6 @@ impl Rows<'_> {
                     &mut self.states[r],
                 )
                 .map_err(|e| EngineError::Run(e.to_string()))?;
-        }
-        if draws_now {
-            self.draw += 1;
         }
         Ok(())
     }
@@ -548,11 +622,13 @@ fn zero_rows(values: &mut [f32], zero: &[f32]) {
     }
 }
 
-/// Tells each task still running that it finished step `step` of `steps`.
-fn report_progress(call: &Call, cancelled: &[bool], step: usize, steps: usize) {
+/// Tells each task that ran a step (it owns one of the `active` rows) and is still running the
+/// step its rows have reached, of the steps its bucket runs (`first..steps`; a task's rows run
+/// together, so its first active row's step is the task's).
+fn report_progress(call: &Call, cancelled: &[bool], active: &[usize], owner: &[usize], at: &[usize], (first, steps): (usize, usize)) {
     for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
-        if !cancelled[task] {
-            hooks.progress(step, steps);
+        if let Some(&row) = active.iter().find(|&&r| owner[r] == task).filter(|_| !cancelled[task]) {
+            hooks.progress(at[row] - first, steps - first);
         }
     }
 }
