@@ -550,6 +550,45 @@ async fn short_tasks_of_another_bucket_take_turns_with_a_long_tasks_calls() {
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// Between buckets the engine takes turns step by step too: a diffusion batch runs as calls of
+/// `SLUICE_STEPS_PER_CALL` steps (1 by default), each taking its turn at the device. A 256² SD
+/// task of 20 steps, then a 64² one of 4 (another bucket), on one partition and one engine slot:
+/// the short task's steps run while the long one's are under way, and it ends first. (With all
+/// of a batch's steps in one call, `SLUICE_STEPS_PER_CALL=0`, it waited for all twenty.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_short_diffusion_task_waits_for_a_step_of_a_long_one_not_for_all_of_them() {
+    use sluice_integration_tests::cluster::Worker;
+    use sluice_integration_tests::stack::repo_root;
+    use sluice_integration_tests::{ids_of, publish_tasks, sd_task};
+
+    let c = cluster().await;
+    let stack = &c.stack;
+    let topics = stack.topics("steps", 1).unwrap();
+    let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
+    let env = [
+        ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+        ("SLUICE_MODELS", "sd-tiny"),
+        ("SLUICE_ENGINE_SLOTS", "1"),
+        ("SLUICE_MAX_WAIT_MS", "5"),
+    ];
+    let mut worker = Worker::on_topics(stack, "steps-0", "e2e-steps", &topics, &env).await.unwrap();
+    worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    let long = sd_task(700, 256, 20, 2);
+    let short = sd_task(701, 64, 4, 1);
+    let kafka = producer(stack.brokers()).unwrap();
+    publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&long)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&short)).await.unwrap();
+    let all = [long.clone(), short.clone()];
+    let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(180)).unwrap();
+    let ((long_start, long_end), (short_start, short_end)) = (call_span(&done, &long), call_span(&done, &short));
+    assert!(
+        long_start < short_start && short_end < long_end,
+        "the short task ran {short_start}..{short_end}, the long one {long_start}..{long_end}"
+    );
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
 /// An interactive task goes before queued batch work of its own bucket: forty single tiles of
 /// the batch lane, then one of the interactive lane, each a batch of its own, on one partition
 /// and one engine slot. The interactive tile's call starts before all but a few of the batch

@@ -291,6 +291,12 @@ pub struct BatchingArgs {
     /// tenant not listed weighs 1): backlogged tenants get rows in proportion to their weights.
     #[arg(long, env = "SLUICE_TENANT_WEIGHTS", value_parser = TenantWeights::from_arg, default_value = "")]
     pub tenant_weights: TenantWeights,
+    /// The most denoising steps one model call runs (0: all of a batch's steps in one call). A
+    /// diffusion batch runs as calls of this many steps, its rows' state carried from one to the
+    /// next, and each call takes its own turn at the device: a task of another bucket or lane
+    /// waits for this many steps of a long batch, not for all of them.
+    #[arg(long, env = "SLUICE_STEPS_PER_CALL", default_value_t = 1)]
+    pub steps_per_call: usize,
     /// Turns off the exclusive device permit at batch 1 (for experiments only).
     #[arg(long, env = "SLUICE_NO_SERIALIZE_SINGLES", hide = true)]
     pub no_serialize_singles: bool,

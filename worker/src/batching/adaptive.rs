@@ -24,6 +24,8 @@ use crate::events::{self, Emit};
 use crate::metrics::Metrics;
 use crate::models::{Bucket, Prepared, concat_inputs};
 
+use super::steps::{Progress, Resumes};
+
 /// The learned batch ceiling of one bucket (tasks per model call).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ceiling {
@@ -302,6 +304,9 @@ pub struct Adaptive {
     cleaner: Option<Arc<dyn CleanArena>>,
     /// How long the last clean-arena rebuild took.
     last_rebuild: Mutex<Duration>,
+    /// The most steps one call of a step-by-step bucket runs ([`crate::engine::Stepped`]);
+    /// `None`: every call runs all of its steps.
+    steps_per_call: Option<usize>,
 }
 
 struct Chunk<T> {
@@ -336,7 +341,15 @@ impl Adaptive {
             store: None,
             cleaner: None,
             last_rebuild: Mutex::new(Duration::ZERO),
+            steps_per_call: None,
         }
+    }
+
+    /// Runs the calls of step-by-step buckets ([`crate::engine::Stepped`]) as calls of at most
+    /// `steps` steps (0: all of them at once).
+    pub fn with_steps_per_call(mut self, steps: usize) -> Adaptive {
+        self.steps_per_call = (steps > 0).then_some(steps);
+        self
     }
 
     /// Keeps learned ceilings in `store` and starts each bucket from what it holds.
@@ -449,6 +462,7 @@ impl Adaptive {
         items: &[T],
         exclusive: bool,
         had: &mut u32,
+        resumes: &mut Resumes,
     ) -> Result<(Vec<Tensor>, Instant), EngineError> {
         let call = call_of(bucket, items);
         // The best of its tasks' lanes (a batch is of one lane).
@@ -461,7 +475,7 @@ impl Adaptive {
         let rows: usize = call.tasks.iter().map(|t| t.rows).sum();
         let part_rows = self.part_rows(bucket);
         if call.tasks.len() != 1 || rows <= part_rows || !by_rows(&call) {
-            return self.engine.run_timed(&bucket.model, call, exclusive, turn()).await;
+            return self.run_steps(bucket, call, exclusive, &mut turn, resumes).await;
         }
         let task = &call.tasks[0];
         tracing::debug!(task_id = %task.id, rows, part_rows, "running the task in parts");
@@ -477,7 +491,8 @@ impl Adaptive {
                     ..task.clone()
                 }],
             };
-            let (outputs, granted) = self.engine.run_timed(&bucket.model, part, exclusive, turn()).await?;
+            // A part's state is not its task's: a part that fails is run again whole.
+            let (outputs, granted) = self.run_steps(bucket, part, exclusive, &mut turn, &mut Resumes::new()).await?;
             first.get_or_insert(granted);
             parts.push(outputs);
         }
@@ -492,6 +507,53 @@ impl Adaptive {
             .map(|i| Tensor::concat(&parts.iter().map(|p| &p[i]).collect::<Vec<_>>()))
             .collect();
         Ok((joined, first.expect("at least one part")))
+    }
+
+    /// Runs `call` on the engine: in one go, or, for a bucket whose model runs its rows step by
+    /// step and whose steps are more than a call may run, as consecutive calls of at most
+    /// `steps_per_call` steps. Each carries the rows' state (the key's `carry` outputs) into the
+    /// next and takes its own turn at the device gate, so another bucket's call waits for a few
+    /// steps of this one, not for all of them. The last call's outputs are the call's. Also
+    /// returns when the first call's turn came.
+    ///
+    /// A task of `resumes` carries on from its resume point. When a call fails after others
+    /// moved the rows on, each task's point before it goes into `resumes`: run again in a smaller
+    /// batch (after an out-of-memory error), it does not start over. A task that ran to its end
+    /// leaves `resumes`.
+    async fn run_steps(
+        &self,
+        bucket: &Bucket,
+        call: Call,
+        exclusive: bool,
+        turn: &mut impl FnMut() -> crate::engine::Turn,
+        resumes: &mut Resumes,
+    ) -> Result<(Vec<Tensor>, Instant), EngineError> {
+        let (Some(per_call), Some(stepped)) = (self.steps_per_call, call.key.steps().cloned()) else {
+            return self.engine.run_timed(&bucket.model, call, exclusive, turn()).await;
+        };
+        let mut progress = Progress::start(&call, &stepped, resumes);
+        if progress.in_one_call(per_call) {
+            return self.engine.run_timed(&bucket.model, call, exclusive, turn()).await;
+        }
+        let mut first = None;
+        loop {
+            let steps = progress.next_call(&call, per_call);
+            let (outputs, granted) = match self.engine.run_timed(&bucket.model, steps, exclusive, turn()).await {
+                Ok(done) => done,
+                Err(error) => {
+                    progress.keep(&call, resumes);
+                    return Err(error);
+                }
+            };
+            let first = *first.get_or_insert(granted);
+            progress.advance(&outputs, per_call);
+            if progress.done() {
+                for task in &call.tasks {
+                    resumes.remove(&task.id);
+                }
+                return Ok((outputs, first));
+            }
+        }
     }
 
     /// Rows the largest call of `items` (one chunk) holds, and whether they could be cut into
@@ -563,6 +625,8 @@ impl Adaptive {
         // is being isolated, or a single retried alone after an OOM.
         let mut retries: VecDeque<Chunk<T>> = VecDeque::new();
         let mut had = 0;
+        // Where tasks stand whose call failed part way, for their next call.
+        let mut resumes = Resumes::new();
         while let Some(chunk) = retries.pop_front().or_else(|| self.next_chunk(bucket, &mut pending)) {
             let Some(chunk) = self.clean_if_due(bucket, chunk, &mut on_done).await else {
                 continue;
@@ -574,7 +638,7 @@ impl Adaptive {
                 self.engine.release_memory(&bucket.model);
             }
             let asked = Instant::now();
-            let result = self.call(bucket, &chunk.items, chunk.exclusive, &mut had).await;
+            let result = self.call(bucket, &chunk.items, chunk.exclusive, &mut had, &mut resumes).await;
             // From its turn at the device (the wait for it left out) to its end.
             let elapsed = match &result {
                 Ok((_, granted)) => granted.elapsed(),
@@ -864,7 +928,7 @@ impl crate::batching::batcher::BatchLimits for Adaptive {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::CallKey;
+    use crate::engine::{CallKey, Stepped};
     use crate::models::ModelAdapter;
     use crate::testing::fake::{Device, ERROR_SEED, FakeModel, PANIC_SEED, prepared, prepared_whole};
 
@@ -987,6 +1051,68 @@ mod tests {
         assert_eq!(y.f32_rows(0, 10).unwrap(), want.as_slice());
         assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 3, "4 + 4 + 2 rows");
         assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 4);
+    }
+
+    /// A bucket whose model runs step by step runs as calls of at most `steps_per_call` steps,
+    /// each taking the rows' state from the one before: five steps two a call are steps 0..2,
+    /// 2..4 and 4..5, and the batch's outputs are the last call's, five steps on.
+    #[tokio::test]
+    async fn a_step_by_step_batch_runs_a_few_steps_a_call_and_carries_its_rows_on() {
+        let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
+        let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(2);
+        let stepped = Stepped {
+            steps: 0..5,
+            carry: &[("y", "y_before")],
+        };
+        let b = Bucket {
+            key: CallKey::new("stepped", None).stepped(stepped),
+            ..bucket(1)
+        };
+        let mut outputs = Vec::new();
+        a.run(&b, items([1, 2], 1), |done| match done {
+            Done::Ran { outputs: o, .. } => outputs.push(o),
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        assert_eq!(*device.steps.lock().unwrap(), vec![0..2, 2..4, 4..5]);
+        assert_eq!(outputs.len(), 1, "one batch");
+        assert_eq!(outputs[0][0].f32_rows(0, 2).unwrap(), [5.0, 5.0]);
+        // Without a limit, one call runs every step.
+        let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
+        run(&a, &b, items([1, 2], 1)).await;
+        assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(device.steps.lock().unwrap().is_empty());
+    }
+
+    /// An out-of-memory error at a later step halves the batch, and each half carries on from
+    /// the step its rows reached: nothing starts over. Two tasks run steps 0..2 together; more
+    /// than one row from step 2 on does not fit; each task then runs 2..4 and 4..6 alone, and
+    /// counts six steps.
+    #[tokio::test]
+    async fn an_out_of_memory_error_at_a_later_step_halves_the_batch_and_keeps_the_rows_steps() {
+        let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
+        device.oom_from_step.store(2, std::sync::atomic::Ordering::SeqCst);
+        let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(2);
+        let stepped = Stepped {
+            steps: 0..6,
+            carry: &[("y", "y_before")],
+        };
+        let b = Bucket {
+            key: CallKey::new("stepped", None).stepped(stepped),
+            ..bucket(1)
+        };
+        let mut outputs = Vec::new();
+        a.run(&b, items([1, 2], 1), |done| match done {
+            Done::Ran { outputs: o, .. } => outputs.push(o),
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        let ranges = device.steps.lock().unwrap().clone();
+        assert_eq!(ranges, vec![0..2, 2..4, 4..6, 2..4, 4..6], "the failed call is not recorded");
+        assert_eq!(outputs.len(), 2, "one task a call after the halving");
+        for o in &outputs {
+            assert_eq!(o[0].f32_rows(0, 1).unwrap(), [6.0]);
+        }
     }
 
     /// Buckets are as many as the requests clients can make; the learned ceilings are not.

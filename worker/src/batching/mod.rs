@@ -7,3 +7,4 @@
 pub mod adaptive;
 pub(crate) mod batcher;
 pub mod fair;
+mod steps;

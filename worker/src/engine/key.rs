@@ -3,11 +3,16 @@
 //! The pipeline groups, orders and names buckets by the key's name; the model's backend reads the
 //! key back from the call as the type its adapter made it (Stable Diffusion's size, sampler,
 //! steps and guidance), never by parsing text. A new model family brings its own key type.
+//!
+//! A key may also say that its model runs a call's rows a step at a time and can stop after any
+//! step ([`Stepped`]): the batcher then runs a long call as several calls of a few steps each,
+//! each taking its own turn at the device, the rows' state carried from one into the next.
 
 use std::any::Any;
 use std::cmp::Ordering;
 use std::fmt;
 use std::hash::{Hash, Hasher};
+use std::ops::Range;
 use std::sync::{Arc, LazyLock};
 
 /// A bucket key: a value of the adapter's type, its name, and the pixels of one image where the
@@ -17,6 +22,17 @@ pub struct CallKey {
     name: Arc<str>,
     pixels: Option<u64>,
     value: Arc<dyn Any + Send + Sync>,
+    stepped: Option<Arc<Stepped>>,
+}
+
+/// How a bucket's calls run step by step: the steps a call runs, and what a call that stopped
+/// early hands the next. A call's rows take `step_begin`/`step_end` [n] int64 inputs; each
+/// `(output, input)` of `carry` is an output of a call that stopped before the last step that the
+/// next call takes as that input (a diffusion row's latents and its sampler's state).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stepped {
+    pub steps: Range<usize>,
+    pub carry: &'static [(&'static str, &'static str)],
 }
 
 impl CallKey {
@@ -27,6 +43,7 @@ impl CallKey {
             name: Arc::from(""),
             pixels: None,
             value: Arc::new(()),
+            stepped: None,
         });
         NONE.clone()
     }
@@ -37,7 +54,19 @@ impl CallKey {
             name: Arc::from(key.to_string()),
             pixels,
             value: Arc::new(key),
+            stepped: None,
         }
+    }
+
+    /// The key of a model that runs calls step by step ([`Stepped`]).
+    pub fn stepped(mut self, stepped: Stepped) -> CallKey {
+        self.stepped = Some(Arc::new(stepped));
+        self
+    }
+
+    /// How calls of the bucket run step by step, where they can.
+    pub fn steps(&self) -> Option<&Stepped> {
+        self.stepped.as_deref()
     }
 
     /// The key as its adapter made it; `None` if it is of another type.

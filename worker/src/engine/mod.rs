@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 pub use error::EngineError;
 pub(crate) use error::is_out_of_memory;
-pub use key::CallKey;
+pub use key::{CallKey, Stepped};
 pub use pool::{Engine, Loader};
 pub use runtime::{ArenaStats, Runtime, RuntimeOptions};
 pub use session::{ArenaExtend, ConvSearch, Device, ElementKind, InputInfo, OrtBackend, Placement, SessionOptions};

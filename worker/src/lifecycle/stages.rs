@@ -148,7 +148,8 @@ async fn adaptive(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients) -> Resu
         !b.no_serialize_singles,
         metrics.clone(),
     )
-    .with_cleaner(Arc::new(cleaner));
+    .with_cleaner(Arc::new(cleaner))
+    .with_steps_per_call(b.steps_per_call);
     Ok(match clients.ceilings(setup).await? {
         Some(store) => adaptive.with_store(Arc::new(store)),
         None => adaptive,

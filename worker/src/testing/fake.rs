@@ -5,8 +5,8 @@
 
 use std::ops::Range;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice_schemas::TaskRecord;
@@ -37,6 +37,11 @@ pub(crate) struct Device {
     /// Calls that ran, and the largest number of rows that ran at once.
     pub calls: AtomicUsize,
     pub peak: AtomicUsize,
+    /// The step range of each call that ran step by step (`step_begin`..`step_end`).
+    pub steps: Mutex<Vec<Range<i64>>>,
+    /// A step-by-step call of more than one row from this step on runs out of memory (never
+    /// while 0).
+    pub oom_from_step: AtomicUsize,
 }
 
 impl Device {
@@ -63,6 +68,8 @@ impl Device {
             loads: AtomicUsize::new(0),
             calls: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            steps: Mutex::new(Vec::new()),
+            oom_from_step: AtomicUsize::new(0),
         })
     }
 }
@@ -136,6 +143,12 @@ impl Backend for FakeBackend {
         }
         let rows = x.rows();
         let d = self.device.clone();
+        let oom_from = d.oom_from_step.load(Ordering::SeqCst) as i64;
+        if step_range(call).is_some_and(|s| rows > 1 && oom_from > 0 && s.start >= oom_from) {
+            return Err(EngineError::OutOfMemory(format!(
+                "fake device: {rows} rows from step {oom_from} do not fit"
+            )));
+        }
         let shrink = std::mem::take(&mut self.shrink) && d.shrinks;
         let _shrink = Shrink(shrink.then_some(&d));
         let before = d.in_use.fetch_add(rows, Ordering::SeqCst);
@@ -153,6 +166,14 @@ impl Backend for FakeBackend {
         std::thread::sleep(d.latency);
         d.in_use.fetch_sub(rows, Ordering::SeqCst);
         d.calls.fetch_add(1, Ordering::SeqCst);
+        if let Some(steps) = step_range(call) {
+            // Step by step: `y` counts the steps each row has run, carried on from `y_before`.
+            let before = call.inputs.iter().find(|t| t.name == "y_before");
+            let before = before.and_then(|t| t.f32_rows(0, rows)).map_or(vec![0.0; rows], <[f32]>::to_vec);
+            d.steps.lock().expect("steps").push(steps.clone());
+            let y = before.iter().map(|v| v + (steps.end - steps.start) as f32).collect();
+            return Ok(vec![Tensor::f32("y", vec![rows, 1], y)]);
+        }
         Ok(vec![Tensor::f32("y", vec![rows, 1], values.iter().map(|v| v * 2.0).collect())])
     }
 
@@ -163,6 +184,12 @@ impl Backend for FakeBackend {
     fn placement(&self) -> Placement {
         Placement::Cpu
     }
+}
+
+/// A call's step range, the same for every row here, when it runs step by step.
+fn step_range(call: &Call) -> Option<Range<i64>> {
+    let first = |name: &str| call.inputs.iter().find(|t| t.name == name)?.i64_rows(0, 1)?.first().copied();
+    Some(first("step_begin")?..first("step_end")?)
 }
 
 /// At the end of a run asked to shrink (whatever its outcome), the device's pieces are whole.

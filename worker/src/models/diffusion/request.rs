@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use super::layout::{Family, SdLayout};
 use super::schedulers::{Sampler, Schedule};
-use crate::engine::{CallKey, Tensor};
+use crate::engine::{CallKey, Stepped, Tensor};
 use crate::models::encode::{self, Image};
 use crate::models::noise::Gaussian;
 use crate::models::{ModelError, Render};
@@ -64,9 +64,16 @@ impl Mode {
 impl SdBucket {
     /// The bucket key of a call: this, named `512x512:euler:25:cfg` (then `:img2img@1` or
     /// `:inpaint@0` with the first step run).
+    /// Every diffusion backend runs its rows step by step (`step_begin`/`step_end`), and a row
+    /// stopped early carries on from its `latents` and, with DPM-Solver++, `solver_previous`.
     pub fn key(self) -> CallKey {
         let pixels = (self.width * self.height) as u64;
-        CallKey::new(self, Some(pixels))
+        let first = if self.mode == Mode::Text { 0 } else { self.begin };
+        let stepped = Stepped {
+            steps: first..self.steps,
+            carry: &[("latents", "step_latents"), ("solver_previous", "solver_previous")],
+        };
+        CallKey::new(self, Some(pixels)).stepped(stepped)
     }
 }
 

@@ -2,6 +2,8 @@
 //! the VAE decode (one image at a time when the batch runs out of memory), a call's rows, its
 //! cancellations and its outputs.
 
+use std::sync::Arc;
+
 use crate::engine::{Backend, Call, EngineError, OrtBackend, Tensor};
 
 /// Decodes unscaled latents [n, ...] to images in [0, 1] with `vae_decoder`: `latent_sample` =
@@ -202,6 +204,49 @@ pub(in crate::models::diffusion) fn resume_latents(
     Ok(())
 }
 
+/// The images of the rows that ran their bucket's last step (`finished`), from `decode` of their
+/// latents ([n, ...] of `latent_shape`); `image_values` a row. The other rows carry on in a later
+/// call, which gives their images: theirs are zeros here, and when no row finished nothing is
+/// decoded.
+pub(in crate::models::diffusion) fn decode_finished(
+    latents: &[f32],
+    latent_shape: &[usize],
+    finished: &[bool],
+    image_values: usize,
+    decode: impl FnOnce(&[f32], &[usize]) -> Result<Vec<f32>, EngineError>,
+) -> Result<Vec<f32>, EngineError> {
+    let n = finished.len();
+    let rows: Vec<usize> = (0..n).filter(|&r| finished[r]).collect();
+    if rows.is_empty() {
+        return Ok(vec![0.0; n * image_values]);
+    }
+    let mut shape = latent_shape.to_vec();
+    shape[0] = rows.len();
+    let decoded = match rows.len() == n {
+        true => decode(latents, &shape)?,
+        false => {
+            let per = latents.len() / n;
+            let some: Vec<f32> = rows.iter().flat_map(|&r| latents[r * per..(r + 1) * per].iter().copied()).collect();
+            decode(&some, &shape)?
+        }
+    };
+    if decoded.len() != rows.len() * image_values {
+        return Err(EngineError::Run(format!(
+            "vae_decoder gave {} values for {} images of {image_values}",
+            decoded.len(),
+            rows.len()
+        )));
+    }
+    if rows.len() == n {
+        return Ok(decoded);
+    }
+    let mut images = vec![0.0; n * image_values];
+    for (image, &r) in decoded.chunks(image_values).zip(&rows) {
+        images[r * image_values..(r + 1) * image_values].copy_from_slice(image);
+    }
+    Ok(images)
+}
+
 /// A call's outputs, the same for every diffusion backend: `images` [n, 3, H, W] in [0, 1],
 /// `latents` (the final, unscaled latents) and `cancelled` [n] (1 for the rows of a task
 /// cancelled mid-loop; `owner` names each row's task).
@@ -248,4 +293,42 @@ pub(in crate::models::diffusion) fn distinct_rows<'a, T: PartialEq + 'a>(
         })
         .collect();
     (distinct, index)
+}
+
+/// What a backend made of some of a call's inputs (its prompts' encodings, its init images'
+/// latents), kept for the next call of the bucket with the same inputs: a batch that runs a few
+/// steps a call ([`crate::engine::Stepped`]) encodes its prompts and images once, not every call.
+pub(in crate::models::diffusion) struct Reuse<T> {
+    names: &'static [&'static str],
+    last: Option<(String, Vec<Tensor>, Arc<T>)>,
+}
+
+impl<T> Reuse<T> {
+    /// Made from the inputs named `names` (those a call has) and the call's bucket.
+    pub(in crate::models::diffusion) fn of(names: &'static [&'static str]) -> Reuse<T> {
+        Reuse { names, last: None }
+    }
+
+    fn inputs<'a>(&self, call: &'a Call) -> impl Iterator<Item = &'a Tensor> {
+        self.names.iter().filter_map(|n| call.inputs.iter().find(|t| t.name == *n))
+    }
+
+    /// The last value, if `call` has the same bucket and inputs as the call it was made for.
+    pub(in crate::models::diffusion) fn hit(&self, call: &Call) -> Option<Arc<T>> {
+        let (key, inputs, value) = self.last.as_ref()?;
+        (key == call.key.name() && self.inputs(call).eq(inputs.iter())).then(|| value.clone())
+    }
+
+    /// Keeps `value`, made for `call`, in place of the last.
+    pub(in crate::models::diffusion) fn keep(&mut self, call: &Call, value: T) -> Arc<T> {
+        let value = Arc::new(value);
+        let inputs = self.inputs(call).cloned().collect();
+        self.last = Some((call.key.name().to_owned(), inputs, value.clone()));
+        value
+    }
+
+    /// Forgets the last value (its memory goes back with the sessions').
+    pub(in crate::models::diffusion) fn clear(&mut self) {
+        self.last = None;
+    }
 }

@@ -21,7 +21,8 @@ use crate::engine::{Backend, Call, ElementKind, EngineError, OrtBackend, Placeme
 use crate::models::diffusion::request::SdBucket;
 use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
 use crate::models::diffusion::stages::{
-    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners, step_ranges, vae_decode,
+    Hidden, Reuse, call_outputs, decode_finished, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners,
+    step_ranges, vae_decode,
 };
 
 /// Where a flow model's text encoders live (the catalog's `text_encoders`): FLUX's T5-XXL is
@@ -110,6 +111,8 @@ pub struct FlowBackend {
     ids: IdKinds,
     vae_decoder: OrtBackend,
     schedules: HashMap<SdBucket, Arc<FlowSchedule>>,
+    /// The last call's text conditioning, for a batch's next steps.
+    texts: Reuse<Text>,
 }
 
 impl FlowBackend {
@@ -137,6 +140,14 @@ impl FlowBackend {
             ids,
             vae_decoder,
             schedules: HashMap::new(),
+            texts: Reuse::of(&[
+                "clip_ids",
+                "clip_ids_2",
+                "t5_ids",
+                "uncond_clip_ids",
+                "uncond_clip_ids_2",
+                "uncond_t5_ids",
+            ]),
         })
     }
 
@@ -474,7 +485,13 @@ impl Backend for FlowBackend {
         let (at, end) = step_ranges(call, n, 0, schedule.steps())?;
         let owner = row_owners(call, n)?;
         // Everything checked before the text encoders run (and, on demand, load).
-        let text = self.conditioning(call, bucket.cfg)?;
+        let text = match self.texts.hit(call) {
+            Some(text) => text,
+            None => {
+                let text = self.conditioning(call, bucket.cfg)?;
+                self.texts.keep(call, text)
+            }
+        };
         let mut start = latents_in.floats()?.to_vec();
         resume_latents(call, &at, 0, per_row, &mut start)?;
         let flux = self.layout.family == FlowFamily::Flux;
@@ -525,23 +542,22 @@ impl Backend for FlowBackend {
             }
             report_row_progress(call, &cancelled, &owner, &rows);
         }
+        let finished: Vec<bool> = rows.end.iter().map(|&e| e == schedule.steps()).collect();
         let latents: Vec<f32> = match flux {
             true => rows.latents.chunks(per_row).flat_map(|row| unpack(row, dims)).collect(),
             false => rows.latents,
         };
         let l = &self.layout;
-        let images = vae_decode(&mut self.vae_decoder, &latents, &latent_shape, l.scaling_factor, l.shift_factor)?;
         let image_shape = vec![n, 3, dims[1] * l.vae_scale, dims[2] * l.vae_scale];
-        if images.len() != image_shape.iter().product::<usize>() {
-            return Err(EngineError::Run(format!(
-                "vae_decoder gave {} values for images of shape {image_shape:?}",
-                images.len()
-            )));
-        }
+        let vae = &mut self.vae_decoder;
+        let images = decode_finished(&latents, &latent_shape, &finished, image_shape[1..].iter().product(), |x, shape| {
+            vae_decode(vae, x, shape, l.scaling_factor, l.shift_factor)
+        })?;
         Ok(call_outputs((images, image_shape), (latents, latent_shape), &owner, &cancelled))
     }
 
     fn release_memory(&mut self) {
+        self.texts.clear();
         if let Some(e) = self.encoders.as_mut() {
             e.release_memory();
         }

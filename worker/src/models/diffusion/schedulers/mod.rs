@@ -26,12 +26,14 @@ mod dpm;
 mod euler;
 pub mod flow_euler;
 mod lcm;
+mod state;
 mod training;
 
 use thiserror::Error;
 
 pub use config::SchedulerConfig;
 use config::{Prediction, Spacing};
+pub use state::ImageState;
 use training::{BetaDefaults, DEFAULT_BETAS, Training, first_index, interp, karras, linspace, round_even, sigma_to_t};
 
 /// The samplers a task can ask for, with their names and rules, are the records' (`sluice-schemas`).
@@ -70,30 +72,6 @@ enum Plan {
     Ddim(ddim::Ddim),
     Dpm(dpm::Dpm),
     Lcm(lcm::Lcm),
-}
-
-/// Per-image solver state (the multistep solver's previous prediction).
-#[derive(Debug, Clone, Default)]
-pub struct ImageState {
-    previous: Option<Vec<f32>>,
-    lower_order_nums: usize,
-}
-
-impl ImageState {
-    /// The state of an image that has run `ran` steps, carried out of one call and into another:
-    /// the multistep solver's previous prediction (none before the first step). Its order rises
-    /// by one a step up to two, so `ran` gives it back.
-    pub fn resumed(previous: Option<Vec<f32>>, ran: usize) -> ImageState {
-        ImageState {
-            lower_order_nums: if previous.is_some() { ran.min(2) } else { 0 },
-            previous,
-        }
-    }
-
-    /// The multistep solver's previous prediction, once it has one.
-    pub fn previous(&self) -> Option<&[f32]> {
-        self.previous.as_deref()
-    }
 }
 
 impl Schedule {

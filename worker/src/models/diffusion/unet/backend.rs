@@ -33,8 +33,8 @@ use crate::models::diffusion::layout::{Family, SdLayout};
 use crate::models::diffusion::request::{Mode, SdBucket};
 use crate::models::diffusion::schedulers::{ImageState, Schedule};
 use crate::models::diffusion::stages::{
-    Hidden, call_outputs, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners, row_values, step_ranges,
-    vae_decode,
+    Hidden, Reuse, call_outputs, decode_finished, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners,
+    row_values, step_ranges, vae_decode,
 };
 
 /// How the UNet wants its timestep.
@@ -95,6 +95,9 @@ pub struct SdBackend {
     /// For img2img and inpainting; loaded when the export has one.
     vae_encoder: Option<OrtBackend>,
     timestep: TimestepFeed,
+    /// The last call's text conditioning and image latents, for a batch's next steps.
+    texts: Reuse<Conditioning>,
+    images: Reuse<ImageLatents>,
     schedules: HashMap<SdBucket, Arc<Schedule>>,
 }
 
@@ -160,6 +163,8 @@ impl SdBackend {
             vae_decoder,
             vae_encoder,
             timestep,
+            texts: Reuse::of(&["cond_ids", "uncond_ids", "cond_ids_2", "uncond_ids_2", "uncond_zero", "guidance"]),
+            images: Reuse::of(&["init_image", "mask", "image_noise"]),
             schedules: HashMap::new(),
         })
     }
@@ -210,7 +215,13 @@ impl Backend for SdBackend {
         let latent_shape = latents_in.shape.clone();
         let per_image: usize = latent_shape[1..].iter().product();
         let guidance = input(call, "guidance")?.floats()?.to_vec();
-        let text = self.conditioning(call, &bucket, n, &guidance)?;
+        let text = match self.texts.hit(call) {
+            Some(text) => text,
+            None => {
+                let text = self.conditioning(call, &bucket, n, &guidance)?;
+                self.texts.keep(call, text)
+            }
+        };
         let noise = if schedule.noise_draws() > 0 {
             Some(input(call, "noise")?.floats()?)
         } else {
@@ -219,7 +230,13 @@ impl Backend for SdBackend {
         let draws = schedule.noise_draws();
         let image = match bucket.mode {
             Mode::Text => None,
-            mode => Some(self.image_latents(call, mode, bucket.begin, n, per_image)?),
+            mode => Some(match self.images.hit(call) {
+                Some(image) => image,
+                None => {
+                    let image = self.image_latents(call, mode, bucket.begin, n, per_image)?;
+                    self.images.keep(call, image)
+                }
+            }),
         };
         let start = latents_in.floats()?;
         let (first, steps) = (schedule.begin(), schedule.timesteps().len());
@@ -260,7 +277,7 @@ impl Backend for SdBackend {
                     &text,
                     &guidance,
                     (&unet_shape, &latent_shape),
-                    image.as_ref(),
+                    image.as_deref(),
                     start,
                 )?;
                 for &r in &group {
@@ -272,13 +289,24 @@ impl Backend for SdBackend {
         let previous = schedule.multistep().then(|| rows.previous());
         let latents = rows.latents;
 
-        let (images, image_shape) = self.decode_checked(&latents, &latent_shape)?;
+        let finished: Vec<bool> = end.iter().map(|&e| e == steps).collect();
+        let image_shape = [
+            n,
+            3,
+            latent_shape[2] * self.layout.vae_scale,
+            latent_shape[3] * self.layout.vae_scale,
+        ];
+        let images = decode_finished(&latents, &latent_shape, &finished, image_shape[1..].iter().product(), |l, shape| {
+            self.decode(l, shape)
+        })?;
         let mut outputs = call_outputs((images, image_shape.to_vec()), (latents, latent_shape.clone()), &owner, &cancelled);
         outputs.extend(previous.map(|p| Tensor::f32("solver_previous", latent_shape, p)));
         Ok(outputs)
     }
 
     fn release_memory(&mut self) {
+        self.texts.clear();
+        self.images.clear();
         if let Some(encoder) = self.vae_encoder.as_mut() {
             encoder.release_memory();
         }
@@ -502,24 +530,6 @@ impl SdBackend {
             image.blend_known_region(schedule, i, &mut rows.latents, group, start)?;
         }
         Ok(())
-    }
-
-    /// The final latents through the VAE decoder, checked against the images' shape.
-    fn decode_checked(&mut self, latents: &[f32], latent_shape: &[usize]) -> Result<(Vec<f32>, [usize; 4]), EngineError> {
-        let images = self.decode(latents, latent_shape)?;
-        let image_shape = [
-            latent_shape[0],
-            3,
-            latent_shape[2] * self.layout.vae_scale,
-            latent_shape[3] * self.layout.vae_scale,
-        ];
-        if images.len() != image_shape.iter().product::<usize>() {
-            return Err(EngineError::Run(format!(
-                "vae_decoder gave {} values for images of shape {image_shape:?}",
-                images.len()
-            )));
-        }
-        Ok((images, image_shape))
     }
 }
 

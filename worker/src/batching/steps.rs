@@ -1,0 +1,128 @@
+//! A step-by-step bucket's batch ([`Stepped`]) run as calls of a few steps: each row's step, the
+//! state a call hands the next (the key's `carry` outputs, fed back under their input names), and
+//! where each task stands when a call fails part way, so that the task carries on from there in
+//! a smaller batch rather than from its first step.
+
+use std::collections::HashMap;
+
+use crate::engine::{Call, Stepped, Tensor};
+
+/// Where a task's rows stand in their bucket's steps: the step they reached, and the inputs that
+/// carry them on from it (the key's carry inputs, the task's rows only).
+#[derive(Debug, Clone)]
+pub(crate) struct Resume {
+    pub step: usize,
+    pub carried: Vec<Tensor>,
+}
+
+/// The resume points of a batch's tasks, by task id, kept between its calls.
+pub(crate) type Resumes = HashMap<String, Resume>;
+
+/// A batch's rows as its calls advance them.
+pub(super) struct Progress<'a> {
+    stepped: &'a Stepped,
+    /// Each row's next step.
+    at: Vec<usize>,
+    /// What the last call handed on, for every row (empty while no row has moved).
+    carried: Vec<Tensor>,
+}
+
+impl<'a> Progress<'a> {
+    /// The rows of `call` at the bucket's first step, or where their task's resume point says.
+    pub(super) fn start(call: &Call, stepped: &'a Stepped, resumes: &Resumes) -> Progress<'a> {
+        let points: Vec<Option<&Resume>> = call.tasks.iter().map(|t| resumes.get(&t.id)).collect();
+        let at = call
+            .tasks
+            .iter()
+            .zip(&points)
+            .flat_map(|(t, r)| std::iter::repeat_n(r.map_or(stepped.steps.start, |r| r.step), t.rows))
+            .collect();
+        let mut carried = Vec::new();
+        if let Some(some) = points.iter().flatten().next() {
+            for shape in &some.carried {
+                let per_row: usize = shape.shape[1..].iter().product();
+                let parts: Vec<Tensor> = call
+                    .tasks
+                    .iter()
+                    .zip(&points)
+                    .map(|(t, r)| {
+                        r.and_then(|r| r.carried.iter().find(|c| c.name == shape.name).cloned())
+                            .unwrap_or_else(|| {
+                                let mut dims = shape.shape.clone();
+                                dims[0] = t.rows;
+                                Tensor::f32(shape.name.clone(), dims, vec![0.0; t.rows * per_row])
+                            })
+                    })
+                    .collect();
+                carried.push(Tensor::concat(&parts.iter().collect::<Vec<_>>()));
+            }
+        }
+        Progress { stepped, at, carried }
+    }
+
+    /// Whether every row has run its last step.
+    pub(super) fn done(&self) -> bool {
+        self.at.iter().all(|&s| s >= self.stepped.steps.end)
+    }
+
+    /// Whether the batch needs no more than one call of its whole steps (nothing resumed, and
+    /// no more steps than a call may run).
+    pub(super) fn in_one_call(&self, per_call: usize) -> bool {
+        self.carried.is_empty() && self.stepped.steps.len() <= per_call
+    }
+
+    /// The next call: `call`'s inputs, each row's next `per_call` steps, and what the last call
+    /// handed on.
+    pub(super) fn next_call(&self, call: &Call, per_call: usize) -> Call {
+        let end = self.stepped.steps.end;
+        let rows = self.at.len();
+        let mut inputs = call.inputs.clone();
+        let begin: Vec<i64> = self.at.iter().map(|&s| s as i64).collect();
+        let until: Vec<i64> = self.at.iter().map(|&s| (s + per_call).min(end) as i64).collect();
+        inputs.push(Tensor::i64("step_begin", vec![rows], begin));
+        inputs.push(Tensor::i64("step_end", vec![rows], until));
+        inputs.extend(self.carried.iter().cloned());
+        Call {
+            key: call.key.clone(),
+            inputs,
+            tasks: call.tasks.clone(),
+        }
+    }
+
+    /// After a call of `per_call` steps returned `outputs`: each row `per_call` steps on, and
+    /// the carry outputs kept for the next call.
+    pub(super) fn advance(&mut self, outputs: &[Tensor], per_call: usize) {
+        let end = self.stepped.steps.end;
+        for s in &mut self.at {
+            *s = (*s + per_call).min(end);
+        }
+        self.carried = self
+            .stepped
+            .carry
+            .iter()
+            .filter_map(|&(output, input)| {
+                let t = outputs.iter().find(|t| t.name == output)?;
+                Some(Tensor {
+                    name: input.to_owned(),
+                    ..t.clone()
+                })
+            })
+            .collect();
+    }
+
+    /// Each task's resume point into `resumes`, for tasks whose rows have moved past the
+    /// bucket's first step (after a call that failed, the state before it).
+    pub(super) fn keep(&self, call: &Call, resumes: &mut Resumes) {
+        let mut row = 0;
+        for task in &call.tasks {
+            let (from, to) = (row, row + task.rows);
+            row = to;
+            let step = self.at[from];
+            if step == self.stepped.steps.start || self.carried.is_empty() {
+                continue;
+            }
+            let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
+            resumes.insert(task.id.clone(), Resume { step, carried });
+        }
+    }
+}
