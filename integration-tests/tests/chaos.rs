@@ -910,6 +910,105 @@ async fn a_task_whose_worker_is_stopped_four_times_is_handed_off_not_crashed() {
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// Durable step checkpoints: a 20-step 256² sd-tiny task, on a catalog that keeps its state
+/// every 2 steps, one step a call. Its worker is killed with SIGKILL once a checkpoint past step
+/// 4 is stored; the next worker carries on from its latest checkpoint (its log says from which
+/// step, at least 4), and the image is byte for byte the one the same request makes run
+/// without a stop. Once the task succeeded its checkpoints are deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_killed_mid_denoise_carries_on_from_its_checkpoint_to_the_same_image() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("checkpoints", 1).unwrap();
+    let repo = sluice_integration_tests::stack::repo_root();
+    let demo = std::fs::read_to_string(repo.join("deploy/models.demo.toml")).unwrap();
+    let every_2 = demo.replacen("name = \"sd-tiny\"\n", "name = \"sd-tiny\"\ncheckpoint_every = 2\n", 1);
+    assert_ne!(every_2, demo, "the demo catalog has sd-tiny");
+    let catalog = stack.dir.join("checkpoint-every-2.toml");
+    std::fs::write(&catalog, every_2).unwrap();
+    let (models, catalog) = (stack.dir.join("models").display().to_string(), catalog.display().to_string());
+    let env = [
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+        ("SLUICE_MODELS", "sd-tiny"),
+        ("SLUICE_ENGINE_SLOTS", "1"),
+        ("SLUICE_STEPS_PER_CALL", "1"),
+    ];
+    let group = "chaos-checkpoints";
+    let kafka = producer(stack.brokers()).unwrap();
+    let sink = stack.sink().unwrap();
+    let task = sluice_integration_tests::sd_task(90_001, 256, 20, 1);
+    let id = task.0.clone();
+    let steps_stored = async || -> Vec<usize> {
+        let keys = match sink.keys_under(&format!("checkpoints/{id}")).await {
+            Ok(keys) => keys,
+            Err(e) => {
+                eprintln!("listing the checkpoints: {e}");
+                Vec::new()
+            }
+        };
+        keys.iter()
+            .filter_map(|k| k.rsplit('/').next()?.strip_suffix(".ckpt")?.parse().ok())
+            .collect()
+    };
+    let mut w = worker_with(stack, "checkpoints-0", group, &topics, &env).await;
+    w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&task)).await.unwrap();
+    sluice_integration_tests::wait_for("a checkpoint past step 4", Duration::from_secs(120), async || {
+        steps_stored().await.into_iter().max().filter(|&s| s >= 4)
+    })
+    .await
+    .unwrap();
+    w.service.kill9();
+    let stored = steps_stored().await;
+    let mut w = worker_with(stack, "checkpoints-0", group, &topics, &env).await;
+    let done = Outcomes::wait(stack.brokers(), &topics, &BTreeSet::from([id.clone()]), Duration::from_secs(180)).unwrap();
+    let log = w.service.log_text();
+    let resumed: Option<usize> = log.lines().filter(|l| l.contains("carrying on from a checkpoint")).find_map(|l| {
+        let at = l.find("step=")? + 5;
+        l[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    });
+    // The same request without a stop.
+    let twin = sluice_integration_tests::sd_task(90_001, 256, 20, 1);
+    publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&twin)).await.unwrap();
+    let twins = Outcomes::wait(
+        stack.brokers(),
+        &topics,
+        &BTreeSet::from([twin.0.clone()]),
+        Duration::from_secs(180),
+    )
+    .unwrap();
+    let (image, twin_image) = (&done.completions[&id][0], &twins.completions[&twin.0][0]);
+    table(
+        "a 20-step task killed (SIGKILL) mid-denoise, checkpoints every 2 steps",
+        &[
+            ("checkpoints stored at the kill", format!("{stored:?}")),
+            ("carried on from step", format!("{resumed:?}")),
+            ("status", format!("{:?}", image.status)),
+            (
+                "same PNG as without a stop",
+                (image.outputs.first().map(|o| &o.sha256) == twin_image.outputs.first().map(|o| &o.sha256)).to_string(),
+            ),
+        ],
+    );
+    assert_eq!(done.completions[&id].len(), 1);
+    assert_eq!(image.status, CompletionStatus::Succeeded, "{image:?}");
+    assert!(
+        resumed.is_some_and(|s| s >= 4 && stored.contains(&s)),
+        "carried on from {resumed:?}; stored {stored:?}"
+    );
+    assert_eq!(
+        image.outputs[0].sha256, twin_image.outputs[0].sha256,
+        "the image is the uninterrupted one's"
+    );
+    sluice_integration_tests::wait_for("the task's checkpoints deleted", Duration::from_secs(30), async || {
+        steps_stored().await.is_empty().then_some(())
+    })
+    .await
+    .unwrap();
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
 /// [`a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes`] on terrain-tiny, or on
 /// `diffusion` of the demo catalog.
 async fn crash_loop(scenario: &str, diffusion: Option<&'static str>) {

@@ -229,6 +229,11 @@ pub struct CatalogModel {
     /// FLUX.1 / SD3: T5's sequence length (default: the pipeline's, 512 for FLUX, 256 for SD3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub t5_max_length: Option<u32>,
+    /// Diffusion: every how many steps a running task's state (latents, sampler state) is written
+    /// to object storage, so that a task whose worker dies carries on from there (absent: never;
+    /// for models whose tasks are short).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every: Option<u32>,
 }
 
 /// Default bounds of one task's work, by kind: two full-size terrain maps (2 × 2048²) in at
@@ -277,6 +282,7 @@ impl CatalogModel {
             negative_prompt: false,
             text_encoders: None,
             t5_max_length: None,
+            checkpoint_every: None,
         }
     }
 
@@ -386,6 +392,9 @@ impl CatalogModel {
         let g = self.guidance_scale;
         if !(g.min <= g.default && g.default <= g.max) {
             return bad(format!("guidance_scale: need min <= default <= max, got {g:?}"));
+        }
+        if self.checkpoint_every == Some(0) {
+            return bad("checkpoint_every must be at least 1 (leave it out for no checkpoints)".into());
         }
         if self.kind == ModelKind::Diffusion {
             if let Some(s) = self.samplers.iter().find(|s| Sampler::parse(s).is_none()) {
@@ -829,11 +838,17 @@ steps = { min = 1, max = 20, default = 4 }
                 "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\ntext_encoders = \"gpu\"",
                 "unknown variant",
             ),
+            (
+                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\ncheckpoint_every = 0",
+                "checkpoint_every",
+            ),
         ] {
             let e = Catalog::parse(text).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
         }
         assert_eq!(Catalog::load(None).unwrap().names(), vec!["terrain"]);
+        let every = Catalog::parse("[[model]]\nname = \"a\"\nkind = \"diffusion\"\ncheckpoint_every = 5").unwrap();
+        assert_eq!(every.get("a").unwrap().checkpoint_every, Some(5));
     }
 
     /// A FLUX entry: flow_euler alone, no negative prompt, its encoders' placement.

@@ -259,6 +259,43 @@ impl Emit for DeadLettered<'_> {
     }
 }
 
+/// A step checkpoint of a task was written.
+pub(crate) struct CheckpointWritten<'a> {
+    pub task_id: &'a str,
+    pub step: usize,
+    pub bytes: u64,
+    pub elapsed: Duration,
+}
+
+impl Emit for CheckpointWritten<'_> {
+    fn emit(self, m: &Metrics) {
+        m.checkpoints_written.inc();
+        m.checkpoint_bytes.inc_by(self.bytes);
+        tracing::debug!(
+            task_id = self.task_id,
+            step = self.step,
+            bytes = self.bytes,
+            ms = self.elapsed.as_millis() as u64,
+            "checkpoint written"
+        );
+    }
+}
+
+/// A task carries on from its checkpoint at `step`, `saved` steps after its first.
+pub(crate) struct CarriedOn<'a> {
+    pub span: &'a tracing::Span,
+    pub step: usize,
+    pub saved: usize,
+}
+
+impl Emit for CarriedOn<'_> {
+    fn emit(self, m: &Metrics) {
+        m.checkpoint_resumes.inc();
+        m.checkpoint_steps_saved.inc_by(self.saved as u64);
+        tracing::info!(parent: self.span, step = self.step, saved = self.saved, "carrying on from a checkpoint");
+    }
+}
+
 /// A task succeeded (its completion was acknowledged).
 pub(crate) struct TaskSucceeded<'a> {
     pub task_id: &'a str,

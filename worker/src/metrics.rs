@@ -13,6 +13,10 @@ pub struct Metrics {
     pub(crate) tasks_finished: IntCounterVec,
     pub(crate) dlq_records: IntCounterVec,
     pub(crate) duplicates_skipped: IntCounter,
+    pub(crate) checkpoints_written: IntCounter,
+    pub(crate) checkpoint_bytes: IntCounter,
+    pub(crate) checkpoint_resumes: IntCounter,
+    pub(crate) checkpoint_steps_saved: IntCounter,
     pub(crate) batches: IntCounterVec,
     pub(crate) batch_size: HistogramVec,
     pub(crate) batch_ceiling: IntGaugeVec,
@@ -83,6 +87,26 @@ impl Metrics {
                 IntCounter::new(
                     "sluice_worker_duplicates_skipped_total",
                     "Redelivered tasks whose results already existed: announced again, not run again",
+                )
+                .unwrap(),
+            ),
+            checkpoints_written: register(
+                &r,
+                IntCounter::new("sluice_worker_checkpoints_written_total", "Step checkpoints written to object storage").unwrap(),
+            ),
+            checkpoint_bytes: register(
+                &r,
+                IntCounter::new("sluice_worker_checkpoint_bytes_total", "Bytes of the step checkpoints written").unwrap(),
+            ),
+            checkpoint_resumes: register(
+                &r,
+                IntCounter::new("sluice_worker_checkpoint_resumes_total", "Tasks that carried on from a step checkpoint").unwrap(),
+            ),
+            checkpoint_steps_saved: register(
+                &r,
+                IntCounter::new(
+                    "sluice_worker_checkpoint_steps_saved_total",
+                    "Denoising steps not run again because a task carried on from its checkpoint",
                 )
                 .unwrap(),
             ),

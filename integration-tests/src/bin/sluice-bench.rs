@@ -543,7 +543,10 @@ async fn peer_consumer(
 /// catalog's settings), against the same tasks end to end (`size`×`size`, `steps` steps of
 /// euler with guidance, or flow_euler).
 async fn sd_pipeline(stack: &Stack, model: &'static str, size: u32, steps: u32, batch: usize, tasks: usize) -> anyhow::Result<Row> {
-    let catalog = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
+    // Another catalog of the same models (checkpoints on, say): SLUICE_BENCH_SD_CATALOG.
+    let catalog = std::env::var_os("SLUICE_BENCH_SD_CATALOG")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml"));
     let served = Served {
         model,
         models_dir: stack.dir.join("models"),

@@ -24,7 +24,7 @@ use crate::events::{self, Emit};
 use crate::metrics::Metrics;
 use crate::models::{Bucket, Prepared, concat_inputs};
 
-use super::steps::{Progress, Resumes};
+use super::steps::{Checkpoints, Progress, Resume, Resumes};
 
 /// The learned batch ceiling of one bucket (tasks per model call).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -203,6 +203,10 @@ pub trait BatchItem: Send + 'static {
     fn lane(&self) -> sluice_schemas::Priority {
         sluice_schemas::Priority::Standard
     }
+    /// Where the task's rows stand, when it carries on from a checkpoint.
+    fn resume(&self) -> Option<&Resume> {
+        None
+    }
 }
 
 /// The model call of a chunk: inputs concatenated in item order, and each item's rows.
@@ -307,6 +311,8 @@ pub struct Adaptive {
     /// The most steps one call of a step-by-step bucket runs ([`crate::engine::Stepped`]);
     /// `None`: every call runs all of its steps.
     steps_per_call: Option<usize>,
+    /// Where the tasks of buckets that keep checkpoints keep them.
+    checkpoints: Option<Arc<dyn Checkpoints>>,
 }
 
 struct Chunk<T> {
@@ -342,7 +348,14 @@ impl Adaptive {
             cleaner: None,
             last_rebuild: Mutex::new(Duration::ZERO),
             steps_per_call: None,
+            checkpoints: None,
         }
+    }
+
+    /// Keeps the resume points of tasks of buckets that ask for checkpoints in `checkpoints`.
+    pub(crate) fn with_checkpoints(mut self, checkpoints: Arc<dyn Checkpoints>) -> Adaptive {
+        self.checkpoints = Some(checkpoints);
+        self
     }
 
     /// Runs the calls of step-by-step buckets ([`crate::engine::Stepped`]) as calls of at most
@@ -547,6 +560,11 @@ impl Adaptive {
             };
             let first = *first.get_or_insert(granted);
             progress.advance(&outputs, per_call);
+            if let (Some(every), Some(sink)) = (stepped.checkpoint_every, &self.checkpoints) {
+                for (task, resume) in progress.due(&call, every.max(1)) {
+                    sink.save(&task, bucket, resume);
+                }
+            }
             if progress.done() {
                 for task in &call.tasks {
                     resumes.remove(&task.id);
@@ -625,8 +643,11 @@ impl Adaptive {
         // is being isolated, or a single retried alone after an OOM.
         let mut retries: VecDeque<Chunk<T>> = VecDeque::new();
         let mut had = 0;
-        // Where tasks stand whose call failed part way, for their next call.
-        let mut resumes = Resumes::new();
+        // Where tasks stand: from their checkpoints, and after a call that failed part way.
+        let mut resumes: Resumes = pending
+            .iter()
+            .filter_map(|item| Some((item.id(), item.resume()?.clone())))
+            .collect();
         while let Some(chunk) = retries.pop_front().or_else(|| self.next_chunk(bucket, &mut pending)) {
             let Some(chunk) = self.clean_if_due(bucket, chunk, &mut on_done).await else {
                 continue;
@@ -1063,6 +1084,7 @@ mod tests {
         let stepped = Stepped {
             steps: 0..5,
             carry: &[("y", "y_before")],
+            checkpoint_every: None,
         };
         let b = Bucket {
             key: CallKey::new("stepped", None).stepped(stepped),
@@ -1096,6 +1118,7 @@ mod tests {
         let stepped = Stepped {
             steps: 0..6,
             carry: &[("y", "y_before")],
+            checkpoint_every: None,
         };
         let b = Bucket {
             key: CallKey::new("stepped", None).stepped(stepped),

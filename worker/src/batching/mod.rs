@@ -7,4 +7,4 @@
 pub mod adaptive;
 pub(crate) mod batcher;
 pub mod fair;
-mod steps;
+pub mod steps;

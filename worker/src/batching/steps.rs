@@ -6,11 +6,12 @@
 use std::collections::HashMap;
 
 use crate::engine::{Call, Stepped, Tensor};
+use crate::models::Bucket;
 
 /// Where a task's rows stand in their bucket's steps: the step they reached, and the inputs that
 /// carry them on from it (the key's carry inputs, the task's rows only).
-#[derive(Debug, Clone)]
-pub(crate) struct Resume {
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resume {
     pub step: usize,
     pub carried: Vec<Tensor>,
 }
@@ -18,11 +19,20 @@ pub(crate) struct Resume {
 /// The resume points of a batch's tasks, by task id, kept between its calls.
 pub(crate) type Resumes = HashMap<String, Resume>;
 
+/// Where the resume points of tasks of buckets that keep checkpoints
+/// ([`Stepped::checkpoint_every`]) are kept, outside the process.
+pub(crate) trait Checkpoints: Send + Sync {
+    /// Keeps task `task`'s resume point. It must not hold up the engine: the write runs on its
+    /// own, and may be skipped when writes are behind.
+    fn save(&self, task: &str, bucket: &Bucket, resume: Resume);
+}
+
 /// A batch's rows as its calls advance them.
 pub(super) struct Progress<'a> {
     stepped: &'a Stepped,
-    /// Each row's next step.
+    /// Each row's next step, and before the last call.
     at: Vec<usize>,
+    before: Vec<usize>,
     /// What the last call handed on, for every row (empty while no row has moved).
     carried: Vec<Tensor>,
 }
@@ -31,7 +41,7 @@ impl<'a> Progress<'a> {
     /// The rows of `call` at the bucket's first step, or where their task's resume point says.
     pub(super) fn start(call: &Call, stepped: &'a Stepped, resumes: &Resumes) -> Progress<'a> {
         let points: Vec<Option<&Resume>> = call.tasks.iter().map(|t| resumes.get(&t.id)).collect();
-        let at = call
+        let at: Vec<usize> = call
             .tasks
             .iter()
             .zip(&points)
@@ -57,7 +67,12 @@ impl<'a> Progress<'a> {
                 carried.push(Tensor::concat(&parts.iter().collect::<Vec<_>>()));
             }
         }
-        Progress { stepped, at, carried }
+        Progress {
+            stepped,
+            before: at.clone(),
+            at,
+            carried,
+        }
     }
 
     /// Whether every row has run its last step.
@@ -93,6 +108,7 @@ impl<'a> Progress<'a> {
     /// the carry outputs kept for the next call.
     pub(super) fn advance(&mut self, outputs: &[Tensor], per_call: usize) {
         let end = self.stepped.steps.end;
+        self.before.clone_from(&self.at);
         for s in &mut self.at {
             *s = (*s + per_call).min(end);
         }
@@ -108,6 +124,24 @@ impl<'a> Progress<'a> {
                 })
             })
             .collect();
+    }
+
+    /// The resume points of the tasks due a checkpoint: their rows passed a multiple of `every`
+    /// steps (from the bucket's first) in the last call, and have steps left.
+    pub(super) fn due(&self, call: &Call, every: usize) -> Vec<(String, Resume)> {
+        let (first, end) = (self.stepped.steps.start, self.stepped.steps.end);
+        let mut due = Vec::new();
+        let mut row = 0;
+        for task in &call.tasks {
+            let (from, to) = (row, row + task.rows);
+            row = to;
+            let (was, is) = (self.before[from], self.at[from]);
+            if is < end && (is - first) / every > (was - first) / every {
+                let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
+                due.push((task.id.clone(), Resume { step: is, carried }));
+            }
+        }
+        due
     }
 
     /// Each task's resume point into `resumes`, for tasks whose rows have moved past the

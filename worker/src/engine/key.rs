@@ -33,6 +33,9 @@ pub struct CallKey {
 pub struct Stepped {
     pub steps: Range<usize>,
     pub carry: &'static [(&'static str, &'static str)],
+    /// Every how many steps a task's carried state is kept outside the process (durable
+    /// checkpoints), where the model's catalog entry asks for it.
+    pub checkpoint_every: Option<usize>,
 }
 
 impl CallKey {

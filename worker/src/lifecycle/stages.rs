@@ -26,6 +26,7 @@ use crate::source::commit::commit_loop;
 use crate::source::crash_guard::CrashGuard;
 use crate::source::redelivery::CommitMetadataLeases;
 use crate::source::{self, SourceControl};
+use crate::storage::checkpoints::CheckpointStore;
 
 /// The running stages, as the drain needs them.
 pub(super) struct Stages {
@@ -149,7 +150,8 @@ async fn adaptive(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients) -> Resu
         metrics.clone(),
     )
     .with_cleaner(Arc::new(cleaner))
-    .with_steps_per_call(b.steps_per_call);
+    .with_steps_per_call(b.steps_per_call)
+    .with_checkpoints(Arc::new(CheckpointStore::new(loaded.images.clone(), metrics.clone())));
     Ok(match clients.ceilings(setup).await? {
         Some(store) => adaptive.with_store(Arc::new(store)),
         None => adaptive,

@@ -180,7 +180,8 @@ impl Registry {
                 sluice_schemas::ModelKind::Diffusion => {
                     let settings = diffusion::FlowSettings::of(entry);
                     let sd = diffusion::StableDiffusion::open_with(runtime.clone(), name, dir, settings)
-                        .map_err(|e| format!("model {name}: {e}"))?;
+                        .map_err(|e| format!("model {name}: {e}"))?
+                        .checkpointing(entry.checkpoint_every);
                     sd.fits_catalog(entry).map_err(|e| format!("model {name}: {e}"))?;
                     let needed = sd.size_multiple() as u32;
                     if !entry.size_multiple.is_multiple_of(needed) {

@@ -9,6 +9,7 @@ use chrono::Utc;
 use sluice_schemas::{DlqReason, Timings, decode_task};
 use tokio::sync::mpsc;
 
+use crate::events::{self, Emit};
 use crate::models::{Bucket, ModelError};
 use crate::outcome::failure::Failure;
 use crate::outcome::{Failed, Success, TaskIdentity};
@@ -16,6 +17,7 @@ use crate::panics;
 use crate::pipeline::task::Job;
 use crate::source::crash_guard::Verdict;
 use crate::source::record::Record;
+use crate::storage::checkpoints::{CheckpointStore, Owner};
 
 use super::DecodeStage;
 
@@ -43,6 +45,11 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let Some((bucket, mut job)) = admit(&stage, record) else {
             continue;
         };
+        // Whether a checkpoint falls due before its last step (else none is ever written).
+        job.checkpointed = bucket
+            .key
+            .steps()
+            .is_some_and(|s| s.checkpoint_every.is_some_and(|every| s.steps.len() > every));
         let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.
@@ -75,11 +82,53 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
                         .await,
                 );
             }
-            if let Some((bucket, job)) = announce_if_done(&stage2, job).await.and_then(|job| guard(&stage2, bucket, job)) {
+            let Some(job) = announce_if_done(&stage2, job).await else {
+                return;
+            };
+            let job = resume_from_checkpoint(&stage2, &bucket, job).await;
+            if let Some((bucket, job)) = guard(&stage2, bucket, job) {
                 let _ = to_batcher.send((bucket, job)).await;
             }
         });
     }
+}
+
+/// A task of a bucket that keeps checkpoints, that may have run before and has no results: it
+/// carries on from its latest checkpoint that reads back as its own and fits its bucket (its
+/// rows, a step the bucket runs). Checkpoints that cannot be read leave it to start from its
+/// first step, with a WARN: they save time, they are never needed.
+async fn resume_from_checkpoint(stage: &DecodeStage, bucket: &Bucket, mut job: Job) -> Job {
+    let Some(steps) = bucket.key.steps().filter(|_| job.checkpointed).map(|s| s.steps.clone()) else {
+        return job;
+    };
+    let owner = Owner {
+        task_id: job.task.task_id,
+        model: bucket.model.clone(),
+        bucket: bucket.key.name().to_owned(),
+    };
+    match CheckpointStore::new(stage.store.images.clone(), stage.store.metrics.clone())
+        .latest(&owner)
+        .await
+    {
+        Ok(Some(resume)) => {
+            let fits =
+                steps.start < resume.step && resume.step < steps.end && resume.carried.iter().all(|t| t.rows() == bucket.rows_per_task);
+            if fits {
+                events::CarriedOn {
+                    span: &job.span,
+                    step: resume.step,
+                    saved: resume.step - steps.start,
+                }
+                .emit(&stage.store.metrics);
+                job.resume = Some(resume);
+            } else {
+                tracing::warn!(parent: &job.span, step = resume.step, "a checkpoint that does not fit the task's bucket; starting from the first step");
+            }
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(parent: &job.span, error = %e, "checkpoints could not be read; starting from the first step"),
+    }
+    job
 }
 
 /// The crash guard's verdict on a task with no earlier results: it runs (alone, when an earlier
@@ -157,6 +206,8 @@ fn job_of(stage: &DecodeStage, record: Record) -> Option<Job> {
         span,
         claim: None,
         inputs: Default::default(),
+        checkpointed: false,
+        resume: None,
     })
 }
 

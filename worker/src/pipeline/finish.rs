@@ -13,6 +13,7 @@ use crate::models::ModelError;
 use crate::outcome::Success;
 use crate::outcome::failure::Failure;
 use crate::panics;
+use crate::storage::checkpoints::CheckpointStore;
 
 use super::{FinishStage, Item};
 
@@ -80,6 +81,15 @@ pub(super) async fn finish(stage: Arc<FinishStage>, item: Item, ran: Ran) {
         Ok(outputs) => outputs,
         Err(gave_up) => return stage.outcomes.gave_up(job, "storing images", gave_up),
     };
+    if job.checkpointed {
+        // The manifest supersedes the task's checkpoints: a later owner announces its results.
+        let checkpoints = CheckpointStore::new(store.clone(), stage.store.metrics.clone());
+        tokio::spawn(async move {
+            if let Err(e) = checkpoints.delete(task_id).await {
+                tracing::warn!(%task_id, error = %e, "the task's checkpoints could not be deleted (the lifecycle rule will)");
+            }
+        });
+    }
     let upload = upload_started.elapsed();
     let timings = Timings {
         queued_ms: (ran.started_at - job.task.submitted_at).num_milliseconds().max(0) as u64,

@@ -138,6 +138,9 @@ impl BatchItem for Item {
     fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
         self.progress.clone().map(|p| p as Arc<dyn crate::engine::TaskHooks>)
     }
+    fn resume(&self) -> Option<&crate::batching::steps::Resume> {
+        self.job.resume.as_ref()
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,11 @@ pub struct Job {
     pub(crate) claim: Option<crate::pipeline::running::Claim>,
     /// Its input images, read just before it runs (empty for a text task, and until then).
     pub inputs: crate::models::InputImages,
+    /// Its bucket keeps durable step checkpoints (the catalog's `checkpoint_every`), and one
+    /// falls due before its last step.
+    pub(crate) checkpointed: bool,
+    /// Where it carries on, from its latest checkpoint (a task that ran before).
+    pub(crate) resume: Option<crate::batching::steps::Resume>,
 }
 
 impl Job {

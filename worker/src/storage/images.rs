@@ -248,6 +248,23 @@ impl ImageStore {
         (&self.store, &self.prefix)
     }
 
+    /// The keys of the objects under `dir` of the store's prefix (for tools and tests).
+    pub async fn keys_under(&self, dir: &str) -> Result<Vec<String>, StorageError> {
+        use futures::TryStreamExt;
+        let _permit = self.permit().await;
+        let under = dir
+            .split('/')
+            .filter(|p| !p.is_empty())
+            .fold(self.prefix.clone(), |path, part| path.join(part));
+        let keys: Vec<String> = self
+            .store
+            .list(Some(&under))
+            .map_ok(|m| m.location.to_string())
+            .try_collect()
+            .await?;
+        Ok(keys)
+    }
+
     /// Writes an object by its key (for tools and tests).
     pub async fn write(&self, key: &str, bytes: Bytes) -> Result<(), StorageError> {
         let _permit = self.permit().await;

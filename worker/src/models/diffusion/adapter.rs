@@ -9,10 +9,10 @@ use sluice_schemas::TaskRecord;
 use super::flow::backend::FlowBackend;
 use super::flow::layout::FlowLayout;
 use super::layout::{LayoutError, SdLayout};
-use super::request::Mode;
+use super::request::{Mode, SdRequest};
 use super::unet::backend::SdBackend;
 use super::{Pipeline, StableDiffusion};
-use crate::engine::{Backend, EngineError, SessionOptions};
+use crate::engine::{Backend, CallKey, EngineError, SessionOptions, Stepped};
 use crate::models::{Bucket, InputImages, ModelAdapter, ModelError, Prepared};
 
 impl ModelAdapter for StableDiffusion {
@@ -29,7 +29,7 @@ impl ModelAdapter for StableDiffusion {
         }
         Ok(Bucket {
             model: self.name.clone(),
-            key: self.bucket_of(&request).key(),
+            key: self.key_of(&request),
             rows_per_task: request.num_images,
             alone: None,
         })
@@ -74,5 +74,19 @@ impl ModelAdapter for StableDiffusion {
         m.insert("steps".into(), r.steps.into());
         m.insert("sampler".into(), r.sampler.clone().into());
         m
+    }
+}
+
+impl StableDiffusion {
+    /// A request's bucket key, with the catalog's checkpoint interval.
+    fn key_of(&self, request: &SdRequest) -> CallKey {
+        let key = self.bucket_of(request).key();
+        match (key.steps().cloned(), self.checkpoint_every) {
+            (Some(stepped), Some(every)) => key.stepped(Stepped {
+                checkpoint_every: Some(every),
+                ..stepped
+            }),
+            _ => key,
+        }
     }
 }

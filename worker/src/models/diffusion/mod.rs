@@ -39,6 +39,8 @@ pub struct StableDiffusion {
     name: String,
     runtime: Arc<Runtime>,
     pipeline: Pipeline,
+    /// The catalog's `checkpoint_every`: its tasks' state is kept every that many steps.
+    checkpoint_every: Option<usize>,
 }
 
 /// Which pipeline runs the model, with what the CPU side read from its directory.
@@ -87,7 +89,14 @@ impl StableDiffusion {
             name: name.to_owned(),
             runtime,
             pipeline,
+            checkpoint_every: None,
         })
+    }
+
+    /// Keeps its tasks' state every `every` steps (the catalog's `checkpoint_every`).
+    pub fn checkpointing(mut self, every: Option<u32>) -> StableDiffusion {
+        self.checkpoint_every = every.map(|n| n as usize);
+        self
     }
 
     pub fn pipeline(&self) -> &Pipeline {

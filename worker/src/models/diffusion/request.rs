@@ -72,6 +72,7 @@ impl SdBucket {
         let stepped = Stepped {
             steps: first..self.steps,
             carry: &[("latents", "step_latents"), ("solver_previous", "solver_previous")],
+            checkpoint_every: None,
         };
         CallKey::new(self, Some(pixels)).stepped(stepped)
     }
