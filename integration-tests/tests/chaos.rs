@@ -920,75 +920,36 @@ async fn a_task_killed_mid_denoise_carries_on_from_its_checkpoint_to_the_same_im
     let _one = SERIAL.lock().await;
     let stack = stack().await;
     let topics = stack.topics("checkpoints", 1).unwrap();
-    let repo = sluice_integration_tests::stack::repo_root();
-    let demo = std::fs::read_to_string(repo.join("deploy/models.demo.toml")).unwrap();
-    let every_2 = demo.replacen("name = \"sd-tiny\"\n", "name = \"sd-tiny\"\ncheckpoint_every = 2\n", 1);
-    assert_ne!(every_2, demo, "the demo catalog has sd-tiny");
-    let catalog = stack.dir.join("checkpoint-every-2.toml");
-    std::fs::write(&catalog, every_2).unwrap();
-    let (models, catalog) = (stack.dir.join("models").display().to_string(), catalog.display().to_string());
-    let env = [
-        ("SLUICE_MODEL_DIR", models.as_str()),
-        ("SLUICE_MODEL_CATALOG", catalog.as_str()),
-        ("SLUICE_MODELS", "sd-tiny"),
-        ("SLUICE_ENGINE_SLOTS", "1"),
-        ("SLUICE_STEPS_PER_CALL", "1"),
-    ];
+    let (models, catalog) = checkpointing_catalog(stack, 2);
+    let env = checkpointing_worker(&models, &catalog);
     let group = "chaos-checkpoints";
-    let kafka = producer(stack.brokers()).unwrap();
     let sink = stack.sink().unwrap();
     let task = sluice_integration_tests::sd_task(90_001, 256, 20, 1);
     let id = task.0.clone();
-    let steps_stored = async || -> Vec<usize> {
-        let keys = match sink.keys_under(&format!("checkpoints/{id}")).await {
-            Ok(keys) => keys,
-            Err(e) => {
-                eprintln!("listing the checkpoints: {e}");
-                Vec::new()
-            }
-        };
-        keys.iter()
-            .filter_map(|k| k.rsplit('/').next()?.strip_suffix(".ckpt")?.parse().ok())
-            .collect()
-    };
     let mut w = worker_with(stack, "checkpoints-0", group, &topics, &env).await;
     w.wait_assigned(Duration::from_secs(60)).await.unwrap();
-    publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&task)).await.unwrap();
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, std::slice::from_ref(&task))
+        .await
+        .unwrap();
     sluice_integration_tests::wait_for("a checkpoint past step 4", Duration::from_secs(120), async || {
-        steps_stored().await.into_iter().max().filter(|&s| s >= 4)
+        checkpoint_steps(&sink, &id).await.into_iter().max().filter(|&s| s >= 4)
     })
     .await
     .unwrap();
     w.service.kill9();
-    let stored = steps_stored().await;
+    let stored = checkpoint_steps(&sink, &id).await;
     let mut w = worker_with(stack, "checkpoints-0", group, &topics, &env).await;
     let done = Outcomes::wait(stack.brokers(), &topics, &BTreeSet::from([id.clone()]), Duration::from_secs(180)).unwrap();
-    let log = w.service.log_text();
-    let resumed: Option<usize> = log.lines().filter(|l| l.contains("carrying on from a checkpoint")).find_map(|l| {
-        let at = l.find("step=")? + 5;
-        l[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
-    });
-    // The same request without a stop.
-    let twin = sluice_integration_tests::sd_task(90_001, 256, 20, 1);
-    publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&twin)).await.unwrap();
-    let twins = Outcomes::wait(
-        stack.brokers(),
-        &topics,
-        &BTreeSet::from([twin.0.clone()]),
-        Duration::from_secs(180),
-    )
-    .unwrap();
-    let (image, twin_image) = (&done.completions[&id][0], &twins.completions[&twin.0][0]);
+    let resumed = carried_on_from(&w.service.log_text());
+    let twin_image = uninterrupted_twin(stack, &topics, (90_001, 20, 1)).await;
+    let image = &done.completions[&id][0];
     table(
         "a 20-step task killed (SIGKILL) mid-denoise, checkpoints every 2 steps",
         &[
             ("checkpoints stored at the kill", format!("{stored:?}")),
             ("carried on from step", format!("{resumed:?}")),
             ("status", format!("{:?}", image.status)),
-            (
-                "same PNG as without a stop",
-                (image.outputs.first().map(|o| &o.sha256) == twin_image.outputs.first().map(|o| &o.sha256)).to_string(),
-            ),
+            ("same PNG as without a stop", same_images(image, &twin_image).to_string()),
         ],
     );
     assert_eq!(done.completions[&id].len(), 1);
@@ -997,16 +958,131 @@ async fn a_task_killed_mid_denoise_carries_on_from_its_checkpoint_to_the_same_im
         resumed.is_some_and(|s| s >= 4 && stored.contains(&s)),
         "carried on from {resumed:?}; stored {stored:?}"
     );
-    assert_eq!(
-        image.outputs[0].sha256, twin_image.outputs[0].sha256,
-        "the image is the uninterrupted one's"
-    );
+    assert!(same_images(image, &twin_image), "the image is the uninterrupted one's");
     sluice_integration_tests::wait_for("the task's checkpoints deleted", Duration::from_secs(30), async || {
-        steps_stored().await.is_empty().then_some(())
+        checkpoint_steps(&sink, &id).await.is_empty().then_some(())
     })
     .await
     .unwrap();
     w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// A drain that gives a running task up keeps its state first: a 100-step 256² task of 4
+/// images (tens of seconds here) on a catalog that checkpoints every 50 steps, its worker stopped
+/// with SIGTERM and a 500 ms grace two seconds into its run. While draining, the worker keeps the
+/// task's state after every step, so checkpoints off the every-50 grid are stored; the next
+/// worker carries on from the last one, and the images are the uninterrupted run's, byte for
+/// byte.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_from_it() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("drain-checkpoint", 1).unwrap();
+    let (models, catalog) = checkpointing_catalog(stack, 50);
+    let env = checkpointing_worker(&models, &catalog);
+    let mut draining = env.to_vec();
+    draining.push(("SLUICE_SHUTDOWN_GRACE_MS", "500"));
+    let group = "chaos-drain-checkpoint";
+    let sink = stack.sink().unwrap();
+    let task = sluice_integration_tests::sd_task(90_101, 256, 100, 4);
+    let id = task.0.clone();
+    let mut w = worker_with(stack, "drain-checkpoint-0", group, &topics, &draining).await;
+    w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, std::slice::from_ref(&task))
+        .await
+        .unwrap();
+    sluice_integration_tests::wait_for("the task in flight", Duration::from_secs(60), async || {
+        (w.metric("sluice_worker_in_flight_tasks").await? >= 1.0).then_some(())
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+    let stored = checkpoint_steps(&sink, &id).await;
+    let mut w = worker_with(stack, "drain-checkpoint-0", group, &topics, &env).await;
+    let done = Outcomes::wait(stack.brokers(), &topics, &BTreeSet::from([id.clone()]), Duration::from_secs(180)).unwrap();
+    let resumed = carried_on_from(&w.service.log_text());
+    let twin_image = uninterrupted_twin(stack, &topics, (90_101, 100, 4)).await;
+    let image = &done.completions[&id][0];
+    table(
+        "a 100-step task of 4 images, its worker stopped with SIGTERM (grace 500 ms), checkpoints every 50 steps",
+        &[
+            ("checkpoints stored at the stop", format!("{stored:?}")),
+            ("carried on from step", format!("{resumed:?}")),
+            ("status", format!("{:?}", image.status)),
+            ("same PNGs as without a stop", same_images(image, &twin_image).to_string()),
+        ],
+    );
+    assert_eq!(image.status, CompletionStatus::Succeeded, "{image:?}");
+    assert!(
+        stored.iter().any(|s| s % 50 != 0),
+        "a checkpoint of the drain, off the every-50 grid: {stored:?}"
+    );
+    assert_eq!(resumed, stored.iter().max().copied(), "carried on from the last step kept");
+    assert!(same_images(image, &twin_image), "the images are the uninterrupted run's");
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// The demo catalog with sd-tiny keeping checkpoints every `every` steps and taking up to 100,
+/// written into the stack's directory: (models directory, catalog path).
+fn checkpointing_catalog(stack: &Stack, every: u32) -> (String, String) {
+    let repo = sluice_integration_tests::stack::repo_root();
+    let demo = std::fs::read_to_string(repo.join("deploy/models.demo.toml")).unwrap();
+    let (before, sd_tiny) = demo.split_once("name = \"sd-tiny\"\n").expect("the demo catalog has sd-tiny");
+    let steps = "steps = { min = 1, max = 20, default = 4 }";
+    assert!(sd_tiny.contains(steps), "sd-tiny's steps in the demo catalog");
+    let sd_tiny = sd_tiny.replacen(steps, "steps = { min = 1, max = 100, default = 4 }", 1);
+    let text = format!("{before}name = \"sd-tiny\"\ncheckpoint_every = {every}\n{sd_tiny}");
+    let catalog = stack.dir.join(format!("checkpoint-every-{every}.toml"));
+    std::fs::write(&catalog, text).unwrap();
+    (stack.dir.join("models").display().to_string(), catalog.display().to_string())
+}
+
+/// A worker serving sd-tiny from `catalog`, one engine slot, one step a call.
+fn checkpointing_worker<'a>(models: &'a str, catalog: &'a str) -> [(&'static str, &'a str); 5] {
+    [
+        ("SLUICE_MODEL_DIR", models),
+        ("SLUICE_MODEL_CATALOG", catalog),
+        ("SLUICE_MODELS", "sd-tiny"),
+        ("SLUICE_ENGINE_SLOTS", "1"),
+        ("SLUICE_STEPS_PER_CALL", "1"),
+    ]
+}
+
+/// The steps of task `id`'s checkpoints in the store.
+async fn checkpoint_steps(sink: &sluice_worker::storage::images::ImageStore, id: &str) -> Vec<usize> {
+    let keys = sink
+        .keys_under(&format!("checkpoints/{id}"))
+        .await
+        .unwrap_or_else(|e| panic!("listing the checkpoints: {e}"));
+    keys.iter()
+        .filter_map(|k| k.rsplit('/').next()?.strip_suffix(".ckpt")?.parse().ok())
+        .collect()
+}
+
+/// The step a worker's log says a task carried on from.
+fn carried_on_from(log: &str) -> Option<usize> {
+    log.lines().filter(|l| l.contains("carrying on from a checkpoint")).find_map(|l| {
+        let at = l.find("step=")? + 5;
+        l[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    })
+}
+
+/// The completion of the same 256² sd-tiny request (`seed`, `steps`, `images`) run without a
+/// stop by the worker serving `topics`.
+async fn uninterrupted_twin(stack: &Stack, topics: &Topics, (seed, steps, images): (u64, u32, u32)) -> CompletionEvent {
+    let twin = sluice_integration_tests::sd_task(seed, 256, steps, images);
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, std::slice::from_ref(&twin))
+        .await
+        .unwrap();
+    let done = Outcomes::wait(stack.brokers(), topics, &BTreeSet::from([twin.0.clone()]), Duration::from_secs(180)).unwrap();
+    done.completions[&twin.0][0].clone()
+}
+
+/// Whether two completions stored the same images, byte for byte.
+fn same_images(a: &CompletionEvent, b: &CompletionEvent) -> bool {
+    let hashes = |e: &CompletionEvent| e.outputs.iter().map(|o| o.sha256.clone()).collect::<Vec<_>>();
+    !a.outputs.is_empty() && hashes(a) == hashes(b)
 }
 
 /// [`a_record_that_kills_its_worker_is_dead_lettered_after_three_crashes`] on terrain-tiny, or on

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
 
 use crate::engine::{Call, CallTask, Engine, EngineError, Tensor};
 use crate::events::{self, Emit};
@@ -313,6 +314,9 @@ pub struct Adaptive {
     steps_per_call: Option<usize>,
     /// Where the tasks of buckets that keep checkpoints keep them.
     checkpoints: Option<Arc<dyn Checkpoints>>,
+    /// Cancelled when the worker drains (SIGTERM): from then on such tasks keep their state
+    /// after every call, so that the next owner loses no step of what ran.
+    draining: CancellationToken,
 }
 
 struct Chunk<T> {
@@ -349,7 +353,14 @@ impl Adaptive {
             last_rebuild: Mutex::new(Duration::ZERO),
             steps_per_call: None,
             checkpoints: None,
+            draining: CancellationToken::new(),
         }
+    }
+
+    /// Keeps the state of checkpointed tasks after every call once `draining` is cancelled.
+    pub(crate) fn with_drain(mut self, draining: CancellationToken) -> Adaptive {
+        self.draining = draining;
+        self
     }
 
     /// Keeps the resume points of tasks of buckets that ask for checkpoints in `checkpoints`.
@@ -561,7 +572,8 @@ impl Adaptive {
             let first = *first.get_or_insert(granted);
             progress.advance(&outputs, per_call);
             if let (Some(every), Some(sink)) = (stepped.checkpoint_every, &self.checkpoints) {
-                for (task, resume) in progress.due(&call, every.max(1)) {
+                let every = (!self.draining.is_cancelled()).then_some(every.max(1));
+                for (task, resume) in progress.due(&call, every) {
                     sink.save(&task, bucket, resume);
                 }
             }
@@ -1135,6 +1147,44 @@ mod tests {
         assert_eq!(outputs.len(), 2, "one task a call after the halving");
         for o in &outputs {
             assert_eq!(o[0].f32_rows(0, 1).unwrap(), [6.0]);
+        }
+    }
+
+    /// The steps each task's state is kept at: every `checkpoint_every` steps before the last,
+    /// and, once the worker drains, after every step.
+    #[tokio::test]
+    async fn checkpoints_fall_every_n_steps_and_after_every_step_of_a_drain() {
+        struct Kept(Mutex<Vec<(String, usize)>>);
+        impl Checkpoints for Kept {
+            fn save(&self, task: &str, _: &Bucket, resume: Resume) {
+                self.0.lock().unwrap().push((task.to_owned(), resume.step));
+            }
+        }
+        let stepped = Stepped {
+            steps: 0..7,
+            carry: &[("y", "y_before")],
+            checkpoint_every: Some(3),
+        };
+        let b = Bucket {
+            key: CallKey::new("stepped", None).stepped(stepped),
+            ..bucket(1)
+        };
+        for draining in [false, true] {
+            let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
+            let kept = Arc::new(Kept(Mutex::new(Vec::new())));
+            let drain = CancellationToken::new();
+            let a = Arc::into_inner(a)
+                .expect("one owner")
+                .with_steps_per_call(1)
+                .with_checkpoints(kept.clone())
+                .with_drain(drain.clone());
+            if draining {
+                drain.cancel();
+            }
+            run(&a, &b, items([1], 1)).await;
+            let steps: Vec<usize> = kept.0.lock().unwrap().iter().map(|(_, s)| *s).collect();
+            let want = if draining { vec![1, 2, 3, 4, 5, 6] } else { vec![3, 6] };
+            assert_eq!(steps, want, "draining: {draining}");
         }
     }
 

@@ -127,8 +127,9 @@ impl<'a> Progress<'a> {
     }
 
     /// The resume points of the tasks due a checkpoint: their rows passed a multiple of `every`
-    /// steps (from the bucket's first) in the last call, and have steps left.
-    pub(super) fn due(&self, call: &Call, every: usize) -> Vec<(String, Resume)> {
+    /// steps (from the bucket's first) in the last call, and have steps left. With no `every`
+    /// (a drain), every task whose rows moved and have steps left.
+    pub(super) fn due(&self, call: &Call, every: Option<usize>) -> Vec<(String, Resume)> {
         let (first, end) = (self.stepped.steps.start, self.stepped.steps.end);
         let mut due = Vec::new();
         let mut row = 0;
@@ -136,7 +137,11 @@ impl<'a> Progress<'a> {
             let (from, to) = (row, row + task.rows);
             row = to;
             let (was, is) = (self.before[from], self.at[from]);
-            if is < end && (is - first) / every > (was - first) / every {
+            let crossed = match every {
+                Some(every) => (is - first) / every > (was - first) / every,
+                None => is > was,
+            };
+            if is < end && crossed {
                 let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
                 due.push((task.id.clone(), Resume { step: is, carried }));
             }

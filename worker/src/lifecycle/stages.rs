@@ -53,7 +53,10 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
         worker_id,
     } = *setup;
     let (b, d) = (&config.batching, &config.delivery);
-    let adaptive = Arc::new(adaptive(setup, loaded, clients).await?);
+    // Cancelled when the worker drains: reading stops, and checkpointed tasks keep their state
+    // after every step until they finish or are given up.
+    let stop_reading = CancellationToken::new();
+    let adaptive = Arc::new(adaptive(setup, loaded, clients).await?.with_drain(stop_reading.clone()));
     let abandon = CancellationToken::new();
     let (decode, engine) = contexts(setup, loaded, clients, adaptive.clone(), &abandon)?;
     let (decode, engine) = (Arc::new(decode), Arc::new(engine));
@@ -73,7 +76,7 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
     );
     let batcher = batcher.with_tenant_weights(b.tenant_weights.clone());
     let control = SourceControl {
-        stop_reading: CancellationToken::new(),
+        stop_reading,
         close: CancellationToken::new(),
         fatal: fatal.clone(),
     };
