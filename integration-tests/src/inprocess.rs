@@ -175,6 +175,23 @@ pub fn rows_at_different_steps(
     Some((against(0, &pa, &alone_a), against(1, &pb, &alone_b)))
 }
 
+/// Asserts that both rows of [`rows_at_different_steps`] ended where they end alone: latents
+/// within 1e-5 and the same PNG bytes.
+pub fn assert_as_alone(name: &str, (a, b): (RowAgainstAlone, RowAgainstAlone)) {
+    assert!(
+        a.latents <= 1e-5 && b.latents <= 1e-5,
+        "{name}: rows at different steps moved: A {:.2e}, B {:.2e}",
+        a.latents,
+        b.latents
+    );
+    assert!(
+        a.same_png && b.same_png,
+        "{name}: PNGs differ from alone (A {}, B {})",
+        a.same_png,
+        b.same_png
+    );
+}
+
 /// Max |Δ| between two equally long vectors.
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());

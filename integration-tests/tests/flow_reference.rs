@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use sluice_integration_tests::inprocess::{max_diff, rows_at_different_steps, run_alone, runtime};
+use sluice_integration_tests::inprocess::{assert_as_alone, max_diff, rows_at_different_steps, run_alone, runtime};
 use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
 use sluice_worker::models::diffusion::flow::backend::EncoderPlacement;
 use sluice_worker::models::diffusion::npy;
@@ -207,18 +207,7 @@ fn rows_at_different_steps_match(case_name: &str) {
     };
     let (ra, rb) = rows_at_different_steps(&model, &dir, (&a, draws(a_noise)), (&b, draws(b_noise)))
         .unwrap_or_else(|| panic!("{case_name}: at least two steps"));
-    assert!(
-        ra.latents <= 1e-5 && rb.latents <= 1e-5,
-        "{case_name}: rows at different steps moved: A {}, B {}",
-        ra.latents,
-        rb.latents
-    );
-    assert!(
-        ra.same_png && rb.same_png,
-        "{case_name}: PNGs differ from alone (A {}, B {})",
-        ra.same_png,
-        rb.same_png
-    );
+    assert_as_alone(case_name, (ra, rb));
     eprintln!("{case_name}: mixed-step call vs alone: A {:.2e}, B {:.2e}", ra.latents, rb.latents);
 }
 

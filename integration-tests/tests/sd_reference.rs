@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::Value;
-use sluice_integration_tests::inprocess::{rows_at_different_steps, run_alone, runtime};
+use sluice_integration_tests::inprocess::{assert_as_alone, rows_at_different_steps, run_alone, runtime};
 use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
 use sluice_worker::engine::{Call, CallTask, SessionOptions};
 use sluice_worker::models::ModelAdapter;
@@ -226,18 +226,7 @@ fn every_reference_case_gives_its_image_in_a_call_beside_rows_at_other_steps() {
             let Some((ra, rb)) = rows_at_different_steps(&model, &dir, (&a, a_draws), (&b, b_draws)) else {
                 continue;
             };
-            assert!(
-                ra.latents <= 1e-5 && rb.latents <= 1e-5,
-                "{name}: rows at different steps moved: A {:.2e}, B {:.2e}",
-                ra.latents,
-                rb.latents
-            );
-            assert!(
-                ra.same_png && rb.same_png,
-                "{name}: PNGs differ from alone (A {}, B {})",
-                ra.same_png,
-                rb.same_png
-            );
+            assert_as_alone(&name, (ra, rb));
             report.push(format!("{name}: A {:.2e}, B {:.2e}", ra.latents, rb.latents));
         }
     }

@@ -1086,6 +1086,31 @@ mod tests {
         assert!(device.peak.load(std::sync::atomic::Ordering::SeqCst) <= 4);
     }
 
+    /// A bucket of one-row tasks whose model runs steps `0..steps` step by step (the fake's `y`
+    /// counts them, carried on as `y_before`).
+    fn stepped_bucket(steps: usize, checkpoint_every: Option<usize>) -> Bucket {
+        let stepped = Stepped {
+            steps: 0..steps,
+            carry: &[("y", "y_before")],
+            checkpoint_every,
+        };
+        Bucket {
+            key: CallKey::new("stepped", None).stepped(stepped),
+            ..bucket(1)
+        }
+    }
+
+    /// Runs `items` as one batch that must not fail: the outputs of each call that ran.
+    async fn outputs_of(a: &Adaptive, b: &Bucket, items: Vec<Item>) -> Vec<Arc<Vec<Tensor>>> {
+        let mut outputs = Vec::new();
+        a.run(b, items, |done| match done {
+            Done::Ran { outputs: o, .. } => outputs.push(o),
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        outputs
+    }
+
     /// A bucket whose model runs step by step runs as calls of at most `steps_per_call` steps,
     /// each taking the rows' state from the one before: five steps two a call are steps 0..2,
     /// 2..4 and 4..5, and the batch's outputs are the last call's, five steps on.
@@ -1093,21 +1118,8 @@ mod tests {
     async fn a_step_by_step_batch_runs_a_few_steps_a_call_and_carries_its_rows_on() {
         let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
         let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(2);
-        let stepped = Stepped {
-            steps: 0..5,
-            carry: &[("y", "y_before")],
-            checkpoint_every: None,
-        };
-        let b = Bucket {
-            key: CallKey::new("stepped", None).stepped(stepped),
-            ..bucket(1)
-        };
-        let mut outputs = Vec::new();
-        a.run(&b, items([1, 2], 1), |done| match done {
-            Done::Ran { outputs: o, .. } => outputs.push(o),
-            Done::Failed { error, .. } => panic!("{error}"),
-        })
-        .await;
+        let b = stepped_bucket(5, None);
+        let outputs = outputs_of(&a, &b, items([1, 2], 1)).await;
         assert_eq!(*device.steps.lock().unwrap(), vec![0..2, 2..4, 4..5]);
         assert_eq!(outputs.len(), 1, "one batch");
         assert_eq!(outputs[0][0].f32_rows(0, 2).unwrap(), [5.0, 5.0]);
@@ -1127,21 +1139,7 @@ mod tests {
         let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
         device.oom_from_step.store(2, std::sync::atomic::Ordering::SeqCst);
         let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(2);
-        let stepped = Stepped {
-            steps: 0..6,
-            carry: &[("y", "y_before")],
-            checkpoint_every: None,
-        };
-        let b = Bucket {
-            key: CallKey::new("stepped", None).stepped(stepped),
-            ..bucket(1)
-        };
-        let mut outputs = Vec::new();
-        a.run(&b, items([1, 2], 1), |done| match done {
-            Done::Ran { outputs: o, .. } => outputs.push(o),
-            Done::Failed { error, .. } => panic!("{error}"),
-        })
-        .await;
+        let outputs = outputs_of(&a, &stepped_bucket(6, None), items([1, 2], 1)).await;
         let ranges = device.steps.lock().unwrap().clone();
         assert_eq!(ranges, vec![0..2, 2..4, 4..6, 2..4, 4..6], "the failed call is not recorded");
         assert_eq!(outputs.len(), 2, "one task a call after the halving");
@@ -1160,15 +1158,7 @@ mod tests {
                 self.0.lock().unwrap().push((task.to_owned(), resume.step));
             }
         }
-        let stepped = Stepped {
-            steps: 0..7,
-            carry: &[("y", "y_before")],
-            checkpoint_every: Some(3),
-        };
-        let b = Bucket {
-            key: CallKey::new("stepped", None).stepped(stepped),
-            ..bucket(1)
-        };
+        let b = stepped_bucket(7, Some(3));
         for draining in [false, true] {
             let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
             let kept = Arc::new(Kept(Mutex::new(Vec::new())));
