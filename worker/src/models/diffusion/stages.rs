@@ -279,6 +279,24 @@ pub(in crate::models::diffusion) fn note_cancellations(call: &Call, cancelled: &
     }
 }
 
+/// Tells each task that ran a step (it owns one of the `active` rows) and is still running the
+/// step its rows have reached, of the steps its bucket runs (`first..steps`; a task's rows run
+/// together, so its first active row's step is the task's).
+pub(in crate::models::diffusion) fn report_progress(
+    call: &Call,
+    cancelled: &[bool],
+    active: &[usize],
+    owner: &[usize],
+    at: &[usize],
+    (first, steps): (usize, usize),
+) {
+    for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
+        if let Some(&row) = active.iter().find(|&&r| owner[r] == task).filter(|_| !cancelled[task]) {
+            hooks.progress(at[row] - first, steps - first);
+        }
+    }
+}
+
 /// The distinct rows of `rows` in first-seen order, and the index of each row among them.
 pub(in crate::models::diffusion) fn distinct_rows<'a, T: PartialEq + 'a>(
     rows: impl Iterator<Item = &'a [T]>,

@@ -21,8 +21,8 @@ use crate::engine::{Backend, Call, ElementKind, EngineError, OrtBackend, Placeme
 use crate::models::diffusion::request::SdBucket;
 use crate::models::diffusion::schedulers::flow_euler::FlowSchedule;
 use crate::models::diffusion::stages::{
-    Hidden, Reuse, call_outputs, decode_finished, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners,
-    step_ranges, vae_decode,
+    Hidden, Reuse, call_outputs, decode_finished, encode, guided, input, join_features, note_cancellations, report_progress,
+    resume_latents, row_owners, step_ranges, vae_decode,
 };
 
 /// Where a flow model's text encoders live (the catalog's `text_encoders`): FLUX's T5-XXL is
@@ -438,8 +438,7 @@ struct FlowRows {
     per_row: usize,
     /// Transformer tokens per row (FLUX).
     tokens: usize,
-    /// The first step of each row, its next step, and the step it stops before.
-    begin: Vec<usize>,
+    /// The next step of each row, and the step it stops before.
     at: Vec<usize>,
     end: Vec<usize>,
 }
@@ -503,7 +502,6 @@ impl Backend for FlowBackend {
             dims,
             per_row,
             tokens: (dims[1] / 2) * (dims[2] / 2),
-            begin: at.clone(),
             at,
             end,
         };
@@ -540,7 +538,7 @@ impl Backend for FlowBackend {
                     .map_err(|e| EngineError::Run(e.to_string()))?;
                 rows.at[r] += 1;
             }
-            report_row_progress(call, &cancelled, &owner, &rows);
+            report_progress(call, &cancelled, &active, &owner, &rows.at, (0, schedule.steps()));
         }
         let finished: Vec<bool> = rows.end.iter().map(|&e| e == schedule.steps()).collect();
         let latents: Vec<f32> = match flux {
@@ -567,18 +565,6 @@ impl Backend for FlowBackend {
 
     fn placement(&self) -> Placement {
         self.transformer.placement()
-    }
-}
-
-/// Tells each running task how far its first row is (steps done of the steps it runs).
-fn report_row_progress(call: &Call, cancelled: &[bool], owner: &[usize], rows: &FlowRows) {
-    for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
-        if cancelled[task] {
-            continue;
-        }
-        if let Some(r) = owner.iter().position(|&o| o == task) {
-            hooks.progress(rows.at[r] - rows.begin[r], rows.end[r] - rows.begin[r]);
-        }
     }
 }
 

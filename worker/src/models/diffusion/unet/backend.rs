@@ -33,8 +33,8 @@ use crate::models::diffusion::layout::{Family, SdLayout};
 use crate::models::diffusion::request::{Mode, SdBucket};
 use crate::models::diffusion::schedulers::{ImageState, Schedule};
 use crate::models::diffusion::stages::{
-    Hidden, Reuse, call_outputs, decode_finished, encode, guided, input, join_features, note_cancellations, resume_latents, row_owners,
-    row_values, step_ranges, vae_decode,
+    Hidden, Reuse, call_outputs, decode_finished, encode, guided, input, join_features, note_cancellations, report_progress,
+    resume_latents, row_owners, row_values, step_ranges, vae_decode,
 };
 
 /// How the UNet wants its timestep.
@@ -628,17 +628,6 @@ fn zero_rows(values: &mut [f32], zero: &[f32]) {
     for (row, &z) in values.chunks_mut(per.max(1)).zip(zero) {
         if z > 0.0 {
             row.fill(0.0);
-        }
-    }
-}
-
-/// Tells each task that ran a step (it owns one of the `active` rows) and is still running the
-/// step its rows have reached, of the steps its bucket runs (`first..steps`; a task's rows run
-/// together, so its first active row's step is the task's).
-fn report_progress(call: &Call, cancelled: &[bool], active: &[usize], owner: &[usize], at: &[usize], (first, steps): (usize, usize)) {
-    for (task, hooks) in call.tasks.iter().enumerate().filter_map(|(k, t)| t.hooks.as_ref().map(|h| (k, h))) {
-        if let Some(&row) = active.iter().find(|&&r| owner[r] == task).filter(|_| !cancelled[task]) {
-            hooks.progress(at[row] - first, steps - first);
         }
     }
 }
