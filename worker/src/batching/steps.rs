@@ -131,37 +131,44 @@ impl<'a> Progress<'a> {
     /// (a drain), every task whose rows moved and have steps left.
     pub(super) fn due(&self, call: &Call, every: Option<usize>) -> Vec<(String, Resume)> {
         let (first, end) = (self.stepped.steps.start, self.stepped.steps.end);
-        let mut due = Vec::new();
-        let mut row = 0;
-        for task in &call.tasks {
-            let (from, to) = (row, row + task.rows);
-            row = to;
+        self.points(call, |from| {
             let (was, is) = (self.before[from], self.at[from]);
             let crossed = match every {
                 Some(every) => (is - first) / every > (was - first) / every,
                 None => is > was,
             };
-            if is < end && crossed {
-                let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
-                due.push((task.id.clone(), Resume { step: is, carried }));
-            }
-        }
-        due
+            is < end && crossed
+        })
     }
 
     /// Each task's resume point into `resumes`, for tasks whose rows have moved past the
     /// bucket's first step (after a call that failed, the state before it).
     pub(super) fn keep(&self, call: &Call, resumes: &mut Resumes) {
+        if self.carried.is_empty() {
+            return;
+        }
+        resumes.extend(self.points(call, |from| self.at[from] != self.stepped.steps.start));
+    }
+
+    /// The resume points of the tasks of `call` whose first row `chosen` picks: their step and
+    /// their rows of what the last call handed on.
+    fn points(&self, call: &Call, chosen: impl Fn(usize) -> bool) -> Vec<(String, Resume)> {
+        let mut points = Vec::new();
         let mut row = 0;
         for task in &call.tasks {
             let (from, to) = (row, row + task.rows);
             row = to;
-            let step = self.at[from];
-            if step == self.stepped.steps.start || self.carried.is_empty() {
-                continue;
+            if chosen(from) {
+                let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
+                points.push((
+                    task.id.clone(),
+                    Resume {
+                        step: self.at[from],
+                        carried,
+                    },
+                ));
             }
-            let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
-            resumes.insert(task.id.clone(), Resume { step, carried });
         }
+        points
     }
 }
