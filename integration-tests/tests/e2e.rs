@@ -577,6 +577,12 @@ async fn a_short_diffusion_task_waits_for_a_step_of_a_long_one_not_for_all_of_th
     let short = sd_task(701, 64, 4, 1);
     let kafka = producer(stack.brokers()).unwrap();
     publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&long)).await.unwrap();
+    // The short task is sent once the long one is running, not after a fixed wait.
+    sluice_integration_tests::wait_for("the long task in flight", Duration::from_secs(60), async || {
+        (worker.metric("sluice_worker_in_flight_tasks").await? >= 1.0).then_some(())
+    })
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&short)).await.unwrap();
     let all = [long.clone(), short.clone()];
