@@ -595,6 +595,67 @@ async fn a_short_diffusion_task_waits_for_a_step_of_a_long_one_not_for_all_of_th
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// A diffusion task that arrives while a batch of its bucket runs joins that batch at the next
+/// step boundary, rather than waiting for it or running beside it as a batch of its own: two
+/// 256² SD tasks of 20 steps, on one partition and one engine slot, the second sent once the
+/// first has reported a step. The worker counts one task joined, the second's call starts before the
+/// first's ends, and the first, which started first, ends first. With all of a batch's steps in
+/// one call (`SLUICE_STEPS_PER_CALL=0`) none joins.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_diffusion_task_joins_a_running_batch_of_its_bucket_at_the_next_step() {
+    use sluice_integration_tests::cluster::Worker;
+    use sluice_integration_tests::stack::repo_root;
+    use sluice_integration_tests::{ids_of, publish_tasks, sd_task};
+
+    let c = cluster().await;
+    let stack = &c.stack;
+    let catalog = repo_root().join("deploy/models.demo.toml").display().to_string();
+    for steps_per_call in ["1", "0"] {
+        let topics = stack.topics(&format!("joins-{steps_per_call}"), 1).unwrap();
+        let env = [
+            ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+            ("SLUICE_MODELS", "sd-tiny"),
+            ("SLUICE_ENGINE_SLOTS", "1"),
+            ("SLUICE_MAX_WAIT_MS", "5"),
+            ("SLUICE_STEPS_PER_CALL", steps_per_call),
+        ];
+        let id = format!("joins-{steps_per_call}");
+        let mut worker = Worker::on_topics(stack, &id, &format!("e2e-{id}"), &topics, &env).await.unwrap();
+        worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+        let first = sd_task(710, 256, 20, 1);
+        let second = sd_task(711, 256, 20, 1);
+        let kafka = producer(stack.brokers()).unwrap();
+        let mut progress = sluice_integration_tests::TopicReader::new(stack.brokers(), sluice_schemas::topics::PROGRESS).unwrap();
+        publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&first)).await.unwrap();
+        // The second is sent once the first has run a step: its batch is running.
+        let stepped = |r: &sluice_integration_tests::Consumed| {
+            r.key.as_deref() == Some(first.0.as_bytes())
+                && serde_json::from_slice::<sluice_schemas::ProgressRecord>(&r.value).is_ok_and(|p| p.step >= 1)
+        };
+        tokio::task::block_in_place(|| progress.read_until(Duration::from_secs(120), |r| r.iter().any(stepped))).unwrap();
+        publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&second)).await.unwrap();
+        let all = [first.clone(), second.clone()];
+        let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(180)).unwrap();
+        let metrics = worker.metrics().await.unwrap();
+        let joined: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("sluice_worker_tasks_joined_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        worker.service.terminate(Duration::from_secs(30)).unwrap();
+        if steps_per_call == "0" {
+            assert_eq!(joined, 0.0, "nothing joins a batch that runs all its steps in one call");
+            continue;
+        }
+        assert_eq!(joined, 1.0, "the second task joined the first's batch");
+        let ((first_start, first_end), (second_start, second_end)) = (call_span(&done, &first), call_span(&done, &second));
+        assert!(
+            first_start < second_start && second_start < first_end && first_end <= second_end,
+            "the first task ran {first_start}..{first_end}, the second {second_start}..{second_end}"
+        );
+    }
+}
+
 /// An interactive task goes before queued batch work of its own bucket: forty single tiles of
 /// the batch lane, then one of the interactive lane, each a batch of its own, on one partition
 /// and one engine slot. The interactive tile's call starts before all but a few of the batch

@@ -294,7 +294,9 @@ pub struct BatchingArgs {
     /// The most denoising steps one model call runs (0: all of a batch's steps in one call). A
     /// diffusion batch runs as calls of this many steps, its rows' state carried from one to the
     /// next, and each call takes its own turn at the device: a task of another bucket or lane
-    /// waits for this many steps of a long batch, not for all of them.
+    /// waits for this many steps of a long batch, not for all of them, and tasks of the bucket
+    /// join and leave the running batch between calls. An interactive batch runs all its steps
+    /// in one call.
     #[arg(long, env = "SLUICE_STEPS_PER_CALL", default_value_t = 1)]
     pub steps_per_call: usize,
     /// Turns off the exclusive device permit at batch 1 (for experiments only).

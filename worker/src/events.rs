@@ -222,6 +222,23 @@ impl Emit for CeilingProbed<'_> {
     }
 }
 
+/// Tasks joined a running batch of their bucket at a step boundary.
+pub(crate) struct Joined<'a> {
+    pub bucket: &'a BucketName,
+    pub task_ids: &'a [String],
+    /// Tasks in the batch's next call, theirs included.
+    pub running: usize,
+}
+
+impl Emit for Joined<'_> {
+    fn emit(self, m: &Metrics) {
+        m.tasks_joined
+            .with_label_values(&[self.bucket.label.as_str()])
+            .inc_by(self.task_ids.len() as u64);
+        tracing::debug!(bucket = %self.bucket.name, task_ids = ?self.task_ids, running = self.running, "joined a running batch");
+    }
+}
+
 /// The learned ceiling of a bucket, when it is made or changes.
 pub(crate) struct CeilingIs<'a> {
     /// The bucket's metric label.

@@ -18,6 +18,7 @@ pub struct Metrics {
     pub(crate) checkpoint_resumes: IntCounter,
     pub(crate) checkpoint_steps_saved: IntCounter,
     pub(crate) batches: IntCounterVec,
+    pub(crate) tasks_joined: IntCounterVec,
     pub(crate) batch_size: HistogramVec,
     pub(crate) batch_ceiling: IntGaugeVec,
     pub(crate) ooms: IntCounterVec,
@@ -113,6 +114,14 @@ impl Metrics {
             batches: register(
                 &r,
                 counter_vec("sluice_worker_batches_total", "Model calls, by size class (bucket label: model:le<work>)", &["bucket"]),
+            ),
+            tasks_joined: register(
+                &r,
+                counter_vec(
+                    "sluice_worker_tasks_joined_total",
+                    "Tasks that joined a running batch of their bucket at a step boundary, by size class",
+                    &["bucket"],
+                ),
             ),
             batch_size: register(
                 &r,

@@ -20,6 +20,8 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+use sluice_schemas::Priority;
+
 use crate::engine::{Call, CallTask, Engine, EngineError, Tensor};
 use crate::events::{self, Emit};
 use crate::metrics::Metrics;
@@ -149,6 +151,14 @@ fn is_no_backoff(b: &u32) -> bool {
     *b <= 1
 }
 
+/// Where a running batch of a step-by-step bucket finds the tasks that join it at a step
+/// boundary: those of its lane and bucket that arrived since it started, made ready to run.
+pub trait Joining<T>: Send {
+    /// Up to `room` tasks ready to join the running batch's next call, without waiting for any
+    /// to come. `room` 0: the batch takes no more for now.
+    fn more(&mut self, room: usize) -> BoxFuture<'_, Vec<T>>;
+}
+
 /// Where learned ceilings outlive the process, keyed by bucket (its `Display` form) on this
 /// worker's device class. Both calls are cheap and never block on I/O.
 pub trait CeilingStore: Send + Sync {
@@ -201,8 +211,8 @@ pub trait BatchItem: Send + 'static {
         None
     }
     /// The task's priority lane: its calls take their turn at the device gate by it.
-    fn lane(&self) -> sluice_schemas::Priority {
-        sluice_schemas::Priority::Standard
+    fn lane(&self) -> Priority {
+        Priority::Standard
     }
     /// Where the task's rows stand, when it carries on from a checkpoint.
     fn resume(&self) -> Option<&Resume> {
@@ -225,6 +235,11 @@ fn call_of<T: BatchItem>(bucket: &Bucket, items: &[T]) -> Call {
             })
             .collect(),
     }
+}
+
+/// The best of the lanes of `items` (a batch is of one lane).
+fn lane_of<T: BatchItem>(items: &[T]) -> Priority {
+    items.iter().map(BatchItem::lane).min().unwrap_or_default()
 }
 
 /// Task ids and dimensions of `items`, for events.
@@ -319,6 +334,18 @@ pub struct Adaptive {
     draining: CancellationToken,
 }
 
+/// A running set of a step-by-step bucket ([`Adaptive::run_running`]): its tasks, where the
+/// ones to join it come from, and where each task stands.
+struct Running<'a, T> {
+    items: &'a mut Vec<T>,
+    /// Tasks of the batch put aside (after an out-of-memory error): they join first.
+    pending: &'a mut VecDeque<T>,
+    joining: &'a mut dyn Joining<T>,
+    resumes: &'a mut Resumes,
+    /// The most tasks that ran together.
+    most: usize,
+}
+
 struct Chunk<T> {
     items: Vec<T>,
     /// Run alone on the device (a single retried after an OOM, or a bucket down to one).
@@ -370,7 +397,9 @@ impl Adaptive {
     }
 
     /// Runs the calls of step-by-step buckets ([`crate::engine::Stepped`]) as calls of at most
-    /// `steps` steps (0: all of them at once).
+    /// `steps` steps (0: all of them at once). Not those of the interactive lane: nothing
+    /// outranks them at the device gate, so they have no one to make room for, and each step
+    /// taken as a call of its own would wait for another lane's call before it.
     pub fn with_steps_per_call(mut self, steps: usize) -> Adaptive {
         self.steps_per_call = (steps > 0).then_some(steps);
         self
@@ -489,8 +518,7 @@ impl Adaptive {
         resumes: &mut Resumes,
     ) -> Result<(Vec<Tensor>, Instant), EngineError> {
         let call = call_of(bucket, items);
-        // The best of its tasks' lanes (a batch is of one lane).
-        let lane = items.iter().map(BatchItem::lane).min().unwrap_or_default();
+        let lane = lane_of(items);
         let mut turn = || {
             let turn = crate::engine::Turn { lane, had: *had };
             *had += 1;
@@ -499,7 +527,7 @@ impl Adaptive {
         let rows: usize = call.tasks.iter().map(|t| t.rows).sum();
         let part_rows = self.part_rows(bucket);
         if call.tasks.len() != 1 || rows <= part_rows || !by_rows(&call) {
-            return self.run_steps(bucket, call, exclusive, &mut turn, resumes).await;
+            return self.run_steps(bucket, call, exclusive, (lane, &mut turn), resumes).await;
         }
         let task = &call.tasks[0];
         tracing::debug!(task_id = %task.id, rows, part_rows, "running the task in parts");
@@ -516,7 +544,9 @@ impl Adaptive {
                 }],
             };
             // A part's state is not its task's: a part that fails is run again whole.
-            let (outputs, granted) = self.run_steps(bucket, part, exclusive, &mut turn, &mut Resumes::new()).await?;
+            let (outputs, granted) = self
+                .run_steps(bucket, part, exclusive, (lane, &mut turn), &mut Resumes::new())
+                .await?;
             first.get_or_insert(granted);
             parts.push(outputs);
         }
@@ -549,11 +579,17 @@ impl Adaptive {
         bucket: &Bucket,
         call: Call,
         exclusive: bool,
-        turn: &mut impl FnMut() -> crate::engine::Turn,
+        (lane, turn): (Priority, &mut impl FnMut() -> crate::engine::Turn),
         resumes: &mut Resumes,
     ) -> Result<(Vec<Tensor>, Instant), EngineError> {
         let (Some(per_call), Some(stepped)) = (self.steps_per_call, call.key.steps().cloned()) else {
             return self.engine.run_timed(&bucket.model, call, exclusive, turn()).await;
+        };
+        // The interactive lane's: all their steps in one call (from where their rows stand).
+        let per_call = if lane == Priority::Interactive {
+            stepped.steps.len()
+        } else {
+            per_call
         };
         let mut progress = Progress::start(&call, &stepped, resumes);
         if progress.in_one_call(per_call) {
@@ -571,12 +607,7 @@ impl Adaptive {
             };
             let first = *first.get_or_insert(granted);
             progress.advance(&outputs, per_call);
-            if let (Some(every), Some(sink)) = (stepped.checkpoint_every, &self.checkpoints) {
-                let every = (!self.draining.is_cancelled()).then_some(every.max(1));
-                for (task, resume) in progress.due(&call, every) {
-                    sink.save(&task, bucket, resume);
-                }
-            }
+            self.save_due(bucket, &stepped, &progress, &call);
             if progress.done() {
                 for task in &call.tasks {
                     resumes.remove(&task.id);
@@ -584,6 +615,145 @@ impl Adaptive {
                 return Ok((outputs, first));
             }
         }
+    }
+
+    /// Whether `chunk` runs as a running set that tasks join and leave at step boundaries: its
+    /// bucket runs step by step, a call at a time ([`Adaptive::with_steps_per_call`]), not in
+    /// the interactive lane, and the chunk is none of the special runs (alone on the device, on a clean arena, a crash
+    /// suspect, one task cut in parts).
+    fn joinable<T: BatchItem>(&self, bucket: &Bucket, chunk: &Chunk<T>) -> bool {
+        let rows: usize = chunk.items.iter().map(|i| i.prepared().rows).sum();
+        self.takes_joins(lane_of(&chunk.items), bucket) && !chunk.exclusive && !chunk.clean && rows <= self.part_rows(bucket)
+    }
+
+    /// Runs the running set `set` one call of [`Adaptive::with_steps_per_call`] steps at a
+    /// time. Before each call, tasks from `set.pending` (put aside after an out-of-memory
+    /// error), then from `set.joining`, join it at their first step (or their resume point), as
+    /// many as the bucket's limit has room for; after it, the tasks whose steps ended (or that
+    /// were cancelled) leave the set and are reported through `on_done`. Each call takes its own
+    /// turn at the device gate. Returns the last call's outputs, for the tasks left in `set.items`
+    /// (all of which ended in it), and when the first of them started.
+    ///
+    /// On an error, `set.items` are the tasks that were running, each with its resume point
+    /// (the state before the failed call) in `set.resumes`: run again in a smaller set, none
+    /// starts over.
+    async fn run_running<T: BatchItem>(
+        &self,
+        bucket: &Bucket,
+        set: &mut Running<'_, T>,
+        had: &mut u32,
+        on_done: &mut impl FnMut(Done<T>),
+    ) -> Result<(Vec<Tensor>, Instant), EngineError> {
+        let per_call = self.steps_per_call.expect("a joinable chunk");
+        let stepped = bucket.key.steps().cloned().expect("a joinable chunk");
+        let lane = lane_of(set.items);
+        let mut progress = Progress::start(&call_of(bucket, set.items), &stepped, set.resumes);
+        let mut started: HashMap<String, Instant> = HashMap::new();
+        loop {
+            // Joining before each call, the first too: the batcher keeps the tasks that arrive
+            // for this batch from the moment it says it has room.
+            self.join_waiting(bucket, set, &mut progress).await;
+            let call = call_of(bucket, set.items);
+            let turn = crate::engine::Turn { lane, had: *had };
+            *had += 1;
+            let (outputs, granted) = match self
+                .engine
+                .run_timed(&bucket.model, progress.next_call(&call, per_call), false, turn)
+                .await
+            {
+                Ok(done) => done,
+                Err(error) => {
+                    progress.keep(&call, set.resumes);
+                    return Err(error);
+                }
+            };
+            for task in &call.tasks {
+                started.entry(task.id.clone()).or_insert(granted);
+            }
+            progress.advance(&outputs, per_call);
+            self.save_due(bucket, &stepped, &progress, &call);
+            let since = |id: &str| started.get(id).copied().unwrap_or(granted);
+            let ended = progress.finished(&call, &outputs);
+            if ended.iter().all(|&e| e) {
+                for task in &call.tasks {
+                    set.resumes.remove(&task.id);
+                }
+                let first = call.tasks.iter().map(|t| since(&t.id)).min().unwrap_or(granted);
+                return Ok((outputs, first));
+            }
+            if !ended.iter().any(|&e| e) {
+                continue;
+            }
+            // The tasks that ended leave: each reported on its own, with its rows of the outputs.
+            let mut row = 0;
+            let mut staying = Vec::with_capacity(set.items.len());
+            for ((item, task), &ended) in std::mem::take(set.items).into_iter().zip(&call.tasks).zip(&ended) {
+                let rows = row..row + task.rows;
+                row = rows.end;
+                if !ended {
+                    staying.push(item);
+                    continue;
+                }
+                set.resumes.remove(&task.id);
+                on_done(Done::Ran {
+                    items: vec![item],
+                    outputs: Arc::new(outputs.iter().map(|t| t.slice_rows(rows.start, rows.end)).collect()),
+                    elapsed: since(&task.id).elapsed(),
+                    batch_size: call.tasks.len(),
+                });
+            }
+            progress.retain(&call, &ended.iter().map(|e| !e).collect::<Vec<_>>());
+            *set.items = staying;
+        }
+    }
+
+    /// The tasks waiting to join `set` (put aside ones first), as many as the bucket's limit has
+    /// room for, added to it and to `progress` at their first step or their resume point.
+    async fn join_waiting<T: BatchItem>(&self, bucket: &Bucket, set: &mut Running<'_, T>, progress: &mut Progress<'_>) {
+        let room = self.limit(bucket).saturating_sub(set.items.len());
+        let mut joined: Vec<T> = set.pending.drain(..room.min(set.pending.len())).collect();
+        joined.extend(set.joining.more(room - joined.len()).await);
+        if joined.is_empty() {
+            return;
+        }
+        for item in &joined {
+            if let Some(resume) = item.resume() {
+                set.resumes.entry(item.id()).or_insert_with(|| resume.clone());
+            }
+            progress.join(item.prepared().rows, set.resumes.get(&item.id()));
+        }
+        let task_ids: Vec<String> = joined.iter().map(BatchItem::id).collect();
+        set.items.extend(joined);
+        events::Joined {
+            bucket: &bucket.name(),
+            task_ids: &task_ids,
+            running: set.items.len(),
+        }
+        .emit(&self.metrics);
+        if set.items.len() > set.most && self.with_entry(bucket, |e| set.items.len() > e.fits) {
+            // As in `run`: a size that may not fit gives back what it allocates.
+            self.engine.release_memory(&bucket.model);
+        }
+        set.most = set.most.max(set.items.len());
+    }
+
+    /// Saves the resume points of the tasks of `call` due a checkpoint after a call, for a
+    /// bucket that keeps them: every `checkpoint_every` steps, and after every step once the
+    /// worker drains.
+    fn save_due(&self, bucket: &Bucket, stepped: &crate::engine::Stepped, progress: &Progress<'_>, call: &Call) {
+        if let (Some(every), Some(sink)) = (stepped.checkpoint_every, &self.checkpoints) {
+            let every = (!self.draining.is_cancelled()).then_some(every.max(1));
+            for (task, resume) in progress.due(call, every) {
+                sink.save(&task, bucket, resume);
+            }
+        }
+    }
+
+    /// Whether batches of `bucket` in `lane` run as running sets that tasks join: the bucket runs
+    /// step by step, a call at a time, it is no crash suspect's, and the lane is not the
+    /// interactive one (which runs all its steps in one call).
+    fn takes_joins(&self, lane: Priority, bucket: &Bucket) -> bool {
+        self.steps_per_call.is_some() && bucket.key.steps().is_some() && bucket.alone.is_none() && lane != Priority::Interactive
     }
 
     /// Rows the largest call of `items` (one chunk) holds, and whether they could be cut into
@@ -649,7 +819,21 @@ impl Adaptive {
 
     /// Runs `items` (all of `bucket`) and reports each chunk as it finishes, so that CPU work on
     /// its results overlaps the next chunk's inference.
-    pub async fn run<T: BatchItem>(&self, bucket: &Bucket, items: Vec<T>, mut on_done: impl FnMut(Done<T>)) {
+    pub async fn run<T: BatchItem>(&self, bucket: &Bucket, items: Vec<T>, on_done: impl FnMut(Done<T>)) {
+        self.run_joined(bucket, items, None, on_done).await;
+    }
+
+    /// [`Adaptive::run`], and with `joining`, for a bucket run step by step
+    /// ([`Adaptive::with_steps_per_call`]), as a running set: at each step boundary the tasks
+    /// whose steps ended leave it (reported at once, so that their images are stored while the
+    /// others go on) and tasks that arrived since join it, up to the bucket's limit.
+    pub async fn run_joined<T: BatchItem>(
+        &self,
+        bucket: &Bucket,
+        items: Vec<T>,
+        mut joining: Option<&mut dyn Joining<T>>,
+        mut on_done: impl FnMut(Done<T>),
+    ) {
         let mut pending: VecDeque<T> = items.into();
         // Chunks to run before taking new ones from `pending`: halves of a chunk whose model error
         // is being isolated, or a single retried alone after an OOM.
@@ -661,17 +845,41 @@ impl Adaptive {
             .filter_map(|item| Some((item.id(), item.resume()?.clone())))
             .collect();
         while let Some(chunk) = retries.pop_front().or_else(|| self.next_chunk(bucket, &mut pending)) {
-            let Some(chunk) = self.clean_if_due(bucket, chunk, &mut on_done).await else {
+            let Some(mut chunk) = self.clean_if_due(bucket, chunk, &mut on_done).await else {
                 continue;
             };
-            let size = chunk.items.len();
+            let mut size = chunk.items.len();
             if self.with_entry(bucket, |e| size > e.fits) {
                 // This size may not fit: whatever it allocates goes back to the system when it
                 // ends, so that a failure leaves no pieces for the smaller call after it.
                 self.engine.release_memory(&bucket.model);
             }
             let asked = Instant::now();
-            let result = self.call(bucket, &chunk.items, chunk.exclusive, &mut had, &mut resumes).await;
+            let result = match joining.as_deref_mut() {
+                Some(joining) if self.joinable(bucket, &chunk) => {
+                    let mut set = Running {
+                        items: &mut chunk.items,
+                        pending: &mut pending,
+                        joining,
+                        resumes: &mut resumes,
+                        most: size,
+                    };
+                    let result = self.run_running(bucket, &mut set, &mut had, &mut on_done).await;
+                    // What it learns of: the most tasks that ran together; after a failure, the
+                    // tasks that were running.
+                    size = if result.is_ok() { set.most } else { chunk.items.len() };
+                    result
+                }
+                joining => {
+                    let lane = lane_of(&chunk.items);
+                    if let Some(joining) = joining.filter(|_| self.takes_joins(lane, bucket)) {
+                        // None joins this one (it runs alone, or on a clean arena, or in parts):
+                        // what the batcher keeps for the batch goes out on its own.
+                        joining.more(0).await;
+                    }
+                    self.call(bucket, &chunk.items, chunk.exclusive, &mut had, &mut resumes).await
+                }
+            };
             // From its turn at the device (the wait for it left out) to its end.
             let elapsed = match &result {
                 Ok((_, granted)) => granted.elapsed(),
@@ -956,6 +1164,10 @@ impl crate::batching::batcher::BatchLimits for Adaptive {
     fn limit(&self, bucket: &Bucket) -> usize {
         Adaptive::limit(self, bucket)
     }
+
+    fn takes_joins(&self, lane: Priority, bucket: &Bucket) -> bool {
+        self.takes_joins(lane, bucket)
+    }
 }
 
 #[cfg(test)]
@@ -1176,6 +1388,146 @@ mod tests {
             let want = if draining { vec![1, 2, 3, 4, 5, 6] } else { vec![3, 6] };
             assert_eq!(steps, want, "draining: {draining}");
         }
+    }
+
+    /// Hands out `late` tasks from the first step boundary on, one a boundary, as the room
+    /// allows; notes the room asked each time.
+    struct Arrivals {
+        late: VecDeque<Item>,
+        rooms: Vec<usize>,
+    }
+
+    impl Joining<Item> for Arrivals {
+        fn more(&mut self, room: usize) -> BoxFuture<'_, Vec<Item>> {
+            self.rooms.push(room);
+            // Nothing at the first ask (before the first call): they arrive while it runs.
+            let n = if self.rooms.len() < 2 {
+                0
+            } else {
+                room.min(self.late.len()).min(1)
+            };
+            let joined = self.late.drain(..n).collect();
+            Box::pin(async move { joined })
+        }
+    }
+
+    /// Runs `items` as a running set that `late` tasks join: each task as it is reported, with
+    /// its first output row and the batch size it left.
+    async fn run_joined(a: &Adaptive, b: &Bucket, items: Vec<Item>, arrivals: &mut Arrivals) -> Vec<(String, f32, usize)> {
+        let mut done = Vec::new();
+        a.run_joined(b, items, Some(arrivals), |d| match d {
+            Done::Ran {
+                items,
+                outputs,
+                batch_size,
+                ..
+            } => {
+                let y = outputs[0].f32_rows(0, items.len()).unwrap().to_vec();
+                done.extend(items.into_iter().zip(y).map(|(i, y)| (i.1, y, batch_size)));
+            }
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        done
+    }
+
+    /// A task that arrives while a step-by-step batch runs joins its next call at its own first
+    /// step, and each task leaves (is reported) when its own steps end, counting exactly its
+    /// steps: task 1 runs steps 0..4 in calls 1–4, task 2 joins at call 2 and runs 0..4 in
+    /// calls 2–5; five calls where one after the other took eight.
+    #[tokio::test]
+    async fn a_task_joins_a_running_batch_at_the_next_step_and_leaves_when_its_steps_end() {
+        let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
+        let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(1);
+        let b = stepped_bucket(4, None);
+        let mut arrivals = Arrivals {
+            late: items([2], 1).into(),
+            rooms: Vec::new(),
+        };
+        let done = run_joined(&a, &b, items([1], 1), &mut arrivals).await;
+        assert_eq!(done, vec![("1".into(), 4.0, 2), ("2".into(), 4.0, 2)]);
+        assert_eq!(*device.steps.lock().unwrap(), vec![0..1, 1..2, 2..3, 3..4, 3..4]);
+        assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 5);
+        // Without steps per call, nothing joins: the batch runs in one call.
+        let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
+        let mut arrivals = Arrivals {
+            late: items([2], 1).into(),
+            rooms: Vec::new(),
+        };
+        let done = run_joined(&a, &b, items([1], 1), &mut arrivals).await;
+        assert_eq!(
+            done.iter().map(|(id, _, size)| (id.as_str(), *size)).collect::<Vec<_>>(),
+            vec![("1", 1)]
+        );
+        assert!(arrivals.rooms.is_empty() && arrivals.late.len() == 1);
+        assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    /// Tasks join only as far as the bucket's limit: with a limit of two, task 2 joins task 1,
+    /// the pair asks for no one, and task 3 joins when task 1 leaves.
+    #[tokio::test]
+    async fn joins_stay_within_the_buckets_limit() {
+        let (a, device, _) = adaptive(64, 1, 2, 16, true).await;
+        let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(1);
+        let mut arrivals = Arrivals {
+            late: items([2, 3], 1).into(),
+            rooms: Vec::new(),
+        };
+        let done = run_joined(&a, &stepped_bucket(3, None), items([1], 1), &mut arrivals).await;
+        assert_eq!(done, vec![("1".into(), 3.0, 2), ("2".into(), 3.0, 2), ("3".into(), 3.0, 2)]);
+        assert_eq!(arrivals.rooms, vec![1, 1, 0, 1, 1, 1], "no room while the pair runs");
+        assert_eq!(device.peak.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    /// An out-of-memory error in a running set that tasks joined halves it, and every task,
+    /// the ones that joined too, carries on from the step it reached.
+    #[tokio::test]
+    async fn an_out_of_memory_error_in_a_running_set_keeps_every_tasks_steps() {
+        let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
+        device.oom_from_step.store(2, std::sync::atomic::Ordering::SeqCst);
+        let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(1);
+        let mut arrivals = Arrivals {
+            late: items([2], 1).into(),
+            rooms: Vec::new(),
+        };
+        let done = run_joined(&a, &stepped_bucket(4, None), items([1], 1), &mut arrivals).await;
+        let mut ids: Vec<&str> = done.iter().map(|(id, _, _)| id.as_str()).collect();
+        ids.sort();
+        assert_eq!(ids, vec!["1", "2"]);
+        assert!(done.iter().all(|(_, y, _)| *y == 4.0), "each counts its four steps once: {done:?}");
+    }
+
+    /// An interactive batch runs all its steps in one call, whatever the steps per call: it has
+    /// no one to make room for at the gate.
+    #[tokio::test]
+    async fn an_interactive_batch_runs_its_steps_in_one_call() {
+        struct Interactive(Item);
+        impl BatchItem for Interactive {
+            fn prepared(&self) -> &Prepared {
+                self.0.prepared()
+            }
+            fn id(&self) -> String {
+                self.0.id()
+            }
+            fn dimensions(&self) -> String {
+                self.0.dimensions()
+            }
+            fn lane(&self) -> Priority {
+                Priority::Interactive
+            }
+        }
+        let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
+        let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(1);
+        let items: Vec<Interactive> = items([1, 2], 1).into_iter().map(Interactive).collect();
+        let mut outputs = Vec::new();
+        a.run(&stepped_bucket(5, None), items, |done| match done {
+            Done::Ran { outputs: o, .. } => outputs.push(o),
+            Done::Failed { error, .. } => panic!("{error}"),
+        })
+        .await;
+        assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(device.steps.lock().unwrap().is_empty(), "one call of every step");
+        assert_eq!(outputs.len(), 1);
     }
 
     /// Buckets are as many as the requests clients can make; the learned ceilings are not.

@@ -26,9 +26,15 @@ use super::fair::{Fair, TenantWeights};
 use crate::engine::turns::{self, Waiter};
 use crate::models::Bucket;
 
-/// How many tasks of a bucket may go in one batch (the adaptive layer's learned ceiling).
+/// How many tasks of a bucket may go in one batch (the adaptive layer's learned ceiling), and
+/// whether its batches take tasks that arrive while they run.
 pub trait BatchLimits: Send + Sync {
     fn limit(&self, bucket: &Bucket) -> usize;
+    /// Whether a batch of `bucket` in `lane` takes the tasks that arrive while it runs, at its
+    /// step boundaries ([`Joins`]): from its handout, such tasks are kept for it.
+    fn takes_joins(&self, _lane: Priority, _bucket: &Bucket) -> bool {
+        false
+    }
 }
 
 /// How many batches may be out at once.
@@ -56,6 +62,43 @@ pub struct Batch<T> {
     pub items: Vec<T>,
     /// Held while the batch runs: dropping it tells the batcher the batch is done.
     pub out: Out,
+    /// The way to the tasks of its lane and bucket that arrive while it runs.
+    pub joins: Joins<T>,
+}
+
+/// A running batch's way back to its queue: at a step boundary (a call of a step-by-step
+/// bucket), it takes the tasks of its lane and bucket that arrived since, as many as it has
+/// room for, and they join its next call. While it says it has room, the batcher keeps those
+/// tasks for it rather than sending them out as a batch of their own.
+#[derive(Debug)]
+pub struct Joins<T> {
+    key: Key,
+    tx: mpsc::Sender<Join<T>>,
+}
+
+/// A running batch asks for up to `room` tasks of `key`; it keeps room for as many again after.
+struct Join<T> {
+    key: Key,
+    room: usize,
+    reply: oneshot::Sender<Vec<T>>,
+}
+
+impl<T> Joins<T> {
+    /// The tasks of the batch's lane and bucket waiting now, at most `room` (nothing waits for
+    /// more to come). `room` 0 says the batch takes no more: what arrives goes out as another
+    /// batch.
+    pub async fn take(&self, room: usize) -> Vec<T> {
+        let (reply, rx) = oneshot::channel();
+        let asked = Join {
+            key: self.key.clone(),
+            room,
+            reply,
+        };
+        if self.tx.send(asked).await.is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
 }
 
 /// What the batcher queues by: a lane and a bucket.
@@ -137,6 +180,11 @@ pub struct Batcher<T> {
     fair: Fair,
     ended_tx: mpsc::UnboundedSender<Key>,
     ended: mpsc::UnboundedReceiver<Key>,
+    joins_tx: mpsc::Sender<Join<T>>,
+    joins: mpsc::Receiver<Join<T>>,
+    /// Per lane and bucket, the room its running batches said they have for tasks that arrive
+    /// (none: no batch of it takes tasks while it runs).
+    room: HashMap<Key, usize>,
 }
 
 impl<T: Work + Send + 'static> Batcher<T> {
@@ -148,6 +196,7 @@ impl<T: Work + Send + 'static> Batcher<T> {
     ) -> (Batcher<T>, BatchRequests<T>) {
         let (tx, requests) = mpsc::channel(16);
         let (ended_tx, ended) = mpsc::unbounded_channel();
+        let (joins_tx, joins) = mpsc::channel(16);
         let batcher = Batcher {
             input,
             requests,
@@ -166,6 +215,9 @@ impl<T: Work + Send + 'static> Batcher<T> {
             fair: Fair::default(),
             ended_tx,
             ended,
+            joins_tx,
+            joins,
+            room: HashMap::new(),
         };
         (batcher, BatchRequests { tx })
     }
@@ -188,6 +240,9 @@ impl<T: Work + Send + 'static> Batcher<T> {
             .filter(|(key, _)| self.may_take(key))
             .filter_map(|(key, queue)| {
                 let oldest = queue.items.front()?;
+                if self.held(key, queue) {
+                    return None;
+                }
                 let full = queue.items.len() >= self.limits.limit(&key.1);
                 (full || now >= oldest.since + self.max_wait || self.closed).then(|| {
                     let turn = Waiter {
@@ -205,13 +260,14 @@ impl<T: Work + Send + 'static> Batcher<T> {
     fn next_deadline(&self) -> Option<Instant> {
         self.queues
             .iter()
-            .filter(|(key, _)| self.may_take(key))
+            .filter(|(key, q)| self.may_take(key) && !self.held(key, q))
             .filter_map(|(_, q)| q.items.front())
             .map(|q| q.since + self.max_wait)
             .min()
     }
 
     fn ended(&mut self, key: Key) {
+        self.room.remove(&key);
         self.out_total = self.out_total.saturating_sub(1);
         if let Some(n) = self.out.get_mut(&key) {
             *n -= 1;
@@ -219,6 +275,41 @@ impl<T: Work + Send + 'static> Batcher<T> {
                 self.out.remove(&key);
             }
         }
+    }
+
+    /// A running batch of `key` takes up to `room` of its queued tasks, in their fair order, and
+    /// says how much room it has left for the next ones.
+    fn join(&mut self, Join { key, room, reply }: Join<T>) {
+        let (mut items, mut since) = (Vec::new(), Vec::new());
+        if let Some(queue) = self.queues.get_mut(&key) {
+            let n = room.min(queue.items.len());
+            (items, since) = queue.items.drain(..n).map(|q| (q.item, (q.since, q.order))).unzip();
+            if let Some((_, (tag, _))) = since.last() {
+                self.fair.served(*tag);
+            }
+            if queue.items.is_empty() {
+                self.queues.remove(&key);
+            }
+        }
+        let left = room - items.len();
+        if left > 0 && self.out.contains_key(&key) {
+            self.room.insert(key.clone(), left);
+        } else {
+            self.room.remove(&key);
+        }
+        if let Err(items) = reply.send(items) {
+            // The batch went away: its tasks go back to the front.
+            let queue = self.queues.entry(key).or_default();
+            for (item, (since, order)) in items.into_iter().zip(since).rev() {
+                queue.items.push_front(Queued { item, since, order });
+            }
+        }
+    }
+
+    /// Whether a queue's tasks are kept for a running batch of its lane and bucket, which takes
+    /// them at its next step.
+    fn held(&self, key: &Key, queue: &Queue<T>) -> bool {
+        self.room.get(key).is_some_and(|&room| queue.items.len() <= room)
     }
 
     /// Queues `item` in its lane and bucket, in its tenant's fair place.
@@ -263,16 +354,25 @@ impl<T: Work + Send + 'static> Batcher<T> {
                 self.queues.remove(&key);
             }
             let reply = self.waiting.pop_front().expect("a waiting request");
+            if n < limit && self.limits.takes_joins(key.0, &key.1) {
+                // What arrives before its first step boundary is kept for it too.
+                self.room.insert(key.clone(), limit - n);
+            }
             *self.out.entry(key.clone()).or_default() += 1;
             self.out_total += 1;
             let out = Out {
                 key: Some(key.clone()),
                 ended: self.ended_tx.clone(),
             };
+            let joins = Joins {
+                key: key.clone(),
+                tx: self.joins_tx.clone(),
+            };
             if let Err(batch) = reply.send(Batch {
                 bucket: key.1.clone(),
                 items,
                 out,
+                joins,
             }) {
                 // The requester went away; keep its tasks at the front.
                 let queue = self.queues.entry(key).or_default();
@@ -304,6 +404,7 @@ impl<T: Work + Send + 'static> Batcher<T> {
                     None => return,
                 },
                 Some(key) = self.ended.recv() => self.ended(key),
+                Some(join) = self.joins.recv() => self.join(join),
                 _ = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {}
             }
         }
@@ -506,6 +607,40 @@ mod tests {
             served_before += 1;
         }
         assert_eq!(served_before, turns::MAX_OVERTAKEN as usize);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tasks_a_running_batch_has_room_for_wait_for_its_next_step_not_for_a_batch() {
+        let (tx, rx) = mpsc::channel(64);
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(4)), Duration::from_millis(5), Admission::for_slots(1));
+        tokio::spawn(batcher.run());
+        tx.send((bucket(1), 1)).await.unwrap();
+        let running = requests.next().await.unwrap();
+        assert_eq!(running.items, vec![1]);
+        // At its first step boundary nothing waits; it has room for two.
+        assert!(running.joins.take(2).await.is_empty());
+        tx.send((bucket(1), 2)).await.unwrap();
+        tx.send((bucket(1), 3)).await.unwrap();
+        tx.send((bucket(2), 100)).await.unwrap();
+        let other = next_within(&requests, Duration::from_secs(1))
+            .await
+            .expect("another bucket goes out");
+        assert_eq!(other.items, vec![100]);
+        assert!(
+            next_within(&requests, Duration::from_secs(1)).await.is_none(),
+            "kept for the running batch"
+        );
+        assert_eq!(running.joins.take(2).await, vec![2, 3]);
+        // No room left: what arrives goes out as a batch of its own.
+        tx.send((bucket(1), 4)).await.unwrap();
+        let second = next_within(&requests, Duration::from_secs(1)).await.expect("a batch of its own");
+        assert_eq!(second.items, vec![4]);
+        // Room again; then the batches end before taking what came: it goes out.
+        assert!(second.joins.take(3).await.is_empty());
+        tx.send((bucket(1), 5)).await.unwrap();
+        assert!(next_within(&requests, Duration::from_secs(1)).await.is_none(), "kept");
+        drop((running, second, other));
+        assert_eq!(next_within(&requests, Duration::from_secs(1)).await.unwrap().items, vec![5]);
     }
 
     #[tokio::test(start_paused = true)]

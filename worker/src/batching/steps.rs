@@ -27,6 +27,14 @@ pub(crate) trait Checkpoints: Send + Sync {
     fn save(&self, task: &str, bucket: &Bucket, resume: Resume);
 }
 
+/// `rows` rows of zeros shaped as `like`'s.
+fn zero_rows(like: &Tensor, rows: usize) -> Tensor {
+    let mut shape = like.shape.clone();
+    shape[0] = rows;
+    let n = shape.iter().product();
+    Tensor::f32(like.name.clone(), shape, vec![0.0; n])
+}
+
 /// A batch's rows as its calls advance them.
 pub(super) struct Progress<'a> {
     stepped: &'a Stepped,
@@ -49,19 +57,14 @@ impl<'a> Progress<'a> {
             .collect();
         let mut carried = Vec::new();
         if let Some(some) = points.iter().flatten().next() {
-            for shape in &some.carried {
-                let per_row: usize = shape.shape[1..].iter().product();
+            for like in &some.carried {
                 let parts: Vec<Tensor> = call
                     .tasks
                     .iter()
                     .zip(&points)
                     .map(|(t, r)| {
-                        r.and_then(|r| r.carried.iter().find(|c| c.name == shape.name).cloned())
-                            .unwrap_or_else(|| {
-                                let mut dims = shape.shape.clone();
-                                dims[0] = t.rows;
-                                Tensor::f32(shape.name.clone(), dims, vec![0.0; t.rows * per_row])
-                            })
+                        r.and_then(|r| r.carried.iter().find(|c| c.name == like.name).cloned())
+                            .unwrap_or_else(|| zero_rows(like, t.rows))
                     })
                     .collect();
                 carried.push(Tensor::concat(&parts.iter().collect::<Vec<_>>()));
@@ -124,6 +127,75 @@ impl<'a> Progress<'a> {
                 })
             })
             .collect();
+    }
+
+    /// Per task of `call`, whether its rows ran their last step, or it was cancelled (the call's
+    /// `cancelled` output, 1 for each row of a task cancelled mid-loop): it leaves the running
+    /// set.
+    pub(super) fn finished(&self, call: &Call, outputs: &[Tensor]) -> Vec<bool> {
+        let cancelled = outputs.iter().find(|t| t.name == "cancelled").and_then(|t| t.floats().ok());
+        let mut row = 0;
+        call.tasks
+            .iter()
+            .map(|task| {
+                let rows = row..row + task.rows;
+                row = rows.end;
+                let ended = rows.clone().all(|r| self.at[r] >= self.stepped.steps.end);
+                let stopped = cancelled.is_some_and(|c| c.get(rows.start).is_some_and(|&v| v > 0.5));
+                ended || stopped
+            })
+            .collect()
+    }
+
+    /// Keeps the rows of the tasks of `call` that `keep` says, in order; the others left.
+    pub(super) fn retain(&mut self, call: &Call, keep: &[bool]) {
+        let mut spans = Vec::new();
+        let mut row = 0;
+        for (task, &kept) in call.tasks.iter().zip(keep) {
+            if kept {
+                spans.push(row..row + task.rows);
+            }
+            row += task.rows;
+        }
+        let pick = |v: &[usize]| spans.iter().flat_map(|s| v[s.clone()].iter().copied()).collect::<Vec<_>>();
+        self.at = pick(&self.at);
+        self.before = pick(&self.before);
+        self.carried = self
+            .carried
+            .iter()
+            .map(|t| {
+                Tensor::concat(
+                    &spans
+                        .iter()
+                        .map(|s| t.slice_rows(s.start, s.end))
+                        .collect::<Vec<_>>()
+                        .iter()
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+    }
+
+    /// A task of `rows` rows joins after the others: at the bucket's first step, or where its
+    /// resume point says.
+    pub(super) fn join(&mut self, rows: usize, resume: Option<&Resume>) {
+        let step = resume.map_or(self.stepped.steps.start, |r| r.step);
+        let had = self.at.len();
+        self.at.extend(std::iter::repeat_n(step, rows));
+        self.before.extend(std::iter::repeat_n(step, rows));
+        let resumed = resume.map(|r| r.carried.as_slice()).unwrap_or_default();
+        if self.carried.is_empty() && !resumed.is_empty() {
+            // Nothing carried yet: the rows before it carry zeros (they are at their first step).
+            self.carried = resumed.iter().map(|t| zero_rows(t, had)).collect();
+        }
+        for carried in &mut self.carried {
+            let theirs = resumed
+                .iter()
+                .find(|t| t.name == carried.name)
+                .cloned()
+                .unwrap_or_else(|| zero_rows(carried, rows));
+            *carried = Tensor::concat(&[&*carried, &theirs]);
+        }
     }
 
     /// The resume points of the tasks due a checkpoint: their rows passed a multiple of `every`

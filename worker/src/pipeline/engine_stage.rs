@@ -8,8 +8,8 @@ use chrono::Utc;
 use sluice_schemas::{CompletionStatus, DlqReason};
 use tracing::Instrument;
 
-use crate::batching::adaptive::{BatchItem, Done};
-use crate::batching::batcher::{Batch, BatchRequests};
+use crate::batching::adaptive::{BatchItem, Done, Joining};
+use crate::batching::batcher::{Batch, BatchRequests, Joins};
 use crate::engine::EngineError;
 use crate::models::{Bucket, ModelError};
 use crate::outcome::failure::Failure;
@@ -31,7 +31,12 @@ pub(crate) async fn engine(requests: BatchRequests<Job>, stage: Arc<EngineStage>
 
 async fn run_batch(stage: &EngineStage, batch: Batch<Job>) {
     // `_out` is held to the end: the batcher counts the batch out until then.
-    let Batch { bucket, items, out: _out } = batch;
+    let Batch {
+        bucket,
+        items,
+        out: _out,
+        joins,
+    } = batch;
     let jobs = still_wanted(stage, items);
     if jobs.is_empty() {
         return;
@@ -50,7 +55,40 @@ async fn run_batch(stage: &EngineStage, batch: Batch<Job>) {
     };
     let origins: Vec<&crate::source::record::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
     stage.crash_guard.starting(&origins).await;
-    stage.adaptive.run(&bucket, items, |done| on_done(stage, &bucket, done)).await;
+    let mut joiner = Joiner {
+        stage,
+        bucket: &bucket,
+        joins,
+    };
+    stage
+        .adaptive
+        .run_joined(&bucket, items, Some(&mut joiner), |done| on_done(stage, &bucket, done))
+        .await;
+}
+
+/// The tasks that join a running batch at a step boundary, as the batch's own were made
+/// ready: still wanted, prepared, and marked started with the crash guard before they run.
+struct Joiner<'a> {
+    stage: &'a EngineStage,
+    bucket: &'a Bucket,
+    joins: Joins<Job>,
+}
+
+impl Joining<Item> for Joiner<'_> {
+    fn more(&mut self, room: usize) -> futures::future::BoxFuture<'_, Vec<Item>> {
+        Box::pin(async move {
+            let jobs = still_wanted(self.stage, self.joins.take(room).await);
+            if jobs.is_empty() {
+                return Vec::new();
+            }
+            let Some(items) = prepare(self.stage, self.bucket, jobs).await else {
+                return Vec::new();
+            };
+            let origins: Vec<&crate::source::record::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
+            self.stage.crash_guard.starting(&origins).await;
+            items
+        })
+    }
 }
 
 /// The jobs of a batch that are still to run: not from a partition this worker lost, not

@@ -37,7 +37,7 @@ pub(crate) struct Device {
     /// Calls that ran, and the largest number of rows that ran at once.
     pub calls: AtomicUsize,
     pub peak: AtomicUsize,
-    /// The step range of each call that ran step by step (`step_begin`..`step_end`).
+    /// The step range of each call that ran step by step (its first row's `step_begin`..`step_end`).
     pub steps: Mutex<Vec<Range<i64>>>,
     /// A step-by-step call of more than one row from this step on runs out of memory (never
     /// while 0).
@@ -167,11 +167,14 @@ impl Backend for FakeBackend {
         d.in_use.fetch_sub(rows, Ordering::SeqCst);
         d.calls.fetch_add(1, Ordering::SeqCst);
         if let Some(steps) = step_range(call) {
-            // Step by step: `y` counts the steps each row has run, carried on from `y_before`.
+            // Step by step: `y` counts the steps each row has run (rows may be at different
+            // steps), carried on from `y_before`.
             let before = call.inputs.iter().find(|t| t.name == "y_before");
             let before = before.and_then(|t| t.f32_rows(0, rows)).map_or(vec![0.0; rows], <[f32]>::to_vec);
-            d.steps.lock().expect("steps").push(steps.clone());
-            let y = before.iter().map(|v| v + (steps.end - steps.start) as f32).collect();
+            d.steps.lock().expect("steps").push(steps);
+            let row_steps = |name: &str| call.inputs.iter().find(|t| t.name == name).and_then(|t| t.i64_rows(0, rows));
+            let (begin, end) = (row_steps("step_begin").expect("steps"), row_steps("step_end").expect("steps"));
+            let y = (0..rows).map(|r| before[r] + (end[r] - begin[r]) as f32).collect();
             return Ok(vec![Tensor::f32("y", vec![rows, 1], y)]);
         }
         Ok(vec![Tensor::f32("y", vec![rows, 1], values.iter().map(|v| v * 2.0).collect())])
@@ -186,7 +189,7 @@ impl Backend for FakeBackend {
     }
 }
 
-/// A call's step range, the same for every row here, when it runs step by step.
+/// A call's step range (its first row's), when it runs step by step.
 fn step_range(call: &Call) -> Option<Range<i64>> {
     let first = |name: &str| call.inputs.iter().find(|t| t.name == name)?.i64_rows(0, 1)?.first().copied();
     Some(first("step_begin")?..first("step_end")?)
