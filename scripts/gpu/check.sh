@@ -10,7 +10,11 @@
 #      loaded sits on the device asked for): memory under a capped CUDA arena (OOMs halve
 #      batches, ceilings kept across a restart), 20 reloads of each family with free device
 #      memory back to baseline (NVML), a leaking reload stopping the worker, cancellation;
-#   3. adaptive: `sluice-bench adaptive-sd` on the CUDA arena.
+#   3. adaptive: `sluice-bench adaptive-sd` on the CUDA arena;
+#   4. sched: `sluice-bench sched`, step-level against request-level scheduling under the mixed
+#      load (on the CPU a step of the tiny models is milliseconds and the worker's own CPU work
+#      competes with the model's; on a GPU a step is the device's, which is what the goals are
+#      about). Not a default step: SLUICE_GPU_CHECK_STEPS="... sched" (about 5 minutes).
 # SLUICE_GPU_CHECK_DEVICE=cpu rehearses the same steps on the CPU (the check's own wiring: the
 # settings reaching the workers, the harness's device check, the scripts). SLUICE_GPU_CHECK_STEPS
 # picks steps ("numerics tests adaptive"); SLUICE_GPU_CHECK_TESTS the suites, as `test:filter`
@@ -61,4 +65,9 @@ fi
 if [[ " $steps " == *" adaptive "* ]]; then
   echo "== sluice-bench adaptive-sd ($device)"
   "$BIN/sluice-bench" adaptive-sd
+fi
+
+if [[ " $steps " == *" sched "* ]]; then
+  echo "== sluice-bench sched ($device)"
+  SLUICE_BENCH_SCHED_ROUNDS="${SLUICE_BENCH_SCHED_ROUNDS:-1}" "$BIN/sluice-bench" sched | tee "$out/sched.md"
 fi

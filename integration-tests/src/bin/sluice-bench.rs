@@ -4,6 +4,9 @@
 //! adaptive: under a CPU arena cap, adaptive batching against every fixed batch size and batch 1
 //! (in process, on the worker's engine), with how long a cold start takes to settle.
 //!
+//! sched: step-level scheduling against request-level under a mixed open-loop load of the tiny
+//! diffusion models (`sluice-bench/sched.rs`).
+//!
 //! pipeline: for the same model and batch size, raw in-process ONNX Runtime images/s against
 //! end-to-end images/s through one worker, Kafka and S3 (tasks pre-loaded on the topic; rate
 //! measured at steady state, from the worker's completion timestamps), for the pretrained
@@ -27,6 +30,9 @@ use sluice_integration_tests::{TopicReader, publish_tasks, sd_task, terrain_task
 use sluice_schemas::{CompletionEvent, CompletionStatus, TaskRecord};
 use sluice_worker::engine::{Backend, Call, CallTask, Engine, EngineError, Loader, OrtBackend, Runtime, RuntimeOptions, SessionOptions};
 use sluice_worker::models::{ModelAdapter, concat_inputs, terrain::Terrain};
+
+#[path = "sluice-bench/sched.rs"]
+mod sched;
 
 struct Row {
     scenario: String,
@@ -80,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
             "pipeline",
             "delivery",
             "turns",
+            "sched",
             "group",
             "adaptive",
             "adaptive-sd",
@@ -113,12 +120,15 @@ async fn main() -> anyhow::Result<()> {
     if which == "turns" {
         return turns::run(&stack).await;
     }
+    if which == "sched" {
+        return sched::run(&stack).await;
+    }
     if which == "reloads" {
         return reloads(&stack).await;
     }
     anyhow::ensure!(
         which == "pipeline",
-        "unknown benchmark {which:?}: all, pipeline, delivery, turns, group, adaptive, adaptive-sd, adaptive-sdxl, reloads or status-view"
+        "unknown benchmark {which:?}: all, pipeline, delivery, turns, sched, group, adaptive, adaptive-sd, adaptive-sdxl, reloads or status-view"
     );
     // `sluice-bench pipeline [terrain|tiny|sd|sdxl|flux|sd3]`: one model only.
     let only = std::env::args().nth(2);
