@@ -959,12 +959,28 @@ async fn a_task_killed_mid_denoise_carries_on_from_its_checkpoint_to_the_same_im
         "carried on from {resumed:?}; stored {stored:?}"
     );
     assert!(same_images(image, &twin_image), "the image is the uninterrupted one's");
+    // Seen from outside: the second worker's `started` record says the step it carried on from.
+    let started = started_steps(stack, &id);
+    assert_eq!(started.last().copied(), resumed.map(|s| s as u32), "started records: {started:?}");
     sluice_integration_tests::wait_for("the task's checkpoints deleted", Duration::from_secs(30), async || {
         checkpoint_steps(&sink, &id).await.is_empty().then_some(())
     })
     .await
     .unwrap();
     w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// The steps of task `id`'s `started` progress records, as published.
+fn started_steps(stack: &Stack, id: &str) -> Vec<u32> {
+    let records =
+        sluice_integration_tests::TopicReader::snapshot(stack.brokers(), sluice_schemas::topics::PROGRESS, Duration::from_secs(3)).unwrap();
+    records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(id.as_bytes()))
+        .filter_map(|r| serde_json::from_slice::<sluice_schemas::ProgressRecord>(&r.value).ok())
+        .filter(|p| p.event == sluice_schemas::ProgressEvent::Started)
+        .map(|p| p.step)
+        .collect()
 }
 
 /// A drain that gives a running task up keeps its state first: a 100-step 256² task of 4

@@ -283,7 +283,11 @@ mod tests {
             model: "sd".into(),
             created_at: at,
             updated_at: at,
-            progress: Some(Progress { step: 3, steps: 4 }),
+            progress: Some(Progress {
+                step: 3,
+                steps: 4,
+                resumed_from: None,
+            }),
             outputs: vec![OutputRef {
                 index: 0,
                 url: "https://s3.example/b/k?X-Amz-Signature=1".into(),

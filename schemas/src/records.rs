@@ -405,7 +405,8 @@ pub struct ResultManifest {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ProgressEvent {
-    /// A worker started running the task.
+    /// A worker started running the task: from step 0, or from the step its step checkpoint
+    /// reached (`step`).
     Started,
     /// The task finished step `step` of `steps`.
     Step,

@@ -2,7 +2,7 @@
 //! independently, so changes of one task arrive in any order; these rules make every order end in
 //! the same state.
 
-use sluice_schemas::CompletionStatus;
+use sluice_schemas::{CompletionStatus, ProgressEvent};
 use uuid::Uuid;
 
 use super::{Change, Progress, Status, Stored, TaskStatus};
@@ -94,11 +94,18 @@ impl Stored {
             Change::Progress(p) => {
                 if !s.status.is_terminal() {
                     s.status = Status::Running;
+                    // A `started` record past step 0: the task carried on from a checkpoint.
+                    let resumed = (p.event == ProgressEvent::Started && p.step > 0).then_some(p.step);
+                    let before = s.progress.and_then(|old| old.resumed_from);
                     if s.progress.is_none_or(|old| p.step >= old.step) {
                         s.progress = Some(Progress {
                             step: p.step,
                             steps: p.steps,
+                            resumed_from: None,
                         });
+                    }
+                    if let Some(progress) = &mut s.progress {
+                        progress.resumed_from = before.max(resumed);
                     }
                     s.updated_at = s.updated_at.max(p.at);
                 }

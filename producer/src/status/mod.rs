@@ -96,6 +96,9 @@ impl Status {
 pub struct Progress {
     pub step: u32,
     pub steps: u32,
+    /// The step this attempt carried on from (its step checkpoint's), when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<u32>,
 }
 
 /// The body of `GET /v1/tasks/{id}`.

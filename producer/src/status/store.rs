@@ -639,6 +639,34 @@ mod tests {
         let _ = std::fs::remove_file(path);
     }
 
+    /// A `started` record past step 0 (a task that carried on from its step checkpoint) shows
+    /// in the status as `resumed_from`, kept through later steps and records read out of order.
+    #[test]
+    fn a_task_that_carried_on_from_a_checkpoint_says_from_which_step() {
+        let (s, path) = store();
+        let a = Uuid::now_v7();
+        let started = |step| ProgressRecord {
+            event: ProgressEvent::Started,
+            ..progress(a, step)
+        };
+        s.apply(&[Change::Queued(record(a, "t", Utc::now())), Change::Progress(started(0))])
+            .unwrap();
+        let resumed_from = |s: &StatusStore| s.get("t", a).unwrap().unwrap().progress.unwrap().resumed_from;
+        assert_eq!(resumed_from(&s), None, "from the start");
+        s.apply(&[
+            Change::Progress(progress(a, 1)),
+            Change::Progress(started(2)),
+            Change::Progress(progress(a, 3)),
+        ])
+        .unwrap();
+        assert_eq!(resumed_from(&s), Some(2));
+        // A late record of the first run changes neither the step nor where it carried on from.
+        s.apply(&[Change::Progress(progress(a, 1))]).unwrap();
+        let progress = s.get("t", a).unwrap().unwrap().progress.unwrap();
+        assert_eq!((progress.step, progress.resumed_from), (3, Some(2)));
+        let _ = std::fs::remove_file(path);
+    }
+
     #[test]
     fn changes_in_any_order_end_in_the_same_state_and_a_result_is_never_undone() {
         let (s, path) = store();
@@ -648,7 +676,14 @@ mod tests {
         s.apply(&[Change::Queued(record(a, "t", at)), Change::Progress(progress(a, 2))])
             .unwrap();
         assert_eq!(s.get("t", a).unwrap().unwrap().status, Status::Running);
-        assert_eq!(s.get("t", a).unwrap().unwrap().progress, Some(Progress { step: 2, steps: 4 }));
+        assert_eq!(
+            s.get("t", a).unwrap().unwrap().progress,
+            Some(Progress {
+                step: 2,
+                steps: 4,
+                resumed_from: None
+            })
+        );
         s.apply(&[Change::Completed(completion(a, "t", CompletionStatus::Succeeded, 1))])
             .unwrap();
         s.apply(&[

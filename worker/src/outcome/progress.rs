@@ -46,8 +46,9 @@ impl ProgressSink {
         )
     }
 
-    /// A task's hooks; publishes its `started` record. Its records carry the task's trace.
-    pub(crate) fn start(&self, task_id: Uuid, model: &str, steps: u32, trace: Option<TraceHeaders>) -> TaskProgress {
+    /// A task's hooks; publishes its `started` record, at step `from` of `steps` (0, or the step
+    /// a task carries on from, its step checkpoint's). Its records carry the task's trace.
+    pub(crate) fn start(&self, task_id: Uuid, model: &str, (from, steps): (u32, u32), trace: Option<TraceHeaders>) -> TaskProgress {
         let p = TaskProgress {
             sink: self.clone(),
             task_id,
@@ -58,7 +59,7 @@ impl ProgressSink {
             last: Mutex::new(Some(Instant::now())),
             cancelled: AtomicBool::new(false),
         };
-        p.send(ProgressEvent::Started, 0, steps);
+        p.send(ProgressEvent::Started, from, steps);
         p
     }
 }
@@ -139,7 +140,7 @@ mod tests {
     fn steps_are_throttled_but_the_last_one_always_goes_out() {
         let cancellations = Cancellations::default();
         let (sink, mut rx) = ProgressSink::new("w".into(), cancellations.clone());
-        let p = sink.start(Uuid::nil(), "sd", 30, None);
+        let p = sink.start(Uuid::nil(), "sd", (0, 30), None);
         for step in 1..=10 {
             p.progress(step, 30);
         }
@@ -158,7 +159,7 @@ mod tests {
         p.cancel();
         assert!(p.cancelled());
         // A cancel from the control topic reaches the task's hooks too.
-        let other = sink.start(Uuid::now_v7(), "sd", 4, None);
+        let other = sink.start(Uuid::now_v7(), "sd", (0, 4), None);
         assert!(!other.cancelled());
         cancellations.insert(other.task_id, "acme", chrono::Utc::now());
         assert!(other.cancelled());

@@ -181,11 +181,15 @@ async fn prepare(stage: &EngineStage, bucket: &Bucket, jobs: Vec<Job>) -> Option
     for ((result, job), steps) in prepared.into_iter().zip(steps) {
         match result {
             Ok(prepared) => {
+                // A task carrying on from its step checkpoint starts at the step it reached, of
+                // the steps its bucket runs (as its step records count them).
+                let first = bucket.key.steps().map_or(0, |s| s.steps.start);
+                let from = job.resume.as_ref().map_or(0, |r| r.step.saturating_sub(first) as u32);
                 let progress = steps.zip(stage.progress.as_ref()).map(|(steps, sink)| {
                     Arc::new(sink.start(
                         job.task.task_id,
                         &bucket.model,
-                        steps,
+                        (from, steps),
                         crate::outcome::publish::TraceHeaders::of(&job.record),
                     ))
                 });

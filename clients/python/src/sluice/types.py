@@ -69,11 +69,16 @@ class Timings(TypedDict):
     total_ms: int
 
 
-class Progress(TypedDict):
-    """Steps of a multi-step model (`task-status.schema.json#/properties/progress`)."""
-
+class _ProgressRequired(TypedDict):
     step: int
     steps: int
+
+
+class Progress(_ProgressRequired, total=False):
+    """Steps of a multi-step model (`task-status.schema.json#/properties/progress`);
+    `resumed_from`: the step a task carried on from, its step checkpoint's."""
+
+    resumed_from: int
 
 
 class TaskStatus(TypedDict):
