@@ -99,6 +99,8 @@ def render(values):
 
 def containers(doc):
     spec = doc.get("spec", {})
+    if doc["kind"] == "CronJob":
+        spec = spec.get("jobTemplate", {}).get("spec", {})
     pod = spec.get("template", {}).get("spec") if "template" in spec else spec if doc["kind"] == "Pod" else None
     if not pod:
         return None, []

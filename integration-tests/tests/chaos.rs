@@ -970,6 +970,44 @@ async fn a_task_killed_mid_denoise_carries_on_from_its_checkpoint_to_the_same_im
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// `sluice-worker sweep-checkpoints` on the stack's S3 server: with the default age a fresh
+/// checkpoint stays; with an age of 0 s it goes, and the image beside it stays.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_checkpoint_sweep_deletes_checkpoints_past_its_age_and_nothing_else() {
+    // Every checkpoint of the store goes with an age of 0: none of another test's.
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let sink = stack.sink().unwrap();
+    let vars: BTreeMap<String, String> = stack.vars().into_iter().collect();
+    let prefix = vars["SLUICE_OUTPUT_URL"].splitn(4, '/').nth(3).unwrap_or_default().to_owned();
+    let id = uuid::Uuid::now_v7().to_string();
+    let image = format!("{prefix}/{id}/0.png");
+    sink.write(
+        &format!("{prefix}/checkpoints/{id}/000003.ckpt"),
+        bytes::Bytes::from_static(b"state"),
+    )
+    .await
+    .unwrap();
+    sink.write(&image, bytes::Bytes::from_static(b"png")).await.unwrap();
+    let sweep = |age: &str| -> Value {
+        let out = std::process::Command::new(bin("sluice-worker"))
+            .arg("sweep-checkpoints")
+            .envs(&vars)
+            .env("SLUICE_CHECKPOINT_SWEEP_AFTER_SECONDS", age)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let kept = sweep("2678400");
+    assert_eq!(kept["deleted"], 0, "{kept}");
+    assert_eq!(checkpoint_steps(&sink, &id).await, vec![3]);
+    let swept = sweep("0");
+    assert!(swept["deleted"].as_u64() >= Some(1), "{swept}");
+    assert!(checkpoint_steps(&sink, &id).await.is_empty());
+    assert_eq!(sink.keys_under(&id).await.unwrap(), vec![image], "the image stays");
+}
+
 /// The steps of task `id`'s `started` progress records, as published.
 fn started_steps(stack: &Stack, id: &str) -> Vec<u32> {
     let records =

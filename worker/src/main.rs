@@ -28,6 +28,16 @@ fn main() {
         }
         return;
     }
+    // `sluice-worker sweep-checkpoints ...`: delete step checkpoints past an age, then exit.
+    if std::env::args().nth(1).as_deref() == Some("sweep-checkpoints") {
+        let args = cli::sweep_checkpoints::SweepArgs::parse_from(std::env::args().skip(1));
+        telemetry::init(args.log_format);
+        if let Err(e) = cli::sweep_checkpoints::run(args) {
+            tracing::error!(error = format!("{e:#}"), "sweep-checkpoints failed");
+            std::process::exit(1);
+        }
+        return;
+    }
     serve();
 }
 

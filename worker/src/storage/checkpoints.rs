@@ -10,7 +10,8 @@
 //! values, little-endian. One that does not read back as written for this task and bucket is
 //! passed over with a WARN, and the task starts from an earlier checkpoint or its first step.
 //! A task's checkpoints are deleted once its results are stored (their manifest supersedes
-//! them); what a crash or a failed task leaves behind is for the bucket's lifecycle rule.
+//! them); what a crash or a failed task leaves behind is swept by age ([`sweep`]:
+//! `sluice-worker sweep-checkpoints`, the chart's CronJob) or by the bucket's lifecycle rule.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -235,6 +236,46 @@ impl CheckpointStore {
     }
 }
 
+/// What a sweep did.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
+pub struct Swept {
+    /// Checkpoints deleted, and their bytes.
+    pub deleted: usize,
+    pub deleted_bytes: u64,
+    /// Checkpoints younger than the bound, kept.
+    pub kept: usize,
+}
+
+/// Deletes the step checkpoints under `images`' prefix last written more than `older_than` ago:
+/// what tasks left behind when they failed or were cancelled mid-run, or when their records went
+/// to another deployment (a task's are deleted with its results when it succeeds). A task that
+/// may still carry on wrote its latest checkpoint within its deadline, so a bound above the
+/// catalog's longest `max_ttl_seconds` never deletes one that could still be read. Nothing
+/// outside `checkpoints/` is touched.
+pub async fn sweep(images: &ImageStore, older_than: std::time::Duration) -> Result<Swept, StorageError> {
+    let (store, prefix) = images.objects();
+    let age = chrono::Duration::from_std(older_than).unwrap_or(chrono::Duration::MAX);
+    let cutoff = chrono::Utc::now()
+        .checked_sub_signed(age)
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+    let listed: Vec<object_store::ObjectMeta> = store.list(Some(&prefix.clone().join("checkpoints"))).try_collect().await?;
+    let mut swept = Swept::default();
+    for meta in listed {
+        if meta.last_modified >= cutoff {
+            swept.kept += 1;
+            continue;
+        }
+        match store.delete(&meta.location).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {
+                swept.deleted += 1;
+                swept.deleted_bytes += meta.size;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(swept)
+}
+
 impl Checkpoints for CheckpointStore {
     fn save(&self, task: &str, bucket: &Bucket, resume: Resume) {
         let Ok(task_id) = task.parse::<Uuid>() else {
@@ -288,6 +329,42 @@ mod tests {
                 Tensor::f32("solver_previous", vec![2, 1, 2, 2], vec![f32::MIN_POSITIVE; 8]),
             ],
         }
+    }
+
+    /// A sweep deletes the checkpoints older than its bound and nothing else: not a younger
+    /// checkpoint, not an image beside them.
+    #[tokio::test]
+    async fn a_sweep_deletes_checkpoints_older_than_its_bound_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("sluice-sweep-{}", Uuid::new_v4()));
+        let images = ImageStore::from_url(&format!("file://{}", dir.display())).unwrap();
+        let store = CheckpointStore::new(images.clone(), Metrics::new());
+        let (old, young) = (Uuid::now_v7(), Uuid::now_v7());
+        for task_id in [old, young] {
+            store.put(&Owner { task_id, ..owner() }, &resume()).await.unwrap();
+        }
+        images.write(&format!("{old}/0.png"), Bytes::from_static(b"png")).await.unwrap();
+        let two_days_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(2 * 86_400);
+        let file = dir.join(format!("checkpoints/{old}/000007.ckpt"));
+        std::fs::File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(two_days_ago)
+            .unwrap();
+        let day = std::time::Duration::from_secs(86_400);
+        let swept = sweep(&images, day).await.unwrap();
+        assert_eq!((swept.deleted, swept.kept), (1, 1));
+        assert!(swept.deleted_bytes > 0);
+        assert!(!file.exists() && dir.join(format!("checkpoints/{young}/000007.ckpt")).exists());
+        assert!(dir.join(format!("{old}/0.png")).exists(), "an image is not a checkpoint");
+        assert_eq!(
+            sweep(&images, day).await.unwrap(),
+            Swept {
+                kept: 1,
+                ..Swept::default()
+            }
+        );
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

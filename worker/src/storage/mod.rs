@@ -4,6 +4,6 @@
 //! learned batch ceilings in a compacted Kafka topic ([`ceilings`]).
 
 pub(crate) mod ceilings;
-pub(crate) mod checkpoints;
+pub mod checkpoints;
 pub mod images;
 pub mod sync_models;
