@@ -140,6 +140,9 @@ impl<T> BatchRequests<T> {
     }
 }
 
+/// Where a queued task stands: when it arrived, and its order ([`Queued::order`]).
+type Place = (Instant, (u64, u64));
+
 struct Queued<T> {
     item: T,
     since: Instant,
@@ -280,17 +283,7 @@ impl<T: Work + Send + 'static> Batcher<T> {
     /// A running batch of `key` takes up to `room` of its queued tasks, in their fair order, and
     /// says how much room it has left for the next ones.
     fn join(&mut self, Join { key, room, reply }: Join<T>) {
-        let (mut items, mut since) = (Vec::new(), Vec::new());
-        if let Some(queue) = self.queues.get_mut(&key) {
-            let n = room.min(queue.items.len());
-            (items, since) = queue.items.drain(..n).map(|q| (q.item, (q.since, q.order))).unzip();
-            if let Some((_, (tag, _))) = since.last() {
-                self.fair.served(*tag);
-            }
-            if queue.items.is_empty() {
-                self.queues.remove(&key);
-            }
-        }
+        let (items, places) = self.take(&key, room);
         let left = room - items.len();
         if left > 0 && self.out.contains_key(&key) {
             self.room.insert(key.clone(), left);
@@ -299,10 +292,33 @@ impl<T: Work + Send + 'static> Batcher<T> {
         }
         if let Err(items) = reply.send(items) {
             // The batch went away: its tasks go back to the front.
-            let queue = self.queues.entry(key).or_default();
-            for (item, (since, order)) in items.into_iter().zip(since).rev() {
-                queue.items.push_front(Queued { item, since, order });
-            }
+            self.give_back(key, items, places);
+        }
+    }
+
+    /// Up to `n` of the oldest tasks (in fair order) of `key`'s queue, with their places; the
+    /// tenants' fair clock moves past them, and an emptied queue goes.
+    fn take(&mut self, key: &Key, n: usize) -> (Vec<T>, Vec<Place>) {
+        let Some(queue) = self.queues.get_mut(key) else {
+            return (Vec::new(), Vec::new());
+        };
+        let n = n.min(queue.items.len());
+        let (items, places): (Vec<T>, Vec<Place>) = queue.items.drain(..n).map(|q| (q.item, (q.since, q.order))).unzip();
+        if let Some((_, (tag, _))) = places.last() {
+            self.fair.served(*tag);
+        }
+        if queue.items.is_empty() {
+            self.queues.remove(key);
+        }
+        (items, places)
+    }
+
+    /// Tasks [`Batcher::take`] took that nobody received, back at the front of their queue in
+    /// their places.
+    fn give_back(&mut self, key: Key, items: Vec<T>, places: Vec<Place>) {
+        let queue = self.queues.entry(key).or_default();
+        for (item, (since, order)) in items.into_iter().zip(places).rev() {
+            queue.items.push_front(Queued { item, since, order });
         }
     }
 
@@ -343,16 +359,9 @@ impl<T: Work + Send + 'static> Batcher<T> {
                 self.queues.get_mut(other).expect("queued").overtaken = t.overtaken;
             }
             let limit = self.limits.limit(&key.1);
-            let queue = self.queues.get_mut(&key).expect("queued");
-            queue.overtaken = 0;
-            let n = limit.min(queue.items.len());
-            let (items, since): (Vec<T>, Vec<(Instant, (u64, u64))>) = queue.items.drain(..n).map(|q| (q.item, (q.since, q.order))).unzip();
-            if let Some((_, (tag, _))) = since.last() {
-                self.fair.served(*tag);
-            }
-            if queue.items.is_empty() {
-                self.queues.remove(&key);
-            }
+            self.queues.get_mut(&key).expect("queued").overtaken = 0;
+            let (items, places) = self.take(&key, limit);
+            let n = items.len();
             let reply = self.waiting.pop_front().expect("a waiting request");
             if n < limit && self.limits.takes_joins(key.0, &key.1) {
                 // What arrives before its first step boundary is kept for it too.
@@ -375,10 +384,7 @@ impl<T: Work + Send + 'static> Batcher<T> {
                 joins,
             }) {
                 // The requester went away; keep its tasks at the front.
-                let queue = self.queues.entry(key).or_default();
-                for (item, (since, order)) in batch.items.into_iter().zip(since).rev() {
-                    queue.items.push_front(Queued { item, since, order });
-                }
+                self.give_back(key, batch.items, places);
             }
         }
     }

@@ -53,8 +53,7 @@ async fn run_batch(stage: &EngineStage, batch: Batch<Job>) {
         Some(_) => Some(stage.crash_guard.alone().await),
         None => None,
     };
-    let origins: Vec<&crate::source::record::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
-    stage.crash_guard.starting(&origins).await;
+    record_starts(stage, &items).await;
     let mut joiner = Joiner {
         stage,
         bucket: &bucket,
@@ -84,11 +83,17 @@ impl Joining<Item> for Joiner<'_> {
             let Some(items) = prepare(self.stage, self.bucket, jobs).await else {
                 return Vec::new();
             };
-            let origins: Vec<&crate::source::record::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
-            self.stage.crash_guard.starting(&origins).await;
+            record_starts(self.stage, &items).await;
             items
         })
     }
+}
+
+/// Durably, before their model call: should it kill the process, the next owner knows what ran
+/// (the crash guard).
+async fn record_starts(stage: &EngineStage, items: &[Item]) {
+    let origins: Vec<&crate::source::record::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
+    stage.crash_guard.starting(&origins).await;
 }
 
 /// The jobs of a batch that are still to run: not from a partition this worker lost, not
