@@ -499,6 +499,12 @@ async fn a_panic_in_model_code_fails_its_task_and_the_partition_moves_on() {
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// Whether `record` (of the progress topic) says task `id` ran a step.
+fn ran_a_step(record: &sluice_integration_tests::Consumed, id: &str) -> bool {
+    record.key.as_deref() == Some(id.as_bytes())
+        && serde_json::from_slice::<sluice_schemas::ProgressRecord>(&record.value).is_ok_and(|p| p.step >= 1)
+}
+
 /// When a succeeded task's calls ran, by its completion: from its turn at the device (sent at +
 /// `queued_ms`) to their end (+ `inference_ms`).
 fn call_span(done: &Outcomes, task: &(String, Value)) -> (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) {
@@ -576,14 +582,10 @@ async fn a_short_diffusion_task_waits_for_a_step_of_a_long_one_not_for_all_of_th
     let long = sd_task(700, 256, 20, 2);
     let short = sd_task(701, 64, 4, 1);
     let kafka = producer(stack.brokers()).unwrap();
+    let mut progress = sluice_integration_tests::TopicReader::new(stack.brokers(), sluice_schemas::topics::PROGRESS).unwrap();
     publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&long)).await.unwrap();
-    // The short task is sent once the long one is running, not after a fixed wait.
-    sluice_integration_tests::wait_for("the long task in flight", Duration::from_secs(60), async || {
-        (worker.metric("sluice_worker_in_flight_tasks").await? >= 1.0).then_some(())
-    })
-    .await
-    .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The short task is sent once the long one has run a step, not after a fixed wait.
+    tokio::task::block_in_place(|| progress.read_until(Duration::from_secs(120), |r| r.iter().any(|r| ran_a_step(r, &long.0)))).unwrap();
     publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&short)).await.unwrap();
     let all = [long.clone(), short.clone()];
     let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(180)).unwrap();
@@ -628,11 +630,8 @@ async fn a_diffusion_task_joins_a_running_batch_of_its_bucket_at_the_next_step()
         let mut progress = sluice_integration_tests::TopicReader::new(stack.brokers(), sluice_schemas::topics::PROGRESS).unwrap();
         publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&first)).await.unwrap();
         // The second is sent once the first has run a step: its batch is running.
-        let stepped = |r: &sluice_integration_tests::Consumed| {
-            r.key.as_deref() == Some(first.0.as_bytes())
-                && serde_json::from_slice::<sluice_schemas::ProgressRecord>(&r.value).is_ok_and(|p| p.step >= 1)
-        };
-        tokio::task::block_in_place(|| progress.read_until(Duration::from_secs(120), |r| r.iter().any(stepped))).unwrap();
+        tokio::task::block_in_place(|| progress.read_until(Duration::from_secs(120), |r| r.iter().any(|r| ran_a_step(r, &first.0))))
+            .unwrap();
         publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&second)).await.unwrap();
         let all = [first.clone(), second.clone()];
         let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&all), Duration::from_secs(180)).unwrap();
