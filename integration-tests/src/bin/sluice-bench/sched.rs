@@ -308,7 +308,7 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
     })
 }
 
-/// One worker on `topics`, adaptive batches up to 16 tasks.
+/// One worker on `topics`, with the worker's own batch caps and a 20 ms wait for a batch to fill.
 async fn worker(stack: &Stack, topics: &Topics, more: &[(&str, &str)]) -> anyhow::Result<Worker> {
     let group = format!("sched-{}", uuid::Uuid::new_v4());
     let mut settings = vec![("SLUICE_GROUP_ID", group.as_str()), ("SLUICE_MAX_WAIT_MS", "20")];
