@@ -11,9 +11,13 @@
 #      scripts/gpu/flops.json) against the GPU's peak.
 #   4. `sluice-bench reloads`: free device memory after each of five reloads of the 3.4 GB UNet
 #      model, and a worker whose loads leak a copy stopped by the reload bound.
+#   5. sched (not a default step): `sluice-bench sched` with the SD-1.5-shaped model's 512²,
+#      20-step tasks as the long background and sd-tiny's short and interactive tasks between
+#      them: step-level against request-level scheduling where a step is tens of milliseconds of
+#      the device's (SLUICE_BENCH_SCHED_* apply; one round by default).
 # Settings: SLUICE_GPU_BENCH_ROWS (size:steps:batch, comma-separated; default
 # 512:20:1,512:20:4,512:50:1,1024:20:1,1024:20:4), _TASKS (tasks per row at 512², fewer for larger
-# images; default 16), _RELOADS (5), _STEPS ("pipeline reloads"). The worker's CUDA settings
+# images; default 16), _RELOADS (5), _STEPS ("pipeline reloads", or with "sched"). The worker's CUDA settings
 # (SLUICE_CUDA_TF32, …) apply to both columns.
 # SLUICE_GPU_BENCH_DEVICE=cpu rehearses the whole script on the CPU (use small sizes and steps).
 set -euo pipefail
@@ -33,7 +37,7 @@ case "$device" in
 esac
 eval "$("$root/scripts/fetch-assets.sh")"
 export ORT_DYLIB_PATH SLUICE_ONNX_PYTHON SLUICE_DEVICE="$device"
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}" SLUICE_SD_TINY
 BIN="${SLUICE_BIN_DIR:-${CARGO_TARGET_DIR:-$HOME/.cache/sluice/target}/release}"
 PY="${SLUICE_GPU_BENCH_PYTHON:-$SLUICE_ONNX_PYTHON}"
 
@@ -68,4 +72,11 @@ if [[ " $steps " == *" pipeline "* ]]; then
 fi
 if [[ " $steps " == *" reloads "* ]]; then
   (cd "$root" && "$BIN/sluice-bench" reloads) | tee "$out/reloads.md"
+fi
+if [[ " $steps " == *" sched "* ]]; then
+  # The demo catalog's sd-tiny beside sd15, which the sched catalog names by its absolute path.
+  sed "s|^name = \"sd15\"|&\npath = \"$work/models/sd15\"|" "$work/catalog.toml" >"$work/sched-catalog.toml"
+  (cd "$root" && SLUICE_BENCH_SCHED_CATALOG="$work/sched-catalog.toml" SLUICE_BENCH_SCHED_LONG=sd15 \
+    SLUICE_BENCH_SCHED_LONG_SIZE="${SLUICE_BENCH_SCHED_LONG_SIZE:-512}" \
+    SLUICE_BENCH_SCHED_ROUNDS="${SLUICE_BENCH_SCHED_ROUNDS:-1}" "$BIN/sluice-bench" sched) | tee "$out/sched.md"
 fi

@@ -1,8 +1,12 @@
 //! sched: step-level scheduling against request-level, on one worker under an open-loop mixed
 //! load of the tiny diffusion models:
-//! - a background of long tasks (`SLUICE_BENCH_SCHED_LONG`, default sdxl-tiny, 256², 20 steps),
-//!   `SLUICE_BENCH_SCHED_BACKGROUND` of them (default 4) always outstanding: each one that
-//!   completes is replaced at once, so the worker never runs out of long work;
+//! - a background of long tasks (`SLUICE_BENCH_SCHED_LONG`, default sdxl-tiny, at
+//!   `SLUICE_BENCH_SCHED_LONG_SIZE`² and `SLUICE_BENCH_SCHED_LONG_STEPS` steps, default 256² and
+//!   20), `SLUICE_BENCH_SCHED_BACKGROUND` of them (default 4) always outstanding: each one that
+//!   completes is replaced at once, so the worker never runs out of long work. A long model of
+//!   real size comes from `SLUICE_BENCH_SCHED_CATALOG`, a catalog whose entries (with absolute
+//!   paths) are added to the demo catalog's (`make gpu-bench`'s sched step: the SD-1.5-shaped
+//!   model at 512²);
 //! - Poisson arrivals of short tasks (sd-tiny, 64², 4 steps), `SLUICE_BENCH_SCHED_SHORT_PER_MIN`
 //!   a minute (default 240);
 //! - a trickle of interactive ones (the same short task in the `interactive` lane),
@@ -45,6 +49,8 @@ struct Load {
     short_per_s: f64,
     interactive_per_s: f64,
     long_model: String,
+    long_size: u32,
+    long_steps: u32,
 }
 
 /// One run's figures.
@@ -73,6 +79,8 @@ pub async fn run(stack: &Stack) -> anyhow::Result<()> {
         short_per_s: env_or("SLUICE_BENCH_SCHED_SHORT_PER_MIN", 240) as f64 / 60.0,
         interactive_per_s: env_or("SLUICE_BENCH_SCHED_INTERACTIVE_PER_MIN", 30) as f64 / 60.0,
         long_model: std::env::var("SLUICE_BENCH_SCHED_LONG").unwrap_or_else(|_| "sdxl-tiny".into()),
+        long_size: env_or("SLUICE_BENCH_SCHED_LONG_SIZE", 256) as u32,
+        long_steps: env_or("SLUICE_BENCH_SCHED_LONG_STEPS", 20) as u32,
     };
     let modes = [("request-level", "0"), ("step-level", "1")];
     let mut runs: Vec<(&str, Run)> = Vec::new();
@@ -84,8 +92,14 @@ pub async fn run(stack: &Stack) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "## sched: one worker, {}s of open-loop load: {} {} 256² 20-step tasks always outstanding, sd-tiny 64² 4-step tasks at {:.1}/s (Poisson), the same in the interactive lane at {:.2}/s; latency send → completion visible read_committed, exactly-once",
-        load.seconds, load.background, load.long_model, load.short_per_s, load.interactive_per_s
+        "## sched: one worker, {}s of open-loop load: {} {} {}² {}-step tasks always outstanding, sd-tiny 64² 4-step tasks at {:.1}/s (Poisson), the same in the interactive lane at {:.2}/s; latency send → completion visible read_committed, exactly-once",
+        load.seconds,
+        load.background,
+        load.long_model,
+        load.long_size,
+        load.long_steps,
+        load.short_per_s,
+        load.interactive_per_s
     );
     println!();
     println!(
@@ -170,7 +184,7 @@ fn arrivals(per_s: f64, seconds: f64, seed: u64) -> Vec<f64> {
 /// then the mixed load.
 async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> anyhow::Result<Run> {
     let topics = stack.topics(&format!("sched-{}", uuid::Uuid::new_v4().simple()), 4)?;
-    let catalog_path = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
+    let catalog_path = sched_catalog(stack)?;
     let catalog = Catalog::parse(&std::fs::read_to_string(&catalog_path)?)?;
     let task = |model: &str, seed: u64, size: u32, steps: u32, class: Class| -> anyhow::Result<(String, serde_json::Value)> {
         let entry = catalog
@@ -210,7 +224,8 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
     };
     // Warm-up, one of each, and the unloaded interactive latency.
     let base = 1_000_000 * (round + 1);
-    for (i, (model, size, steps)) in [(load.long_model.as_str(), 256, 20), ("sd-tiny", 64, 4)].into_iter().enumerate() {
+    let long = (load.long_model.as_str(), load.long_size, load.long_steps);
+    for (i, (model, size, steps)) in [long, ("sd-tiny", 64, 4)].into_iter().enumerate() {
         let t = task(model, base + i as u64, size, steps, Class::Background)?;
         delivery::to_partition(&kafka, &topics.tasks, 0, &t).await?;
         tokio::task::block_in_place(|| wait_for(&t.0))?;
@@ -245,7 +260,7 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
     let mut send = async |class: Class, sent: &mut HashMap<String, (Class, Instant)>| -> anyhow::Result<()> {
         seed += 1;
         let t = match class {
-            Class::Background => task(&load.long_model, seed, 256, 20, class)?,
+            Class::Background => task(&load.long_model, seed, load.long_size, load.long_steps, class)?,
             Class::Short | Class::Interactive => task("sd-tiny", seed, 64, 4, class)?,
         };
         let at = Instant::now();
@@ -306,6 +321,17 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
         unloaded,
         images_per_s: images as f64 / (load.seconds - load.warm),
     })
+}
+
+/// The catalog the worker serves: the demo catalog, with `SLUICE_BENCH_SCHED_CATALOG`'s entries
+/// added when it is set (written beside the stack's other files).
+fn sched_catalog(stack: &Stack) -> anyhow::Result<std::path::PathBuf> {
+    let demo = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
+    let Ok(extra) = std::env::var("SLUICE_BENCH_SCHED_CATALOG") else { return Ok(demo) };
+    let merged = stack.dir.join("sched-catalog.toml");
+    let text = format!("{}\n{}", std::fs::read_to_string(&demo)?, std::fs::read_to_string(&extra)?);
+    std::fs::write(&merged, text)?;
+    Ok(merged)
 }
 
 /// One worker on `topics`, with the worker's own batch caps and a 20 ms wait for a batch to fill.
