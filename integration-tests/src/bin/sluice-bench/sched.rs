@@ -93,13 +93,7 @@ pub async fn run(stack: &Stack) -> anyhow::Result<()> {
     println!();
     println!(
         "## sched: one worker, {}s of open-loop load: {} {} {}² {}-step tasks always outstanding, sd-tiny 64² 4-step tasks at {:.1}/s (Poisson), the same in the interactive lane at {:.2}/s; latency send → completion visible read_committed, exactly-once",
-        load.seconds,
-        load.background,
-        load.long_model,
-        load.long_size,
-        load.long_steps,
-        load.short_per_s,
-        load.interactive_per_s
+        load.seconds, load.background, load.long_model, load.long_size, load.long_steps, load.short_per_s, load.interactive_per_s
     );
     println!();
     println!(
@@ -327,7 +321,9 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
 /// added when it is set (written beside the stack's other files).
 fn sched_catalog(stack: &Stack) -> anyhow::Result<std::path::PathBuf> {
     let demo = sluice_integration_tests::stack::repo_root().join("deploy/models.demo.toml");
-    let Ok(extra) = std::env::var("SLUICE_BENCH_SCHED_CATALOG") else { return Ok(demo) };
+    let Ok(extra) = std::env::var("SLUICE_BENCH_SCHED_CATALOG") else {
+        return Ok(demo);
+    };
     let merged = stack.dir.join("sched-catalog.toml");
     let text = format!("{}\n{}", std::fs::read_to_string(&demo)?, std::fs::read_to_string(&extra)?);
     std::fs::write(&merged, text)?;
