@@ -299,6 +299,12 @@ pub struct BatchingArgs {
     /// in one call.
     #[arg(long, env = "SLUICE_STEPS_PER_CALL", default_value_t = 1)]
     pub steps_per_call: usize,
+    /// Whether tasks join a running diffusion batch of their bucket between its calls
+    /// (continuous batching). Off, a batch's rows start together and it still takes its turn at
+    /// the device call by call: a bucket whose model runs rows at different steps as separate
+    /// model calls (an ordinary UNet export takes one timestep a call) keeps its rows in step.
+    #[arg(long, env = "SLUICE_STEP_JOINS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub step_joins: bool,
     /// Turns off the exclusive device permit at batch 1 (for experiments only).
     #[arg(long, env = "SLUICE_NO_SERIALIZE_SINGLES", hide = true)]
     pub no_serialize_singles: bool,

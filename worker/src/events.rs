@@ -44,6 +44,20 @@ impl Emit for BatchRan<'_> {
     }
 }
 
+/// One model call ended (a batch's, or one call of a step-by-step batch's steps), well or not.
+pub(crate) struct ModelCalled<'a> {
+    pub model: &'a str,
+    pub elapsed: Duration,
+}
+
+impl Emit for ModelCalled<'_> {
+    fn emit(self, m: &Metrics) {
+        m.model_call_seconds
+            .with_label_values(&[self.model])
+            .observe(self.elapsed.as_secs_f64());
+    }
+}
+
 /// A batch ran out of memory and will run again smaller. A WARN, never an ERROR: it is handled.
 pub(crate) struct OomHandled<'a> {
     pub bucket: &'a BucketName,

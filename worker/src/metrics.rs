@@ -25,6 +25,7 @@ pub struct Metrics {
     pub(crate) clean_arena_retries: IntCounterVec,
     pub(crate) ceilings_restored: IntGauge,
     pub(crate) inference_seconds: HistogramVec,
+    pub(crate) model_call_seconds: HistogramVec,
     pub(crate) upload_seconds: Histogram,
     pub(crate) task_seconds: Histogram,
     pub(crate) in_flight: IntGauge,
@@ -162,7 +163,25 @@ impl Metrics {
             ),
             inference_seconds: register(
                 &r,
-                HistogramVec::new(seconds("sluice_worker_inference_seconds", "Duration of model calls"), &["model"]).unwrap(),
+                HistogramVec::new(
+                    seconds(
+                        "sluice_worker_inference_seconds",
+                        "Duration of batches, from their first turn at the device to their end (a step-by-step batch: all its calls and the waits between them)",
+                    ),
+                    &["model"],
+                )
+                .unwrap(),
+            ),
+            model_call_seconds: register(
+                &r,
+                HistogramVec::new(
+                    seconds(
+                        "sluice_worker_model_call_seconds",
+                        "Duration of single model calls on the device, from their turn to their reply (a step-by-step batch makes one a call of its steps)",
+                    ),
+                    &["model"],
+                )
+                .unwrap(),
             ),
             upload_seconds: register(
                 &r,

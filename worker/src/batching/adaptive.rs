@@ -327,6 +327,8 @@ pub struct Adaptive {
     /// The most steps one call of a step-by-step bucket runs ([`crate::engine::Stepped`]);
     /// `None`: every call runs all of its steps.
     steps_per_call: Option<usize>,
+    /// Whether tasks join a running step-by-step batch of their bucket between its calls.
+    joins: bool,
     /// Where the tasks of buckets that keep checkpoints keep them.
     checkpoints: Option<Arc<dyn Checkpoints>>,
     /// Cancelled when the worker drains (SIGTERM): from then on such tasks keep their state
@@ -379,6 +381,7 @@ impl Adaptive {
             cleaner: None,
             last_rebuild: Mutex::new(Duration::ZERO),
             steps_per_call: None,
+            joins: true,
             checkpoints: None,
             draining: CancellationToken::new(),
         }
@@ -402,6 +405,14 @@ impl Adaptive {
     /// taken as a call of its own would wait for another lane's call before it.
     pub fn with_steps_per_call(mut self, steps: usize) -> Adaptive {
         self.steps_per_call = (steps > 0).then_some(steps);
+        self
+    }
+
+    /// Whether tasks join a running batch of their bucket between its calls (on by default).
+    /// Off, a step-by-step batch still takes its turn at the device call by call, but its rows
+    /// start together and no task joins it.
+    pub fn with_joins(mut self, joins: bool) -> Adaptive {
+        self.joins = joins;
         self
     }
 
@@ -503,6 +514,26 @@ impl Adaptive {
         self.with_entry(bucket, |e| e.part_rows).unwrap_or(self.max_rows).min(self.max_rows)
     }
 
+    /// One model call at its turn at the device, timed from the turn to the reply
+    /// (`sluice_worker_model_call_seconds`). Returns when the turn came.
+    async fn device_call(
+        &self,
+        model: &str,
+        call: Call,
+        exclusive: bool,
+        turn: crate::engine::Turn,
+    ) -> Result<(Vec<Tensor>, Instant), EngineError> {
+        let asked = Instant::now();
+        let result = self.engine.run_timed(model, call, exclusive, turn).await;
+        let from = result.as_ref().map_or(asked, |(_, granted)| *granted);
+        events::ModelCalled {
+            model,
+            elapsed: from.elapsed(),
+        }
+        .emit(&self.metrics);
+        result
+    }
+
     /// Runs `items` as one model call; or, one task with more rows than a call may take (the row
     /// cap, or the parts its bucket learned to cut it in), as consecutive calls of at most that
     /// many rows whose outputs are joined, so that the size of a request never sets the size of
@@ -583,7 +614,7 @@ impl Adaptive {
         resumes: &mut Resumes,
     ) -> Result<(Vec<Tensor>, Instant), EngineError> {
         let (Some(per_call), Some(stepped)) = (self.steps_per_call, call.key.steps().cloned()) else {
-            return self.engine.run_timed(&bucket.model, call, exclusive, turn()).await;
+            return self.device_call(&bucket.model, call, exclusive, turn()).await;
         };
         // The interactive lane's: all their steps in one call (from where their rows stand).
         let per_call = if lane == Priority::Interactive {
@@ -593,12 +624,12 @@ impl Adaptive {
         };
         let mut progress = Progress::start(&call, &stepped, resumes);
         if progress.in_one_call(per_call) {
-            return self.engine.run_timed(&bucket.model, call, exclusive, turn()).await;
+            return self.device_call(&bucket.model, call, exclusive, turn()).await;
         }
         let mut first = None;
         loop {
             let steps = progress.next_call(&call, per_call);
-            let (outputs, granted) = match self.engine.run_timed(&bucket.model, steps, exclusive, turn()).await {
+            let (outputs, granted) = match self.device_call(&bucket.model, steps, exclusive, turn()).await {
                 Ok(done) => done,
                 Err(error) => {
                     progress.keep(&call, resumes);
@@ -649,16 +680,19 @@ impl Adaptive {
         let lane = lane_of(set.items);
         let mut progress = Progress::start(&call_of(bucket, set.items), &stepped, set.resumes);
         let mut started: HashMap<String, Instant> = HashMap::new();
+        let mut calls_of: HashMap<String, u32> = HashMap::new();
         loop {
             // Joining before each call, the first too: the batcher keeps the tasks that arrive
             // for this batch from the moment it says it has room.
             self.join_waiting(bucket, set, &mut progress).await;
             let call = call_of(bucket, set.items);
-            let turn = crate::engine::Turn { lane, had: *had };
+            let turn = crate::engine::Turn {
+                lane,
+                had: newest_turns(&call, &mut calls_of),
+            };
             *had += 1;
             let (outputs, granted) = match self
-                .engine
-                .run_timed(&bucket.model, progress.next_call(&call, per_call), false, turn)
+                .device_call(&bucket.model, progress.next_call(&call, per_call), false, turn)
                 .await
             {
                 Ok(done) => done,
@@ -753,7 +787,11 @@ impl Adaptive {
     /// step by step, a call at a time, it is no crash suspect's, and the lane is not the
     /// interactive one (which runs all its steps in one call).
     fn takes_joins(&self, lane: Priority, bucket: &Bucket) -> bool {
-        self.steps_per_call.is_some() && bucket.key.steps().is_some() && bucket.alone.is_none() && lane != Priority::Interactive
+        self.joins
+            && self.steps_per_call.is_some()
+            && bucket.key.steps().is_some()
+            && bucket.alone.is_none()
+            && lane != Priority::Interactive
     }
 
     /// Rows the largest call of `items` (one chunk) holds, and whether they could be cut into
@@ -1168,6 +1206,24 @@ impl crate::batching::batcher::BatchLimits for Adaptive {
     fn takes_joins(&self, lane: Priority, bucket: &Bucket) -> bool {
         self.takes_joins(lane, bucket)
     }
+}
+
+/// The turns a running set's call claims: those of its newest task (the fewest calls any of its
+/// tasks has had), each task's count of calls then taken up by one. Counted per task, not per
+/// set: a set that tasks keep joining would otherwise rank behind every newer batch of another
+/// bucket for ever, and run only once overtaken `MAX_OVERTAKEN` times (`engine/turns.rs`).
+fn newest_turns(call: &Call, calls_of: &mut HashMap<String, u32>) -> u32 {
+    calls_of.retain(|id, _| call.tasks.iter().any(|t| &t.id == id));
+    let newest = call
+        .tasks
+        .iter()
+        .map(|t| calls_of.get(&t.id).copied().unwrap_or(0))
+        .min()
+        .unwrap_or(0);
+    for task in &call.tasks {
+        *calls_of.entry(task.id.clone()).or_insert(0) += 1;
+    }
+    newest
 }
 
 #[cfg(test)]
@@ -1882,5 +1938,38 @@ mod tests {
         let mut c = Ceiling::new(2, 1);
         assert_eq!(c.on_success(2), None);
         assert_eq!(c.limit(), 2);
+    }
+
+    /// A running set takes its turn at the device as its newest task: a set that a task has
+    /// just joined ranks as a new batch, not behind every batch that came after it began.
+    #[test]
+    fn a_running_set_takes_its_turn_as_its_newest_task() {
+        let call = |ids: &[&str]| Call {
+            key: CallKey::none(),
+            inputs: Vec::new(),
+            tasks: ids
+                .iter()
+                .map(|id| CallTask {
+                    id: id.to_string(),
+                    rows: 1,
+                    hooks: None,
+                })
+                .collect(),
+        };
+        let mut calls_of = HashMap::new();
+        let turns: Vec<u32> = [
+            &["a", "b"][..],
+            &["a", "b"],
+            &["a", "b"],
+            &["a", "b", "c"],
+            &["b", "c"],
+            &["c"],
+            &["c"],
+        ]
+        .iter()
+        .map(|ids| newest_turns(&call(ids), &mut calls_of))
+        .collect();
+        // a and b had 0, 1, 2 calls; c joins with none; a leaves; c alone goes on counting.
+        assert_eq!(turns, vec![0, 1, 2, 0, 1, 2, 3]);
     }
 }

@@ -154,6 +154,7 @@ async fn adaptive(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients) -> Resu
     )
     .with_cleaner(Arc::new(cleaner))
     .with_steps_per_call(b.steps_per_call)
+    .with_joins(b.step_joins)
     .with_checkpoints(Arc::new(CheckpointStore::new(loaded.images.clone(), metrics.clone())));
     Ok(match clients.ceilings(setup).await? {
         Some(store) => adaptive.with_store(Arc::new(store)),
