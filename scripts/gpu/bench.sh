@@ -78,5 +78,6 @@ if [[ " $steps " == *" sched "* ]]; then
   sed "s|^name = \"sd15\"|&\npath = \"$work/models/sd15\"|" "$work/catalog.toml" >"$work/sched-catalog.toml"
   (cd "$root" && SLUICE_BENCH_SCHED_CATALOG="$work/sched-catalog.toml" SLUICE_BENCH_SCHED_LONG=sd15 \
     SLUICE_BENCH_SCHED_LONG_SIZE="${SLUICE_BENCH_SCHED_LONG_SIZE:-512}" \
+    SLUICE_BENCH_SCHED_MODES="${SLUICE_BENCH_SCHED_MODES:-request,step,in-step}" \
     SLUICE_BENCH_SCHED_ROUNDS="${SLUICE_BENCH_SCHED_ROUNDS:-1}" "$BIN/sluice-bench" sched) | tee "$out/sched.md"
 fi

@@ -14,7 +14,11 @@
 //!
 //! Each for `SLUICE_BENCH_SCHED_SECONDS` (default 60) with `SLUICE_STEPS_PER_CALL=0` (a call
 //! runs all of a batch's steps: request-level) and `=1` (a call runs one step: step-level), twice
-//! alternating. Latency is from a task's send to its completion visible `read_committed` (the
+//! alternating. `SLUICE_BENCH_SCHED_MODES` picks the modes (default `request,step`; `in-step` is
+//! step-level with `SLUICE_STEP_JOINS=false`: a batch's rows start together, nothing joins it).
+//! After each run, the worker's own figures per model: its model calls and their seconds
+//! (`sluice_worker_model_call_seconds`), and tasks a batch (the whole run's, warm-up included):
+//! where the device's time went. Latency is from a task's send to its completion visible `read_committed` (the
 //! worker's default, exactly-once delivery); the first `SLUICE_BENCH_SCHED_WARM_S` seconds
 //! (default 10) are left out, as are the tasks still outstanding at the end. Before the load,
 //! the same worker runs interactive tasks alone, one at a time: the unloaded latency.
@@ -25,7 +29,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use sluice_integration_tests::TopicReader;
-use sluice_integration_tests::cluster::Worker;
+use sluice_integration_tests::cluster::{Worker, metric_value};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::records::diffusion_task_of;
 use sluice_integration_tests::stack::{Stack, Topics};
@@ -61,6 +65,8 @@ struct Run {
     unloaded: Vec<f64>,
     /// Images completed a second, every class, after the warm-up.
     images_per_s: f64,
+    /// Per model served: model calls, seconds in them, tasks a batch (the worker's metrics).
+    calls: Vec<(String, f64, f64, f64)>,
 }
 
 /// The `q` quantile of `sorted`, or NaN.
@@ -82,12 +88,24 @@ pub async fn run(stack: &Stack) -> anyhow::Result<()> {
         long_size: env_or("SLUICE_BENCH_SCHED_LONG_SIZE", 256) as u32,
         long_steps: env_or("SLUICE_BENCH_SCHED_LONG_STEPS", 20) as u32,
     };
-    let modes = [("request-level", "0"), ("step-level", "1")];
+    let modes: Vec<(&str, &[(&str, &str)])> = std::env::var("SLUICE_BENCH_SCHED_MODES")
+        .unwrap_or_else(|_| "request,step".into())
+        .split(',')
+        .map(|m| match m.trim() {
+            "request" => Ok(("request-level", &[("SLUICE_STEPS_PER_CALL", "0")][..])),
+            "step" => Ok(("step-level", &[("SLUICE_STEPS_PER_CALL", "1")][..])),
+            "in-step" => Ok((
+                "step-level, rows in step",
+                &[("SLUICE_STEPS_PER_CALL", "1"), ("SLUICE_STEP_JOINS", "false")][..],
+            )),
+            other => Err(anyhow::anyhow!("SLUICE_BENCH_SCHED_MODES: request, step or in-step, not {other:?}")),
+        })
+        .collect::<anyhow::Result<_>>()?;
     let mut runs: Vec<(&str, Run)> = Vec::new();
     for round in 0..env_or("SLUICE_BENCH_SCHED_ROUNDS", 2) {
-        for (mode, steps_per_call) in modes {
+        for &(mode, settings) in &modes {
             eprintln!("== sched {mode}, round {}", round + 1);
-            runs.push((mode, once(stack, &load, steps_per_call, round as u64).await?));
+            runs.push((mode, once(stack, &load, settings, round as u64).await?));
         }
     }
     println!();
@@ -110,6 +128,14 @@ pub async fn run(stack: &Stack) -> anyhow::Result<()> {
             pair(&r.latency[&Class::Background]),
             r.images_per_s
         );
+    }
+    println!();
+    println!("| scheduling | model | model calls | seconds in calls | tasks a batch (a running one: the most at once) |");
+    println!("|---|---|---|---|---|");
+    for (mode, r) in &runs {
+        for (model, calls, seconds, per_call) in &r.calls {
+            println!("| {mode} | {model} | {calls:.0} | {seconds:.1} | {per_call:.2} |");
+        }
     }
     // The goals, as ratios of the runs' medians (each mode ran as often as the other).
     let median = |mode: &str, f: &dyn Fn(&Run) -> f64| {
@@ -174,9 +200,9 @@ fn arrivals(per_s: f64, seconds: f64, seed: u64) -> Vec<f64> {
     }
 }
 
-/// One worker with `SLUICE_STEPS_PER_CALL=steps_per_call`: its unloaded interactive latency,
-/// then the mixed load.
-async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> anyhow::Result<Run> {
+/// One worker with `settings` (the mode's): its unloaded interactive latency, then the mixed
+/// load.
+async fn once(stack: &Stack, load: &Load, settings: &[(&str, &str)], round: u64) -> anyhow::Result<Run> {
     let topics = stack.topics(&format!("sched-{}", uuid::Uuid::new_v4().simple()), 4)?;
     let catalog_path = sched_catalog(stack)?;
     let catalog = Catalog::parse(&std::fs::read_to_string(&catalog_path)?)?;
@@ -193,17 +219,13 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
     let models = stack.dir.join("models").display().to_string();
     let catalog_arg = catalog_path.display().to_string();
     let served = format!("sd-tiny,{}", load.long_model);
-    let w = worker(
-        stack,
-        &topics,
-        &[
-            ("SLUICE_MODEL_DIR", models.as_str()),
-            ("SLUICE_MODEL_CATALOG", catalog_arg.as_str()),
-            ("SLUICE_MODELS", served.as_str()),
-            ("SLUICE_STEPS_PER_CALL", steps_per_call),
-        ],
-    )
-    .await?;
+    let mut env = vec![
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("SLUICE_MODEL_CATALOG", catalog_arg.as_str()),
+        ("SLUICE_MODELS", served.as_str()),
+    ];
+    env.extend(settings.iter().copied());
+    let w = worker(stack, &topics, &env).await?;
     let kafka = producer(stack.brokers())?;
     let stop = Arc::new(AtomicBool::new(false));
     let seen = completions(stack, &topics.completions, stop.clone());
@@ -294,6 +316,26 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     stop.store(true, Ordering::Relaxed);
+    let metrics = w.metrics().await.unwrap_or_default();
+    let calls = [load.long_model.as_str(), "sd-tiny"]
+        .iter()
+        .map(|&m| {
+            let model = format!("{{model=\"{m}\"}}");
+            let calls = metric_value(&metrics, &format!("sluice_worker_model_call_seconds_count{model}")).unwrap_or(0.0);
+            let seconds = metric_value(&metrics, &format!("sluice_worker_model_call_seconds_sum{model}")).unwrap_or(0.0);
+            let bucket = format!("{{bucket=\"{m}:");
+            let of = |name: &str| -> f64 {
+                let prefix = format!("{name}{bucket}");
+                metrics
+                    .lines()
+                    .filter(|l| l.starts_with(&prefix))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum()
+            };
+            let per_call = of("sluice_worker_batch_size_sum") / of("sluice_worker_batch_size_count");
+            (m.to_owned(), calls, seconds, per_call)
+        })
+        .collect();
     drop(w);
     let counted = start + Duration::from_secs_f64(load.warm);
     let mut latency: HashMap<Class, Vec<f64>> = HashMap::new();
@@ -314,6 +356,7 @@ async fn once(stack: &Stack, load: &Load, steps_per_call: &str, round: u64) -> a
         latency,
         unloaded,
         images_per_s: images as f64 / (load.seconds - load.warm),
+        calls,
     })
 }
 
