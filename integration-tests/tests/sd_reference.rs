@@ -11,7 +11,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use sluice_integration_tests::inprocess::{assert_as_alone, rows_at_different_steps, run_alone, runtime};
 use sluice_integration_tests::{assets, png_pixels, stack::repo_root};
-use sluice_worker::engine::{Call, CallTask, SessionOptions};
+use sluice_worker::engine::{Call, CallTask, OrtBackend, SessionOptions};
 use sluice_worker::models::ModelAdapter;
 use sluice_worker::models::diffusion::StableDiffusion;
 use sluice_worker::models::diffusion::input;
@@ -71,6 +71,39 @@ fn model_dir(case: &Value) -> PathBuf {
         }
     }
     std::fs::write(dir.join("scheduler/scheduler_config.json"), serde_json::to_string(config).unwrap()).unwrap();
+    dir
+}
+
+/// [`model_dir`] with its UNet given a timestep per row by `scripts/unet_timestep_rows.py` (a copy
+/// of `unet/`, edited: ONNX Runtime reads external data only beside the graph; the rest by
+/// symlinks).
+fn per_row_dir(case: &Value) -> PathBuf {
+    let base = model_dir(case);
+    let dir = std::env::temp_dir().join(format!("sluice-sd-rows-{}-{}", case["name"].as_str().unwrap(), std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(dir.join("unet")).unwrap();
+    for entry in std::fs::read_dir(&base).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "unet" {
+            std::os::unix::fs::symlink(entry.path(), dir.join(entry.file_name())).unwrap();
+        }
+    }
+    for entry in std::fs::read_dir(base.join("unet")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join("unet").join(entry.file_name())).unwrap();
+    }
+    let python = assets().unwrap()["SLUICE_ONNX_PYTHON"].clone();
+    let status = std::process::Command::new(python)
+        .arg(repo_root().join("scripts/unet_timestep_rows.py"))
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "unet_timestep_rows.py edits {}", dir.display());
+    // What the backend reads to run rows at different steps in one UNet call.
+    let unet = OrtBackend::load(&runtime(), &dir.join("unet/model.onnx"), &SessionOptions::default()).unwrap();
+    let timestep = unet.inputs().into_iter().find(|i| i.name == "timestep").unwrap();
+    assert_eq!(timestep.shape, vec![-1], "{}: a timestep per row", dir.display());
     dir
 }
 
@@ -155,17 +188,17 @@ fn one_image(request: &SdRequest, draws: &Draws, k: usize) -> (SdRequest, Draws)
 
 #[test]
 fn every_reference_case_matches_diffusers() {
-    every_case_matches(Set::Sd, 20);
+    every_case_matches(Set::Sd, 20, model_dir);
 }
 
 #[test]
 fn every_sdxl_reference_case_matches_diffusers() {
-    every_case_matches(Set::Sdxl, SDXL_CASES);
+    every_case_matches(Set::Sdxl, SDXL_CASES, model_dir);
 }
 
 #[test]
 fn every_img2img_and_inpainting_reference_case_matches_diffusers() {
-    every_case_matches(Set::Image, IMAGE_CASES);
+    every_case_matches(Set::Image, IMAGE_CASES, model_dir);
 }
 
 /// How many cases `generate.sh --images` records.
@@ -174,13 +207,14 @@ const IMAGE_CASES: usize = 19;
 /// How many cases `generate.sh --sdxl` records.
 const SDXL_CASES: usize = 11;
 
-/// Runs every case of `set` (there must be `count`), each within the tolerances.
-fn every_case_matches(set: Set, count: usize) {
+/// Runs every case of `set` (there must be `count`) on the model in `dir_of(case)`, each within
+/// the tolerances.
+fn every_case_matches(set: Set, count: usize, dir_of: fn(&Value) -> PathBuf) {
     let fixtures = set.fixtures();
     let mut report = Vec::new();
     for case in set.cases() {
         let name = case["name"].as_str().unwrap().to_owned();
-        let dir = model_dir(&case);
+        let dir = dir_of(&case);
         let (latents, images) = run_case(set, &case, &dir);
         let expected = npy::read(&fixtures.join(case["expected_latents"].as_str().unwrap())).unwrap();
         assert_eq!(latents.len(), expected.data.len(), "{name}: latents");
@@ -210,11 +244,28 @@ fn every_case_matches(set: Set, count: usize) {
 /// calls of their own (the export's timestep is a scalar), rows at one step share one.
 #[test]
 fn every_reference_case_gives_its_image_in_a_call_beside_rows_at_other_steps() {
+    every_case_runs_as_alone_beside_rows_at_other_steps(model_dir);
+}
+
+/// The UNet given a timestep per row (`scripts/unet_timestep_rows.py`): rows at different steps
+/// now share one UNet call. Every recorded case still matches diffusers within the reference
+/// tolerances, and lands where it lands alone beside a row at another step (1e-5, same PNG).
+#[test]
+fn with_a_timestep_per_row_every_reference_case_matches_diffusers_and_runs_as_alone_beside_other_steps() {
+    every_case_matches(Set::Sd, 20, per_row_dir);
+    every_case_matches(Set::Sdxl, SDXL_CASES, per_row_dir);
+    every_case_matches(Set::Image, IMAGE_CASES, per_row_dir);
+    every_case_runs_as_alone_beside_rows_at_other_steps(per_row_dir);
+}
+
+/// [`every_reference_case_gives_its_image_in_a_call_beside_rows_at_other_steps`] on the models in
+/// `dir_of(case)`.
+fn every_case_runs_as_alone_beside_rows_at_other_steps(dir_of: fn(&Value) -> PathBuf) {
     let mut report = Vec::new();
     for set in [Set::Sd, Set::Sdxl, Set::Image] {
         for case in set.cases() {
             let name = format!("{set:?}/{}", case["name"].as_str().unwrap());
-            let dir = model_dir(&case);
+            let dir = dir_of(&case);
             let model = StableDiffusion::open(runtime(), "sd", &dir).unwrap();
             let (request, draws) = case_request(set, &case);
             let (a, a_draws) = one_image(&request, &draws, 0);

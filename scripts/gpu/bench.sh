@@ -12,7 +12,7 @@
 #   4. `sluice-bench reloads`: free device memory after each of five reloads of the 3.4 GB UNet
 #      model, and a worker whose loads leak a copy stopped by the reload bound.
 #   5. sched (not a default step): `sluice-bench sched` with the SD-1.5-shaped model's 512²,
-#      20-step tasks as the long background and sd-tiny's short and interactive tasks between
+#      20-step tasks (its UNet given a timestep per row) as the long background and sd-tiny's short and interactive tasks between
 #      them: step-level against request-level scheduling where a step is tens of milliseconds of
 #      the device's (SLUICE_BENCH_SCHED_* apply; one round by default).
 # Settings: SLUICE_GPU_BENCH_ROWS (size:steps:batch, comma-separated; default
@@ -74,6 +74,8 @@ if [[ " $steps " == *" reloads "* ]]; then
   (cd "$root" && "$BIN/sluice-bench" reloads) | tee "$out/reloads.md"
 fi
 if [[ " $steps " == *" sched "* ]]; then
+  # Rows at different steps in one UNet call (numerically the same model: sd_reference.rs).
+  "$PY" "$root/scripts/unet_timestep_rows.py" "$work/models/sd15"
   # The demo catalog's sd-tiny beside sd15, which the sched catalog names by its absolute path.
   sed "s|^name = \"sd15\"|&\npath = \"$work/models/sd15\"|" "$work/catalog.toml" >"$work/sched-catalog.toml"
   (cd "$root" && SLUICE_BENCH_SCHED_CATALOG="$work/sched-catalog.toml" SLUICE_BENCH_SCHED_LONG=sd15 \

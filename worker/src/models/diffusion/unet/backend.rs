@@ -18,7 +18,8 @@
 //! stay the task's own (an ordinary UNet's inpainting blends with the initial noise, and the k-th
 //! step run takes the k-th draw). Optimum's UNet export takes one scalar timestep, so each step
 //! runs the rows that are at it as one UNet call: rows at the same step share it, rows at
-//! different steps take one call each.
+//! different steps take one call each. An export given a timestep per row
+//! (`scripts/unet_timestep_rows.py`) runs every row of the call in one UNet call a step.
 //!
 //! Every stage can run out of memory; the error goes back to the adaptive batcher, which halves
 //! the batch. The VAE decode, the classic high-resolution OOM, first falls back to one image at a
@@ -65,17 +66,33 @@ impl TimestepFeed {
         }
     }
 
-    fn tensor(self, t: f32, batch: usize) -> Tensor {
+    /// Whether the export takes a timestep per row, so that rows at different steps share a
+    /// UNet call (an Optimum export after `scripts/unet_timestep_rows.py`).
+    fn per_row(self) -> bool {
+        matches!(
+            self,
+            TimestepFeed::VectorF32 { per_row: true } | TimestepFeed::I64 { rank: 1, per_row: true }
+        )
+    }
+
+    /// The `timestep` input of a UNet call whose rows are at timesteps `ts`: one value for an
+    /// export that takes one (the rows are then all at the same step), or one a row.
+    fn tensor(self, ts: &[f32]) -> Tensor {
+        let (t, batch) = (ts.first().copied().unwrap_or_default(), ts.len());
+        debug_assert!(self.per_row() || ts.iter().all(|&x| x == t), "rows at different steps share a call");
         match self {
             TimestepFeed::ScalarF32 => Tensor::f32("timestep", vec![], vec![t]),
-            TimestepFeed::VectorF32 { per_row } => {
-                let n = if per_row { batch } else { 1 };
-                Tensor::f32("timestep", vec![n], vec![t; n])
-            }
+            TimestepFeed::VectorF32 { per_row } => match per_row {
+                true => Tensor::f32("timestep", vec![batch], ts.to_vec()),
+                false => Tensor::f32("timestep", vec![1], vec![t]),
+            },
             TimestepFeed::I64 { rank, per_row } => {
-                let n = if per_row { batch } else { 1 };
-                let shape = if rank == 0 { vec![] } else { vec![n] };
-                Tensor::i64("timestep", shape, vec![t as i64; if rank == 0 { 1 } else { n }])
+                let values: Vec<i64> = match per_row {
+                    true => ts.iter().map(|&x| x as i64).collect(),
+                    false => vec![t as i64],
+                };
+                let shape = if rank == 0 { vec![] } else { vec![values.len()] };
+                Tensor::i64("timestep", shape, values)
             }
         }
     }
@@ -262,17 +279,25 @@ impl Backend for SdBackend {
             if active.is_empty() {
                 break;
             }
-            // The export takes one timestep a call (Optimum's is a scalar), so the rows at each
-            // step run together: one UNet call per step the running rows are at.
-            let mut at_steps: Vec<usize> = active.iter().map(|&r| at[r]).collect();
-            at_steps.sort_unstable();
-            at_steps.dedup();
-            for i in at_steps {
-                let group: Vec<usize> = active.iter().copied().filter(|&r| at[r] == i).collect();
+            // An export that takes a timestep per row runs every active row in one UNet call,
+            // whatever step each is at. One that takes a single timestep (Optimum's is a scalar)
+            // runs the rows at each step together: one UNet call per step the rows are at.
+            let groups: Vec<Vec<usize>> = if self.timestep.per_row() {
+                vec![active.clone()]
+            } else {
+                let mut at_steps: Vec<usize> = active.iter().map(|&r| at[r]).collect();
+                at_steps.sort_unstable();
+                at_steps.dedup();
+                at_steps
+                    .into_iter()
+                    .map(|i| active.iter().copied().filter(|&r| at[r] == i).collect())
+                    .collect()
+            };
+            for group in groups {
+                let steps: Vec<usize> = group.iter().map(|&r| at[r]).collect();
                 self.unet_step(
                     &schedule,
-                    i,
-                    &group,
+                    (&group, &steps),
                     &mut rows,
                     &text,
                     &guidance,
@@ -411,10 +436,18 @@ impl SdBackend {
         }
     }
 
-    /// One UNet call's inputs for the `active` rows at timestep `t`: `sample` (their scaled
-    /// latents) twice over with guidance, the timestep, the hidden states `[uncond..., cond...]`,
-    /// and `timestep_cond` where the model has it. Returns them with the call's row count.
-    fn unet_inputs(&self, text: &Conditioning, active: &[usize], sample: Vec<f32>, latent_shape: &[usize], t: f32) -> (Vec<Tensor>, usize) {
+    /// One UNet call's inputs for the `active` rows at timesteps `ts` (one a row): `sample`
+    /// (their scaled latents) twice over with guidance, the timesteps, the hidden states
+    /// `[uncond..., cond...]`, and `timestep_cond` where the model has it. Returns them with the
+    /// call's row count.
+    fn unet_inputs(
+        &self,
+        text: &Conditioning,
+        active: &[usize],
+        sample: Vec<f32>,
+        latent_shape: &[usize],
+        ts: &[f32],
+    ) -> (Vec<Tensor>, usize) {
         let per_row = text.per_row;
         let mut hidden = Vec::new();
         let (sample, rows) = match &text.uncond {
@@ -431,9 +464,13 @@ impl SdBackend {
         }
         let mut shape = latent_shape.to_vec();
         shape[0] = rows;
+        let ts = match text.uncond {
+            Some(_) => [ts, ts].concat(),
+            None => ts.to_vec(),
+        };
         let mut inputs = vec![
             Tensor::f32("sample", shape, sample),
-            self.timestep.tensor(t, rows),
+            self.timestep.tensor(&ts),
             Tensor::f32("encoder_hidden_states", vec![rows, text.seq, per_row / text.seq], hidden),
         ];
         if let Some((tc, dim)) = &text.time_cond {
@@ -488,14 +525,14 @@ impl SdBackend {
         ImageLatents::encode(encoder, call)
     }
 
-    /// Step `i` of the `group` rows (all at step `i`): the UNet on their latents, guidance, the
-    /// sampler's step, and an ordinary UNet's inpainting blend.
+    /// One step of each of the `group` rows, the row at `steps` (all the same step unless the
+    /// export takes a timestep per row): the UNet on their latents, guidance, the sampler's
+    /// step, and an ordinary UNet's inpainting blend.
     #[allow(clippy::too_many_arguments)]
     fn unet_step(
         &mut self,
         schedule: &Schedule,
-        i: usize,
-        group: &[usize],
+        (group, steps): (&[usize], &[usize]),
         rows: &mut Rows<'_>,
         text: &Conditioning,
         guidance: &[f32],
@@ -504,12 +541,13 @@ impl SdBackend {
         start: &[f32],
     ) -> Result<(), EngineError> {
         let (b, per_image) = (group.len(), rows.per_image);
-        let mut sample = rows.model_input(schedule, i, group)?;
+        let mut sample = rows.model_input(schedule, steps, group)?;
         let mask_channels = self.unet_channels != latent_shape[1];
         if let Some(image) = image.filter(|_| mask_channels) {
             sample = image.with_mask_channels(&sample, group, per_image);
         }
-        let (inputs, unet_rows) = self.unet_inputs(text, group, sample, unet_shape, schedule.timesteps()[i]);
+        let ts: Vec<f32> = steps.iter().map(|&i| schedule.timesteps()[i]).collect();
+        let (inputs, unet_rows) = self.unet_inputs(text, group, sample, unet_shape, &ts);
         let out = self.unet.run_tensors(&inputs)?;
         let pred = out
             .iter()
@@ -517,7 +555,7 @@ impl SdBackend {
             .or(out.first())
             .and_then(|t| t.f32_rows(0, unet_rows))
             .ok_or_else(|| EngineError::Run("unet output is not float32".into()))?;
-        rows.step(schedule, i, group, |k, r| {
+        rows.step(schedule, steps, group, |k, r| {
             if text.uncond.is_some() {
                 let uncond = &pred[k * per_image..(k + 1) * per_image];
                 let cond = &pred[(b + k) * per_image..(b + k + 1) * per_image];
@@ -527,7 +565,9 @@ impl SdBackend {
             }
         })?;
         if let Some(image) = image.filter(|_| !mask_channels) {
-            image.blend_known_region(schedule, i, &mut rows.latents, group, start)?;
+            for (&r, &i) in group.iter().zip(steps) {
+                image.blend_known_region(schedule, i, &mut rows.latents, &[r], start)?;
+            }
         }
         Ok(())
     }
@@ -573,11 +613,11 @@ impl Rows<'_> {
             .collect()
     }
 
-    /// The `active` rows' latents, scaled for the model at step `i`.
-    fn model_input(&self, schedule: &Schedule, i: usize, active: &[usize]) -> Result<Vec<f32>, EngineError> {
+    /// The `active` rows' latents, each scaled for the model at its step of `steps`.
+    fn model_input(&self, schedule: &Schedule, steps: &[usize], active: &[usize]) -> Result<Vec<f32>, EngineError> {
         let per_image = self.per_image;
         let mut sample = Vec::with_capacity(active.len() * per_image);
-        for &r in active {
+        for (&r, &i) in active.iter().zip(steps) {
             let mut x = self.latents[r * per_image..(r + 1) * per_image].to_vec();
             schedule.scale_model_input(i, &mut x).map_err(|e| EngineError::Run(e.to_string()))?;
             sample.extend(x);
@@ -585,18 +625,18 @@ impl Rows<'_> {
         Ok(sample)
     }
 
-    /// One sampler step of each active row, from the model output `output(k, r)` for the row
-    /// `r`, the `k`-th of the call.
+    /// One sampler step of each active row at its step of `steps`, from the model output
+    /// `output(k, r)` for the row `r`, the `k`-th of the call.
     fn step(
         &mut self,
         schedule: &Schedule,
-        i: usize,
+        steps: &[usize],
         active: &[usize],
         output: impl Fn(usize, usize) -> Vec<f32>,
     ) -> Result<(), EngineError> {
         let (per_image, draws) = (self.per_image, self.draws);
-        let draws_now = schedule.draws_noise(i);
-        for (k, &r) in active.iter().enumerate() {
+        for (k, (&r, &i)) in active.iter().zip(steps).enumerate() {
+            let draws_now = schedule.draws_noise(i);
             let model_output = output(k, r);
             let step_noise = match (draws_now, self.noise) {
                 (true, Some(noise)) => {
@@ -629,5 +669,45 @@ fn zero_rows(values: &mut [f32], zero: &[f32]) {
         if z > 0.0 {
             row.fill(0.0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(t: &Tensor) -> (Vec<usize>, Vec<f32>) {
+        match &t.data {
+            crate::engine::TensorData::F32(v) => (t.shape.clone(), v.clone()),
+            crate::engine::TensorData::I64(v) => (t.shape.clone(), v.iter().map(|&x| x as f32).collect()),
+        }
+    }
+
+    fn timestep(kind: ElementKind, shape: Vec<i64>) -> TimestepFeed {
+        TimestepFeed::of(&[InputInfo {
+            name: "timestep".into(),
+            kind,
+            shape,
+        }])
+        .unwrap()
+    }
+
+    /// Optimum's scalar takes one timestep a call; a dynamic vector (the export after
+    /// `scripts/unet_timestep_rows.py`) one a row, so rows at different steps share a call.
+    #[test]
+    fn a_dynamic_timestep_vector_takes_a_timestep_per_row_and_a_scalar_one_a_call() {
+        let scalar = timestep(ElementKind::F32, vec![]);
+        assert!(!scalar.per_row());
+        assert_eq!(values(&scalar.tensor(&[981.0, 981.0])), (vec![], vec![981.0]));
+        assert!(!timestep(ElementKind::F32, vec![1]).per_row());
+
+        let rows = timestep(ElementKind::F32, vec![-1]);
+        assert!(rows.per_row());
+        let ts = [981.0, 21.0, 981.0, 21.0];
+        assert_eq!(values(&rows.tensor(&ts)), (vec![4], ts.to_vec()));
+        let rows = timestep(ElementKind::I64, vec![-1]);
+        assert!(rows.per_row());
+        assert_eq!(values(&rows.tensor(&ts)), (vec![4], ts.to_vec()));
+        assert!(!timestep(ElementKind::I64, vec![]).per_row());
     }
 }
