@@ -234,6 +234,11 @@ pub struct CatalogModel {
     /// for models whose tasks are short).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_every: Option<u32>,
+    /// Diffusion: a running task's state is also written once this many seconds have gone by
+    /// since it was last written (or its run began), whatever the steps (absent: by steps only).
+    /// For a model whose steps take seconds each, or vary with the image size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every_seconds: Option<u32>,
 }
 
 /// Default bounds of one task's work, by kind: two full-size terrain maps (2 × 2048²) in at
@@ -283,6 +288,7 @@ impl CatalogModel {
             text_encoders: None,
             t5_max_length: None,
             checkpoint_every: None,
+            checkpoint_every_seconds: None,
         }
     }
 
@@ -395,6 +401,11 @@ impl CatalogModel {
         }
         if self.checkpoint_every == Some(0) {
             return bad("checkpoint_every must be at least 1 (leave it out for no checkpoints)".into());
+        }
+        if let Some(s) = self.checkpoint_every_seconds.filter(|s| !(1..=86_400).contains(s)) {
+            return bad(format!(
+                "checkpoint_every_seconds must be 1 to 86400, not {s} (leave it out for steps only)"
+            ));
         }
         if self.kind == ModelKind::Diffusion {
             if let Some(s) = self.samplers.iter().find(|s| Sampler::parse(s).is_none()) {
@@ -842,6 +853,10 @@ steps = { min = 1, max = 20, default = 4 }
                 "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\ncheckpoint_every = 0",
                 "checkpoint_every",
             ),
+            (
+                "[[model]]\nname = \"a\"\nkind = \"stable-diffusion\"\ncheckpoint_every_seconds = 0",
+                "checkpoint_every_seconds must be 1 to 86400",
+            ),
         ] {
             let e = Catalog::parse(text).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
@@ -849,6 +864,8 @@ steps = { min = 1, max = 20, default = 4 }
         assert_eq!(Catalog::load(None).unwrap().names(), vec!["terrain"]);
         let every = Catalog::parse("[[model]]\nname = \"a\"\nkind = \"diffusion\"\ncheckpoint_every = 5").unwrap();
         assert_eq!(every.get("a").unwrap().checkpoint_every, Some(5));
+        let timed = Catalog::parse("[[model]]\nname = \"a\"\nkind = \"diffusion\"\ncheckpoint_every_seconds = 30").unwrap();
+        assert_eq!(timed.get("a").unwrap().checkpoint_every_seconds, Some(30));
     }
 
     /// A FLUX entry: flow_euler alone, no negative prompt, its encoders' placement.

@@ -638,7 +638,7 @@ impl Adaptive {
             };
             let first = *first.get_or_insert(granted);
             progress.advance(&outputs, per_call);
-            self.save_due(bucket, &stepped, &progress, &call);
+            self.save_due(bucket, &stepped, &mut progress, &call);
             if progress.done() {
                 for task in &call.tasks {
                     resumes.remove(&task.id);
@@ -705,7 +705,7 @@ impl Adaptive {
                 started.entry(task.id.clone()).or_insert(granted);
             }
             progress.advance(&outputs, per_call);
-            self.save_due(bucket, &stepped, &progress, &call);
+            self.save_due(bucket, &stepped, &mut progress, &call);
             let since = |id: &str| started.get(id).copied().unwrap_or(granted);
             let ended = progress.finished(&call, &outputs);
             if ended.iter().all(|&e| e) {
@@ -772,12 +772,11 @@ impl Adaptive {
     }
 
     /// Saves the resume points of the tasks of `call` due a checkpoint after a call, for a
-    /// bucket that keeps them: every `checkpoint_every` steps, and after every step once the
-    /// worker drains.
-    fn save_due(&self, bucket: &Bucket, stepped: &crate::engine::Stepped, progress: &Progress<'_>, call: &Call) {
-        if let (Some(every), Some(sink)) = (stepped.checkpoint_every, &self.checkpoints) {
-            let every = (!self.draining.is_cancelled()).then_some(every.max(1));
-            for (task, resume) in progress.due(call, every) {
+    /// bucket that keeps them: every `checkpoint_every` steps or `checkpoint_seconds`, and after
+    /// every step once the worker drains.
+    fn save_due(&self, bucket: &Bucket, stepped: &crate::engine::Stepped, progress: &mut Progress<'_>, call: &Call) {
+        if let (true, Some(sink)) = (stepped.keeps_checkpoints(), &self.checkpoints) {
+            for (task, resume) in progress.due(call, self.draining.is_cancelled()) {
                 sink.save(&task, bucket, resume);
             }
         }
@@ -1361,6 +1360,7 @@ mod tests {
             steps: 0..steps,
             carry: &[("y", "y_before")],
             checkpoint_every,
+            checkpoint_seconds: None,
         };
         Bucket {
             key: CallKey::new("stepped", None).stepped(stepped),
@@ -1443,6 +1443,40 @@ mod tests {
             let steps: Vec<usize> = kept.0.lock().unwrap().iter().map(|(_, s)| *s).collect();
             let want = if draining { vec![1, 2, 3, 4, 5, 6] } else { vec![3, 6] };
             assert_eq!(steps, want, "draining: {draining}");
+        }
+    }
+
+    /// `checkpoint_seconds` keeps a task's state once that long has gone by since it was last
+    /// kept, whatever the steps: with none (zero) after every step before the last, with an hour
+    /// never in a short run; with `checkpoint_every` beside it, at its steps too.
+    #[tokio::test]
+    async fn checkpoints_fall_after_checkpoint_seconds_whatever_the_steps() {
+        struct Kept(Mutex<Vec<usize>>);
+        impl Checkpoints for Kept {
+            fn save(&self, _: &str, _: &Bucket, resume: Resume) {
+                self.0.lock().unwrap().push(resume.step);
+            }
+        }
+        let cases = [
+            (None, Duration::ZERO, vec![1, 2, 3, 4, 5, 6]),
+            (None, Duration::from_secs(3600), vec![]),
+            (Some(3), Duration::from_secs(3600), vec![3, 6]),
+        ];
+        for (every, seconds, want) in cases {
+            let mut b = stepped_bucket(7, every);
+            let stepped = Stepped {
+                checkpoint_seconds: Some(seconds),
+                ..b.key.steps().unwrap().clone()
+            };
+            b.key = CallKey::new("stepped", None).stepped(stepped);
+            let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
+            let kept = Arc::new(Kept(Mutex::new(Vec::new())));
+            let a = Arc::into_inner(a)
+                .expect("one owner")
+                .with_steps_per_call(1)
+                .with_checkpoints(kept.clone());
+            run(&a, &b, items([1], 1)).await;
+            assert_eq!(*kept.0.lock().unwrap(), want, "every {every:?} steps, {seconds:?}");
         }
     }
 

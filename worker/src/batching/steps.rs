@@ -4,6 +4,7 @@
 //! a smaller batch rather than from its first step.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use crate::engine::{Call, Stepped, Tensor};
 use crate::models::Bucket;
@@ -43,6 +44,9 @@ pub(super) struct Progress<'a> {
     before: Vec<usize>,
     /// What the last call handed on, for every row (empty while no row has moved).
     carried: Vec<Tensor>,
+    /// When each row's state was last kept, or its run here began (for
+    /// [`Stepped::checkpoint_seconds`]).
+    kept: Vec<Instant>,
 }
 
 impl<'a> Progress<'a> {
@@ -73,6 +77,7 @@ impl<'a> Progress<'a> {
         Progress {
             stepped,
             before: at.clone(),
+            kept: vec![Instant::now(); at.len()],
             at,
             carried,
         }
@@ -160,6 +165,7 @@ impl<'a> Progress<'a> {
         let pick = |v: &[usize]| spans.iter().flat_map(|s| v[s.clone()].iter().copied()).collect::<Vec<_>>();
         self.at = pick(&self.at);
         self.before = pick(&self.before);
+        self.kept = spans.iter().flat_map(|s| self.kept[s.clone()].iter().copied()).collect();
         self.carried = self
             .carried
             .iter()
@@ -183,6 +189,7 @@ impl<'a> Progress<'a> {
         let had = self.at.len();
         self.at.extend(std::iter::repeat_n(step, rows));
         self.before.extend(std::iter::repeat_n(step, rows));
+        self.kept.extend(std::iter::repeat_n(Instant::now(), rows));
         let resumed = resume.map(|r| r.carried.as_slice()).unwrap_or_default();
         if self.carried.is_empty() && !resumed.is_empty() {
             // Nothing carried yet: the rows before it carry zeros (they are at their first step).
@@ -198,19 +205,27 @@ impl<'a> Progress<'a> {
         }
     }
 
-    /// The resume points of the tasks due a checkpoint: their rows passed a multiple of `every`
-    /// steps (from the bucket's first) in the last call, and have steps left. With no `every`
-    /// (a drain), every task whose rows moved and have steps left.
-    pub(super) fn due(&self, call: &Call, every: Option<usize>) -> Vec<(String, Resume)> {
+    /// The resume points of the tasks due a checkpoint, with steps left: their rows passed a
+    /// multiple of the bucket's `checkpoint_every` steps (from its first) in the last call, or
+    /// moved with `checkpoint_seconds` gone by since their state was last kept (or their run here
+    /// began). Draining, every task whose rows moved. Their state counts as kept from now.
+    pub(super) fn due(&mut self, call: &Call, draining: bool) -> Vec<(String, Resume)> {
         let (first, end) = (self.stepped.steps.start, self.stepped.steps.end);
-        self.points(call, |from| {
+        let (every, seconds) = (self.stepped.checkpoint_every, self.stepped.checkpoint_seconds);
+        let points = self.points(call, |from| {
             let (was, is) = (self.before[from], self.at[from]);
-            let crossed = match every {
-                Some(every) => (is - first) / every > (was - first) / every,
-                None => is > was,
-            };
-            is < end && crossed
-        })
+            let by_steps = every.is_some_and(|every| (is - first) / every.max(1) > (was - first) / every.max(1));
+            let by_time = seconds.is_some_and(|s| self.kept[from].elapsed() >= s);
+            is < end && is > was && (draining || by_steps || by_time)
+        });
+        let mut row = 0;
+        for task in &call.tasks {
+            if points.iter().any(|(id, _)| *id == task.id) {
+                self.kept[row..row + task.rows].fill(Instant::now());
+            }
+            row += task.rows;
+        }
+        points
     }
 
     /// Each task's resume point into `resumes`, for tasks whose rows have moved past the

@@ -36,6 +36,16 @@ pub struct Stepped {
     /// Every how many steps a task's carried state is kept outside the process (durable
     /// checkpoints), where the model's catalog entry asks for it.
     pub checkpoint_every: Option<usize>,
+    /// How long after a task's state was last kept (or its run began) it is kept again,
+    /// whatever the steps (the catalog's `checkpoint_every_seconds`).
+    pub checkpoint_seconds: Option<std::time::Duration>,
+}
+
+impl Stepped {
+    /// Whether the bucket keeps its tasks' state outside the process at all.
+    pub fn keeps_checkpoints(&self) -> bool {
+        self.checkpoint_every.is_some() || self.checkpoint_seconds.is_some()
+    }
 }
 
 impl CallKey {

@@ -181,7 +181,7 @@ impl Registry {
                     let settings = diffusion::FlowSettings::of(entry);
                     let sd = diffusion::StableDiffusion::open_with(runtime.clone(), name, dir, settings)
                         .map_err(|e| format!("model {name}: {e}"))?
-                        .checkpointing(entry.checkpoint_every);
+                        .checkpointing(entry.checkpoint_every, entry.checkpoint_every_seconds);
                     sd.fits_catalog(entry).map_err(|e| format!("model {name}: {e}"))?;
                     let needed = sd.size_multiple() as u32;
                     if !entry.size_multiple.is_multiple_of(needed) {

@@ -45,11 +45,11 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let Some((bucket, mut job)) = admit(&stage, record) else {
             continue;
         };
-        // Whether a checkpoint falls due before its last step (else none is ever written).
+        // Whether a checkpoint may fall due before its last step (else none is ever written).
         job.checkpointed = bucket
             .key
             .steps()
-            .is_some_and(|s| s.checkpoint_every.is_some_and(|every| s.steps.len() > every));
+            .is_some_and(|s| s.checkpoint_seconds.is_some() || s.checkpoint_every.is_some_and(|every| s.steps.len() > every));
         let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.

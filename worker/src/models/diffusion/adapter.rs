@@ -81,9 +81,10 @@ impl StableDiffusion {
     /// A request's bucket key, with the catalog's checkpoint interval.
     fn key_of(&self, request: &SdRequest) -> CallKey {
         let key = self.bucket_of(request).key();
-        match (key.steps().cloned(), self.checkpoint_every) {
-            (Some(stepped), Some(every)) => key.stepped(Stepped {
-                checkpoint_every: Some(every),
+        match key.steps().cloned() {
+            Some(stepped) if self.checkpoint_every.is_some() || self.checkpoint_seconds.is_some() => key.stepped(Stepped {
+                checkpoint_every: self.checkpoint_every,
+                checkpoint_seconds: self.checkpoint_seconds,
                 ..stepped
             }),
             _ => key,

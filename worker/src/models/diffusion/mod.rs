@@ -39,8 +39,10 @@ pub struct StableDiffusion {
     name: String,
     runtime: Arc<Runtime>,
     pipeline: Pipeline,
-    /// The catalog's `checkpoint_every`: its tasks' state is kept every that many steps.
+    /// The catalog's `checkpoint_every` and `checkpoint_every_seconds`: its tasks' state is kept
+    /// every that many steps, and that long after it was last kept.
     checkpoint_every: Option<usize>,
+    checkpoint_seconds: Option<std::time::Duration>,
 }
 
 /// Which pipeline runs the model, with what the CPU side read from its directory.
@@ -90,12 +92,15 @@ impl StableDiffusion {
             runtime,
             pipeline,
             checkpoint_every: None,
+            checkpoint_seconds: None,
         })
     }
 
-    /// Keeps its tasks' state every `every` steps (the catalog's `checkpoint_every`).
-    pub fn checkpointing(mut self, every: Option<u32>) -> StableDiffusion {
+    /// Keeps its tasks' state every `every` steps and `seconds` after it was last kept (the
+    /// catalog's `checkpoint_every` and `checkpoint_every_seconds`).
+    pub fn checkpointing(mut self, every: Option<u32>, seconds: Option<u32>) -> StableDiffusion {
         self.checkpoint_every = every.map(|n| n as usize);
+        self.checkpoint_seconds = seconds.map(|s| std::time::Duration::from_secs(s.into()));
         self
     }
 

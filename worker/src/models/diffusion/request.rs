@@ -73,6 +73,7 @@ impl SdBucket {
             steps: first..self.steps,
             carry: &[("latents", "step_latents"), ("solver_previous", "solver_previous")],
             checkpoint_every: None,
+            checkpoint_seconds: None,
         };
         CallKey::new(self, Some(pixels)).stepped(stepped)
     }
