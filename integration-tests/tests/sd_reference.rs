@@ -61,16 +61,23 @@ fn model_dir(case: &Value) -> PathBuf {
     let Some(config) = case["scheduler_config_override"].as_object() else {
         return base;
     };
-    let dir = std::env::temp_dir().join(format!("sluice-sd-{}-{}", case["name"].as_str().unwrap(), std::process::id()));
+    let dir = copy_but(&base, &format!("sluice-sd-{}", case["name"].as_str().unwrap()), "scheduler");
+    std::fs::write(dir.join("scheduler/scheduler_config.json"), serde_json::to_string(config).unwrap()).unwrap();
+    dir
+}
+
+/// A fresh directory `name` (of this process, in the temporary directory) holding symlinks to
+/// every entry of `base` but the folder `own`, which it creates empty.
+fn copy_but(base: &Path, name: &str, own: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
     std::fs::remove_dir_all(&dir).ok();
-    std::fs::create_dir_all(dir.join("scheduler")).unwrap();
-    for entry in std::fs::read_dir(&base).unwrap() {
+    std::fs::create_dir_all(dir.join(own)).unwrap();
+    for entry in std::fs::read_dir(base).unwrap() {
         let entry = entry.unwrap();
-        if entry.file_name() != "scheduler" {
+        if entry.file_name() != own {
             std::os::unix::fs::symlink(entry.path(), dir.join(entry.file_name())).unwrap();
         }
     }
-    std::fs::write(dir.join("scheduler/scheduler_config.json"), serde_json::to_string(config).unwrap()).unwrap();
     dir
 }
 
@@ -79,15 +86,7 @@ fn model_dir(case: &Value) -> PathBuf {
 /// symlinks).
 fn per_row_dir(case: &Value) -> PathBuf {
     let base = model_dir(case);
-    let dir = std::env::temp_dir().join(format!("sluice-sd-rows-{}-{}", case["name"].as_str().unwrap(), std::process::id()));
-    std::fs::remove_dir_all(&dir).ok();
-    std::fs::create_dir_all(dir.join("unet")).unwrap();
-    for entry in std::fs::read_dir(&base).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_name() != "unet" {
-            std::os::unix::fs::symlink(entry.path(), dir.join(entry.file_name())).unwrap();
-        }
-    }
+    let dir = copy_but(&base, &format!("sluice-sd-rows-{}", case["name"].as_str().unwrap()), "unet");
     for entry in std::fs::read_dir(base.join("unet")).unwrap() {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), dir.join("unet").join(entry.file_name())).unwrap();
