@@ -44,7 +44,7 @@ impl Emit for BatchRan<'_> {
     }
 }
 
-/// One model call ended (a batch's, or one call of a step-by-step batch's steps), well or not.
+/// One model call returned its outputs (a batch's, or one call of a step-by-step batch's steps).
 pub(crate) struct ModelCalled<'a> {
     pub model: &'a str,
     pub elapsed: Duration,

@@ -177,7 +177,7 @@ impl Metrics {
                 HistogramVec::new(
                     seconds(
                         "sluice_worker_model_call_seconds",
-                        "Duration of single model calls on the device, from their turn to their reply (a step-by-step batch makes one a call of its steps)",
+                        "Duration of single model calls that returned outputs, from their turn at the device to their reply (a step-by-step batch makes one a call of its steps)",
                     ),
                     &["model"],
                 )

@@ -514,8 +514,8 @@ impl Adaptive {
         self.with_entry(bucket, |e| e.part_rows).unwrap_or(self.max_rows).min(self.max_rows)
     }
 
-    /// One model call at its turn at the device, timed from the turn to the reply
-    /// (`sluice_worker_model_call_seconds`). Returns when the turn came.
+    /// One model call at its turn at the device; one that returned outputs is timed from the
+    /// turn to the reply (`sluice_worker_model_call_seconds`). Returns when the turn came.
     async fn device_call(
         &self,
         model: &str,
@@ -523,14 +523,14 @@ impl Adaptive {
         exclusive: bool,
         turn: crate::engine::Turn,
     ) -> Result<(Vec<Tensor>, Instant), EngineError> {
-        let asked = Instant::now();
         let result = self.engine.run_timed(model, call, exclusive, turn).await;
-        let from = result.as_ref().map_or(asked, |(_, granted)| *granted);
-        events::ModelCalled {
-            model,
-            elapsed: from.elapsed(),
+        if let Ok((_, granted)) = &result {
+            events::ModelCalled {
+                model,
+                elapsed: granted.elapsed(),
+            }
+            .emit(&self.metrics);
         }
-        .emit(&self.metrics);
         result
     }
 

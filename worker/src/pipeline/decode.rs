@@ -45,11 +45,11 @@ pub(crate) async fn decode(mut input: mpsc::Receiver<Record>, to_batcher: mpsc::
         let Some((bucket, mut job)) = admit(&stage, record) else {
             continue;
         };
-        // Whether a checkpoint may fall due before its last step (else none is ever written).
-        job.checkpointed = bucket
-            .key
-            .steps()
-            .is_some_and(|s| s.checkpoint_seconds.is_some() || s.checkpoint_every.is_some_and(|every| s.steps.len() > every));
+        // Whether a checkpoint may fall due before its last step (else none is ever written):
+        // after a multiple of `checkpoint_every` steps, or by time after any step but the last.
+        job.checkpointed = bucket.key.steps().is_some_and(|s| {
+            s.checkpoint_every.is_some_and(|every| s.steps.len() > every) || (s.checkpoint_seconds.is_some() && s.steps.len() > 1)
+        });
         let replayed = job.record.header(sluice_schemas::HEADER_ORIGIN).is_some();
         // A task submitted with an Idempotency-Key may have been published twice (two producer
         // replicas, a retry while one caught up): its results may exist already.
