@@ -22,23 +22,23 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("sync-models") {
         let args = cli::sync_models::SyncArgs::parse_from(std::env::args().skip(1));
         telemetry::init(args.log_format);
-        if let Err(e) = cli::sync_models::run(args) {
-            tracing::error!(error = format!("{e:#}"), "sync-models failed");
-            std::process::exit(1);
-        }
-        return;
+        return exit_on_error("sync-models", cli::sync_models::run(args));
     }
     // `sluice-worker sweep-checkpoints ...`: delete step checkpoints past an age, then exit.
     if std::env::args().nth(1).as_deref() == Some("sweep-checkpoints") {
         let args = cli::sweep_checkpoints::SweepArgs::parse_from(std::env::args().skip(1));
         telemetry::init(args.log_format);
-        if let Err(e) = cli::sweep_checkpoints::run(args) {
-            tracing::error!(error = format!("{e:#}"), "sweep-checkpoints failed");
-            std::process::exit(1);
-        }
-        return;
+        return exit_on_error("sweep-checkpoints", cli::sweep_checkpoints::run(args));
     }
     serve();
+}
+
+/// The end of a subcommand that logs: on failure its error, logged, and exit status 1.
+fn exit_on_error(command: &str, result: anyhow::Result<()>) {
+    if let Err(e) = result {
+        tracing::error!(error = format!("{e:#}"), "{command} failed");
+        std::process::exit(1);
+    }
 }
 
 #[tokio::main]
