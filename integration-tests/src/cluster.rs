@@ -189,9 +189,14 @@ pub fn metric_value(text: &str, series: &str) -> Option<f64> {
 
 /// The sum of every series of metric `name` (all label values) in a Prometheus text exposition.
 pub fn metric_sum(text: &str, name: &str) -> f64 {
-    let prefix = format!("{name}{{");
+    series_sum(text, &format!("{name}{{"))
+}
+
+/// The sum of every series whose line starts with `prefix` (a metric's name and the start of its
+/// labels, e.g. `name{bucket="sd-tiny:`) in a Prometheus text exposition.
+pub fn series_sum(text: &str, prefix: &str) -> f64 {
     text.lines()
-        .filter(|l| l.starts_with(&prefix))
+        .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .fold(0.0, |sum, n| sum + n)
 }

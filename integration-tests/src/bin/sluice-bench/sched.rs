@@ -29,7 +29,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use sluice_integration_tests::TopicReader;
-use sluice_integration_tests::cluster::{Worker, metric_value};
+use sluice_integration_tests::cluster::{Worker, metric_value, series_sum};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::records::diffusion_task_of;
 use sluice_integration_tests::stack::{Stack, Topics};
@@ -55,6 +55,8 @@ struct Load {
     long_model: String,
     long_size: u32,
     long_steps: u32,
+    /// The catalog the worker serves ([`sched_catalog`]).
+    catalog: std::path::PathBuf,
 }
 
 /// One run's figures.
@@ -87,6 +89,7 @@ pub async fn run(stack: &Stack) -> anyhow::Result<()> {
         long_model: std::env::var("SLUICE_BENCH_SCHED_LONG").unwrap_or_else(|_| "sdxl-tiny".into()),
         long_size: env_or("SLUICE_BENCH_SCHED_LONG_SIZE", 256) as u32,
         long_steps: env_or("SLUICE_BENCH_SCHED_LONG_STEPS", 20) as u32,
+        catalog: sched_catalog(stack)?,
     };
     let modes: Vec<(&str, &[(&str, &str)])> = std::env::var("SLUICE_BENCH_SCHED_MODES")
         .unwrap_or_else(|_| "request,step".into())
@@ -204,8 +207,8 @@ fn arrivals(per_s: f64, seconds: f64, seed: u64) -> Vec<f64> {
 /// load.
 async fn once(stack: &Stack, load: &Load, settings: &[(&str, &str)], round: u64) -> anyhow::Result<Run> {
     let topics = stack.topics(&format!("sched-{}", uuid::Uuid::new_v4().simple()), 4)?;
-    let catalog_path = sched_catalog(stack)?;
-    let catalog = Catalog::parse(&std::fs::read_to_string(&catalog_path)?)?;
+    let catalog_path = &load.catalog;
+    let catalog = Catalog::parse(&std::fs::read_to_string(catalog_path)?)?;
     let task = |model: &str, seed: u64, size: u32, steps: u32, class: Class| -> anyhow::Result<(String, serde_json::Value)> {
         let entry = catalog
             .get(model)
@@ -323,15 +326,7 @@ async fn once(stack: &Stack, load: &Load, settings: &[(&str, &str)], round: u64)
             let model = format!("{{model=\"{m}\"}}");
             let calls = metric_value(&metrics, &format!("sluice_worker_model_call_seconds_count{model}")).unwrap_or(0.0);
             let seconds = metric_value(&metrics, &format!("sluice_worker_model_call_seconds_sum{model}")).unwrap_or(0.0);
-            let bucket = format!("{{bucket=\"{m}:");
-            let of = |name: &str| -> f64 {
-                let prefix = format!("{name}{bucket}");
-                metrics
-                    .lines()
-                    .filter(|l| l.starts_with(&prefix))
-                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                    .sum()
-            };
+            let of = |name: &str| series_sum(&metrics, &format!("{name}{{bucket=\"{m}:"));
             let per_call = of("sluice_worker_batch_size_sum") / of("sluice_worker_batch_size_count");
             (m.to_owned(), calls, seconds, per_call)
         })
