@@ -719,11 +719,8 @@ impl Adaptive {
                 continue;
             }
             // The tasks that ended leave: each reported on its own, with its rows of the outputs.
-            let mut row = 0;
             let mut staying = Vec::with_capacity(set.items.len());
-            for ((item, task), &ended) in std::mem::take(set.items).into_iter().zip(&call.tasks).zip(&ended) {
-                let rows = row..row + task.rows;
-                row = rows.end;
+            for ((item, (task, rows)), &ended) in std::mem::take(set.items).into_iter().zip(call.task_rows()).zip(&ended) {
                 if !ended {
                     staying.push(item);
                     continue;

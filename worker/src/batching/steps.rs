@@ -139,12 +139,8 @@ impl<'a> Progress<'a> {
     /// set.
     pub(super) fn finished(&self, call: &Call, outputs: &[Tensor]) -> Vec<bool> {
         let cancelled = outputs.iter().find(|t| t.name == "cancelled").and_then(|t| t.floats().ok());
-        let mut row = 0;
-        call.tasks
-            .iter()
-            .map(|task| {
-                let rows = row..row + task.rows;
-                row = rows.end;
+        call.task_rows()
+            .map(|(_, rows)| {
                 let ended = rows.clone().all(|r| self.at[r] >= self.stepped.steps.end);
                 let stopped = cancelled.is_some_and(|c| c.get(rows.start).is_some_and(|&v| v > 0.5));
                 ended || stopped
@@ -154,14 +150,12 @@ impl<'a> Progress<'a> {
 
     /// Keeps the rows of the tasks of `call` that `keep` says, in order; the others left.
     pub(super) fn retain(&mut self, call: &Call, keep: &[bool]) {
-        let mut spans = Vec::new();
-        let mut row = 0;
-        for (task, &kept) in call.tasks.iter().zip(keep) {
-            if kept {
-                spans.push(row..row + task.rows);
-            }
-            row += task.rows;
-        }
+        let spans: Vec<std::ops::Range<usize>> = call
+            .task_rows()
+            .zip(keep)
+            .filter(|(_, kept)| **kept)
+            .map(|((_, rows), _)| rows)
+            .collect();
         let pick = |v: &[usize]| spans.iter().flat_map(|s| v[s.clone()].iter().copied()).collect::<Vec<_>>();
         self.at = pick(&self.at);
         self.before = pick(&self.before);
@@ -218,12 +212,10 @@ impl<'a> Progress<'a> {
             let by_time = seconds.is_some_and(|s| self.kept[from].elapsed() >= s);
             is < end && is > was && (draining || by_steps || by_time)
         });
-        let mut row = 0;
-        for task in &call.tasks {
+        for (task, rows) in call.task_rows() {
             if points.iter().any(|(id, _)| *id == task.id) {
-                self.kept[row..row + task.rows].fill(Instant::now());
+                self.kept[rows].fill(Instant::now());
             }
-            row += task.rows;
         }
         points
     }
@@ -241,10 +233,8 @@ impl<'a> Progress<'a> {
     /// their rows of what the last call handed on.
     fn points(&self, call: &Call, chosen: impl Fn(usize) -> bool) -> Vec<(String, Resume)> {
         let mut points = Vec::new();
-        let mut row = 0;
-        for task in &call.tasks {
-            let (from, to) = (row, row + task.rows);
-            row = to;
+        for (task, rows) in call.task_rows() {
+            let (from, to) = (rows.start, rows.end);
             if chosen(from) {
                 let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
                 points.push((

@@ -40,6 +40,17 @@ pub struct Call {
     pub tasks: Vec<CallTask>,
 }
 
+impl Call {
+    /// Each task with the rows of the call's tensors that are its, in order.
+    pub fn task_rows(&self) -> impl Iterator<Item = (&CallTask, std::ops::Range<usize>)> {
+        self.tasks.iter().scan(0, |row, task| {
+            let rows = *row..*row + task.rows;
+            *row = rows.end;
+            Some((task, rows))
+        })
+    }
+}
+
 /// A task's share of a [`Call`].
 #[derive(Clone)]
 pub struct CallTask {
