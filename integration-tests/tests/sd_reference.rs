@@ -82,12 +82,31 @@ fn copy_but(base: &Path, name: &str, own: &str) -> PathBuf {
 }
 
 /// [`model_dir`] with its UNet given a timestep per row by `scripts/unet_timestep_rows.py` (a copy
-/// of `unet/`, edited: ONNX Runtime reads external data only beside the graph; the rest by
-/// symlinks).
+/// of the edited `unet/` of [`per_row_unet`]: ONNX Runtime reads external data only beside the
+/// graph; the rest by symlinks).
 fn per_row_dir(case: &Value) -> PathBuf {
-    let base = model_dir(case);
-    let dir = copy_but(&base, &format!("sluice-sd-rows-{}", case["name"].as_str().unwrap()), "unet");
-    for entry in std::fs::read_dir(base.join("unet")).unwrap() {
+    let dir = copy_but(
+        &model_dir(case),
+        &format!("sluice-sd-rows-{}", case["name"].as_str().unwrap()),
+        "unet",
+    );
+    for entry in std::fs::read_dir(per_row_unet(case["model"].as_str().unwrap())).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join("unet").join(entry.file_name())).unwrap();
+    }
+    dir
+}
+
+/// The `unet/` of model `name` edited by `scripts/unet_timestep_rows.py`, once per model and
+/// process, and checked to load with a timestep per row.
+fn per_row_unet(name: &str) -> PathBuf {
+    static EDITED: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let mut edited = EDITED.lock().unwrap();
+    if let Some((_, unet)) = edited.iter().find(|(n, _)| n == name) {
+        return unet.clone();
+    }
+    let dir = copy_but(&models().join(name), &format!("sluice-sd-rows-model-{name}"), "unet");
+    for entry in std::fs::read_dir(models().join(name).join("unet")).unwrap() {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), dir.join("unet").join(entry.file_name())).unwrap();
     }
@@ -103,7 +122,8 @@ fn per_row_dir(case: &Value) -> PathBuf {
     let unet = OrtBackend::load(&runtime(), &dir.join("unet/model.onnx"), &SessionOptions::default()).unwrap();
     let timestep = unet.inputs().into_iter().find(|i| i.name == "timestep").unwrap();
     assert_eq!(timestep.shape, vec![-1], "{}: a timestep per row", dir.display());
-    dir
+    edited.push((name.to_owned(), dir.join("unet")));
+    dir.join("unet")
 }
 
 fn cases() -> Vec<Value> {
