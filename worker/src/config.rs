@@ -260,6 +260,12 @@ pub struct EngineArgs {
     /// Batches that may run on the device at once, each on its own engine thread and session.
     #[arg(long, env = "SLUICE_ENGINE_SLOTS", default_value_t = 1)]
     pub engine_slots: usize,
+    /// Engine slots kept for the interactive lane, beside `SLUICE_ENGINE_SLOTS`: an interactive
+    /// call runs on one while the shared slots are busy, so it waits for no other lane's call.
+    /// Each holds its own session of every model (that much more memory); for a GPU, whose
+    /// streams run one small call beside a large one.
+    #[arg(long, env = "SLUICE_INTERACTIVE_SLOTS", default_value_t = 0)]
+    pub interactive_slots: usize,
     /// Free memory a reload requires before it loads the new model, bytes (CPU: available system
     /// memory; CUDA: free device memory). Below it the worker exits for a clean restart.
     #[arg(long, env = "SLUICE_RELOAD_MIN_FREE_BYTES", default_value_t = 256 << 20)]

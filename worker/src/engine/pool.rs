@@ -58,7 +58,15 @@ struct Inner {
 impl Engine {
     /// Starts `slots` engine threads (at least one).
     pub fn start(slots: usize) -> Engine {
-        let slots = slots.max(1);
+        Engine::start_with_kept(slots, 0)
+    }
+
+    /// Starts `slots` engine threads (at least one) and `kept` more that only the interactive
+    /// lane's calls (and exclusive runs) use: an interactive call runs beside whatever holds
+    /// the shared slots ([`super::gate`]). Every thread holds its own session of every model.
+    pub fn start_with_kept(slots: usize, kept: usize) -> Engine {
+        let shared = slots.max(1);
+        let slots = shared + kept;
         let senders = (0..slots)
             .map(|i| {
                 let (tx, rx) = std_mpsc::channel();
@@ -73,12 +81,13 @@ impl Engine {
             inner: Arc::new(Inner {
                 slots: senders,
                 idle: Mutex::new((0..slots).rev().collect()),
-                gate: Gate::new(slots as u32),
+                gate: Gate::new(shared as u32, kept as u32),
                 loaders: Mutex::new(HashMap::new()),
             }),
         }
     }
 
+    /// Engine threads, kept ones included.
     pub fn slots(&self) -> usize {
         self.inner.slots.len()
     }

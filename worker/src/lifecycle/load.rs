@@ -51,7 +51,7 @@ pub(super) async fn load(config: &Config, models: Models, metrics: &Metrics) -> 
         tracing::warn!(?faults, "test fault injection is on (SLUICE_TEST_FAULTS): never in production");
         registry.map(|adapter| faults.inject(adapter))
     };
-    let engine = Engine::start(e.engine_slots);
+    let engine = Engine::start_with_kept(e.engine_slots, e.interactive_slots);
     let (health, _) = watch::channel(Health::default());
     let serving = Arc::new(
         Serving::start(
