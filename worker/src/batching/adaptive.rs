@@ -27,6 +27,8 @@ use crate::events::{self, Emit};
 use crate::metrics::Metrics;
 use crate::models::{Bucket, Prepared, concat_inputs};
 
+use super::joiners::Joiners;
+pub use super::joiners::Joining;
 use super::steps::{Checkpoints, Progress, Resume, Resumes};
 
 /// The learned batch ceiling of one bucket (tasks per model call).
@@ -149,14 +151,6 @@ fn no_backoff() -> u32 {
 
 fn is_no_backoff(b: &u32) -> bool {
     *b <= 1
-}
-
-/// Where a running batch of a step-by-step bucket finds the tasks that join it at a step
-/// boundary: those of its lane and bucket that arrived since it started, made ready to run.
-pub trait Joining<T>: Send {
-    /// Up to `room` tasks ready to join the running batch's next call, without waiting for any
-    /// to come. `room` 0: the batch takes no more for now.
-    fn more(&mut self, room: usize) -> BoxFuture<'_, Vec<T>>;
 }
 
 /// Where learned ceilings outlive the process, keyed by bucket (its `Display` form) on this
@@ -338,11 +332,11 @@ pub struct Adaptive {
 
 /// A running set of a step-by-step bucket ([`Adaptive::run_running`]): its tasks, where the
 /// ones to join it come from, and where each task stands.
-struct Running<'a, T> {
+struct Running<'a, 'j, T> {
     items: &'a mut Vec<T>,
     /// Tasks of the batch put aside (after an out-of-memory error): they join first.
     pending: &'a mut VecDeque<T>,
-    joining: &'a mut dyn Joining<T>,
+    joiners: &'a mut Joiners<'j, T>,
     resumes: &'a mut Resumes,
     /// The most tasks that ran together.
     most: usize,
@@ -659,7 +653,8 @@ impl Adaptive {
 
     /// Runs the running set `set` one call of [`Adaptive::with_steps_per_call`] steps at a
     /// time. Before each call, tasks from `set.pending` (put aside after an out-of-memory
-    /// error), then from `set.joining`, join it at their first step (or their resume point), as
+    /// error), then from `set.joiners` (asked for at the boundary before and prepared while the
+    /// call ran: [`Joiners`]), join it at their first step (or their resume point), as
     /// many as the bucket's limit has room for; after it, the tasks whose steps ended (or that
     /// were cancelled) leave the set and are reported through `on_done`. Each call takes its own
     /// turn at the device gate. Returns the last call's outputs, for the tasks left in `set.items`
@@ -671,7 +666,7 @@ impl Adaptive {
     async fn run_running<T: BatchItem>(
         &self,
         bucket: &Bucket,
-        set: &mut Running<'_, T>,
+        set: &mut Running<'_, '_, T>,
         had: &mut u32,
         on_done: &mut impl FnMut(Done<T>),
     ) -> Result<(Vec<Tensor>, Instant), EngineError> {
@@ -684,15 +679,16 @@ impl Adaptive {
         loop {
             // Joining before each call, the first too: the batcher keeps the tasks that arrive
             // for this batch from the moment it says it has room.
-            self.join_waiting(bucket, set, &mut progress).await;
+            self.join_waiting(bucket, set, &mut progress);
             let call = call_of(bucket, set.items);
             let turn = crate::engine::Turn {
                 lane,
                 had: newest_turns(&call, &mut calls_of),
             };
             *had += 1;
-            let (outputs, granted) = match self
-                .device_call(&bucket.model, progress.next_call(&call, per_call), false, turn)
+            let (outputs, granted) = match set
+                .joiners
+                .during(self.device_call(&bucket.model, progress.next_call(&call, per_call), false, turn))
                 .await
             {
                 Ok(done) => done,
@@ -738,12 +734,13 @@ impl Adaptive {
         }
     }
 
-    /// The tasks waiting to join `set` (put aside ones first), as many as the bucket's limit has
-    /// room for, added to it and to `progress` at their first step or their resume point.
-    async fn join_waiting<T: BatchItem>(&self, bucket: &Bucket, set: &mut Running<'_, T>, progress: &mut Progress<'_>) {
+    /// The tasks waiting to join `set` (put aside ones first, then joiners ready now), as many as
+    /// the bucket's limit has room for, added to it and to `progress` at their first step or
+    /// their resume point.
+    fn join_waiting<T: BatchItem>(&self, bucket: &Bucket, set: &mut Running<'_, '_, T>, progress: &mut Progress<'_>) {
         let room = self.limit(bucket).saturating_sub(set.items.len());
         let mut joined: Vec<T> = set.pending.drain(..room.min(set.pending.len())).collect();
-        joined.extend(set.joining.more(room - joined.len()).await);
+        joined.extend(set.joiners.ready(room - joined.len()));
         if joined.is_empty() {
             return;
         }
@@ -889,12 +886,14 @@ impl Adaptive {
                 self.engine.release_memory(&bucket.model);
             }
             let asked = Instant::now();
+            // A running set's joiners: those prepared and not joined when it stops run next.
+            let mut joiners = None;
             let result = match joining.as_deref_mut() {
                 Some(joining) if self.joinable(bucket, &chunk) => {
                     let mut set = Running {
                         items: &mut chunk.items,
                         pending: &mut pending,
-                        joining,
+                        joiners: joiners.insert(Joiners::new(joining)),
                         resumes: &mut resumes,
                         most: size,
                     };
@@ -956,6 +955,10 @@ impl Adaptive {
                         });
                     }
                 }
+            }
+            // After the set's last tasks are reported: a joiner may be waiting on their end.
+            if let Some(mut joiners) = joiners {
+                pending.extend(joiners.settle().await);
             }
         }
     }
@@ -1564,6 +1567,63 @@ mod tests {
         assert_eq!(done, vec![("1".into(), 3.0, 2), ("2".into(), 3.0, 2), ("3".into(), 3.0, 2)]);
         assert_eq!(arrivals.rooms, vec![1, 1, 0, 1, 1, 1], "no room while the pair runs");
         assert_eq!(device.peak.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    /// A set does not wait at a step boundary for a joiner still being prepared (its start
+    /// record, say, a commit round trip away): the joiner here is ready only once task 1 has
+    /// been reported, which a set that waited for it would never reach. Task 1 runs its steps
+    /// alone; the joiner, prepared and marked started, runs after it rather than being lost.
+    #[tokio::test]
+    async fn a_running_set_goes_on_while_a_joiner_is_prepared() {
+        struct Held {
+            item: Option<Item>,
+            asks: usize,
+            release: Arc<tokio::sync::Notify>,
+        }
+        impl Joining<Item> for Held {
+            fn more(&mut self, room: usize) -> BoxFuture<'_, Vec<Item>> {
+                self.asks += 1;
+                let item = if self.asks >= 2 && room > 0 { self.item.take() } else { None };
+                let release = self.release.clone();
+                Box::pin(async move {
+                    if item.is_some() {
+                        release.notified().await;
+                    }
+                    item.into_iter().collect()
+                })
+            }
+        }
+        let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
+        let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(1);
+        let release = Arc::new(tokio::sync::Notify::new());
+        let mut held = Held {
+            item: items([2], 1).pop(),
+            asks: 0,
+            release: release.clone(),
+        };
+        let mut done = Vec::new();
+        let b = stepped_bucket(4, None);
+        let run = a.run_joined(&b, items([1], 1), Some(&mut held), |d| match d {
+            Done::Ran {
+                items,
+                outputs,
+                batch_size,
+                ..
+            } => {
+                let y = outputs[0].f32_rows(0, items.len()).unwrap().to_vec();
+                for (i, y) in items.into_iter().zip(y) {
+                    if i.1 == "1" {
+                        release.notify_one();
+                    }
+                    done.push((i.1, y, batch_size));
+                }
+            }
+            Done::Failed { error, .. } => panic!("{error}"),
+        });
+        tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .expect("the set waited at a boundary for its joiner");
+        assert_eq!(done, vec![("1".into(), 4.0, 1), ("2".into(), 4.0, 1)]);
     }
 
     /// An out-of-memory error in a running set that tasks joined halves it, and every task,

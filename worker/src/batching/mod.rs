@@ -7,4 +7,5 @@
 pub mod adaptive;
 pub(crate) mod batcher;
 pub mod fair;
+mod joiners;
 pub mod steps;
