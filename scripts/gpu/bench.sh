@@ -14,7 +14,8 @@
 #   5. sched (not a default step): `sluice-bench sched` with the SD-1.5-shaped model's 512²,
 #      20-step tasks (its UNet given a timestep per row) as the long background and sd-tiny's short and interactive tasks between
 #      them: step-level against request-level scheduling where a step is tens of milliseconds of
-#      the device's (SLUICE_BENCH_SCHED_* apply; one round by default).
+#      the device's, with one engine slot, two, and two and an interactive one
+#      (SLUICE_BENCH_SCHED_* apply; one round by default).
 # Settings: SLUICE_GPU_BENCH_ROWS (size:steps:batch, comma-separated; default
 # 512:20:1,512:20:4,512:50:1,1024:20:1,1024:20:4), _TASKS (tasks per row at 512², fewer for larger
 # images; default 16), _RELOADS (5), _STEPS ("pipeline reloads", or with "sched"). The worker's CUDA settings
@@ -80,6 +81,6 @@ if [[ " $steps " == *" sched "* ]]; then
   sed "s|^name = \"sd15\"|&\npath = \"$work/models/sd15\"|" "$work/catalog.toml" >"$work/sched-catalog.toml"
   (cd "$root" && SLUICE_BENCH_SCHED_CATALOG="$work/sched-catalog.toml" SLUICE_BENCH_SCHED_LONG=sd15 \
     SLUICE_BENCH_SCHED_LONG_SIZE="${SLUICE_BENCH_SCHED_LONG_SIZE:-512}" \
-    SLUICE_BENCH_SCHED_MODES="${SLUICE_BENCH_SCHED_MODES:-request,step,in-step}" \
+    SLUICE_BENCH_SCHED_MODES="${SLUICE_BENCH_SCHED_MODES:-request,step,step-2,step-2-kept}" \
     SLUICE_BENCH_SCHED_ROUNDS="${SLUICE_BENCH_SCHED_ROUNDS:-1}" "$BIN/sluice-bench" sched) | tee "$out/sched.md"
 fi
