@@ -330,6 +330,7 @@ impl Emit for CarriedOn<'_> {
 /// A task succeeded (its completion was acknowledged).
 pub(crate) struct TaskSucceeded<'a> {
     pub task_id: &'a str,
+    pub lane: sluice_schemas::Priority,
     pub images: usize,
     pub total: Duration,
     pub upload: Duration,
@@ -339,7 +340,9 @@ pub(crate) struct TaskSucceeded<'a> {
 impl Emit for TaskSucceeded<'_> {
     fn emit(self, m: &Metrics) {
         m.tasks_finished.with_label_values(&["succeeded"]).inc();
-        m.task_seconds.observe(self.total.as_secs_f64());
+        m.task_seconds
+            .with_label_values(&[self.lane.name()])
+            .observe(self.total.as_secs_f64());
         if self.duplicate {
             m.duplicates_skipped.inc();
         } else {

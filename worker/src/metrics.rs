@@ -27,7 +27,7 @@ pub struct Metrics {
     pub(crate) inference_seconds: HistogramVec,
     pub(crate) model_call_seconds: HistogramVec,
     pub(crate) upload_seconds: Histogram,
-    pub(crate) task_seconds: Histogram,
+    pub(crate) task_seconds: HistogramVec,
     pub(crate) in_flight: IntGauge,
     pub(crate) uncommitted: IntGauge,
     pub(crate) oldest_in_flight_seconds: prometheus::Gauge,
@@ -189,7 +189,11 @@ impl Metrics {
             ),
             task_seconds: register(
                 &r,
-                Histogram::with_opts(seconds("sluice_worker_task_seconds", "From submission to completion")).unwrap(),
+                HistogramVec::new(
+                    seconds("sluice_worker_task_seconds", "From submission to completion, by the task's priority lane"),
+                    &["lane"],
+                )
+                .unwrap(),
             ),
             in_flight: register(
                 &r,

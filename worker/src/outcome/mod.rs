@@ -158,6 +158,7 @@ impl Outcomes {
         }
         TaskSucceeded {
             task_id: &task_id,
+            lane: job.task.priority,
             images: event.outputs.len(),
             total: Duration::from_millis(timings.total_ms),
             upload,
