@@ -292,6 +292,24 @@ async fn bad_requests_get_4xx_naming_the_field() {
         (terrain["max_task_pixels"].as_u64(), terrain["max_task_rows"].as_u64()),
         (Some(8_388_608), Some(1024))
     );
+    // The lanes, best first; without a key, not which the caller may use.
+    assert_eq!(
+        models["lanes"],
+        json!({"names": ["interactive", "standard", "batch"], "default": "standard"})
+    );
+    let with_key = |key: &str| {
+        reqwest::Client::new()
+            .get(format!("{}/v1/models", c.producer_url))
+            .bearer_auth(key)
+            .send()
+    };
+    let mine: Value = with_key(API_KEY).await.unwrap().json().await.unwrap();
+    assert_eq!(
+        mine["lanes"]["granted"],
+        json!(["standard", "batch"]),
+        "a tenant not listed in SLUICE_TENANT_LANES"
+    );
+    assert_eq!(with_key("not-a-key").await.unwrap().status(), 401);
 
     // Not JSON at all.
     let response = reqwest::Client::new()

@@ -136,13 +136,20 @@ pub fn metrics_router(metrics: Metrics) -> Router {
 }
 
 /// `GET /v1/models`: every served model with its kind, bounds and defaults (the catalog minus
-/// file paths).
-async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
-    Json(model_list(&s.catalog))
+/// file paths), and the priority lanes; with the caller's API key (or on an open producer), the
+/// lanes its tenant may use. A key that is not valid is refused, as everywhere.
+async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let granted = match tenant_of(&s, &headers) {
+        Ok(tenant) => Some(s.lanes.of(&tenant)),
+        Err(e) if headers.contains_key(header::AUTHORIZATION) => return e.into_response(),
+        Err(_) => None,
+    };
+    Json(model_list(&s.catalog, granted)).into_response()
 }
 
-/// The body of `GET /v1/models` (`model-list.schema.json`).
-pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
+/// The body of `GET /v1/models` (`model-list.schema.json`): `granted`, the lanes of the caller's
+/// tenant where it is known.
+pub fn model_list(catalog: &sluice_schemas::Catalog, granted: Option<&[sluice_schemas::Priority]>) -> Value {
     let models: Vec<Value> = catalog
         .models
         .iter()
@@ -167,7 +174,15 @@ pub fn model_list(catalog: &sluice_schemas::Catalog) -> Value {
             })
         })
         .collect();
-    json!({ "models": models })
+    let names = |lanes: &[sluice_schemas::Priority]| lanes.iter().map(|l| l.name()).collect::<Vec<_>>();
+    let mut lanes = json!({
+        "names": names(&sluice_schemas::Priority::ALL),
+        "default": sluice_schemas::Priority::default().name(),
+    });
+    if let Some(granted) = granted {
+        lanes["granted"] = json!(names(granted));
+    }
+    json!({ "models": models, "lanes": lanes })
 }
 
 async fn submit(State(s): State<Arc<AppState>>, headers: HeaderMap, body: axum::body::Body) -> Response {

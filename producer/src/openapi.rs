@@ -200,9 +200,10 @@ pub fn document() -> Value {
             "/v1/models": {
                 "get": {
                     "operationId": "listModels",
-                    "summary": "The served models, their bounds and defaults",
-                    "security": [],
-                    "responses": {"200": json_body("ModelList", "The catalog.")}
+                    "summary": "The served models, their bounds and defaults, and the priority lanes",
+                    "description": "Open to every caller. With an API key (or on a producer without keys), `lanes.granted` lists the lanes the key's tenant may ask for; a key that is not valid is refused.",
+                    "security": [{}, {"bearer": []}],
+                    "responses": {"200": json_body("ModelList", "The catalog and the lanes."), "401": unauthorized}
                 }
             },
             "/healthz": {
@@ -336,7 +337,9 @@ mod tests {
                 .join("../deploy/models.demo.toml"),
         ))
         .unwrap();
-        validate(RecordKind::ModelList, &crate::api::model_list(&catalog)).unwrap();
+        validate(RecordKind::ModelList, &crate::api::model_list(&catalog, None)).unwrap();
+        let granted = crate::auth::TenantLanes::UNLISTED;
+        validate(RecordKind::ModelList, &crate::api::model_list(&catalog, Some(&granted))).unwrap();
     }
 
     /// The document's request schema is the validator's: a sample of requests gets the same
