@@ -144,7 +144,8 @@ async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response 
         Err(e) if headers.contains_key(header::AUTHORIZATION) => return e.into_response(),
         Err(_) => None,
     };
-    Json(model_list(&s.catalog, granted)).into_response()
+    // The body depends on the key: no cache may hand one caller's to another.
+    ([(header::VARY, "Authorization")], Json(model_list(&s.catalog, granted))).into_response()
 }
 
 /// The body of `GET /v1/models` (`model-list.schema.json`): `granted`, the lanes of the caller's

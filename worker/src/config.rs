@@ -261,7 +261,8 @@ pub struct EngineArgs {
     #[arg(long, env = "SLUICE_ENGINE_SLOTS", default_value_t = 1)]
     pub engine_slots: usize,
     /// Engine slots kept for the interactive lane, beside `SLUICE_ENGINE_SLOTS`: an interactive
-    /// call runs on one while the shared slots are busy, so it waits for no other lane's call.
+    /// call runs on one first, so it does not wait for the shared slots' calls (it still waits
+    /// when every kept slot is busy, or for an exclusive call in its turn).
     /// Each holds its own session of every model (that much more memory); for a GPU, whose
     /// streams run one small call beside a large one.
     #[arg(long, env = "SLUICE_INTERACTIVE_SLOTS", default_value_t = 0)]

@@ -44,21 +44,23 @@ struct Taken {
 
 impl State {
     /// The permits `permits` in `lane` would take now, if they are free: an exclusive call
-    /// (every permit) takes both pools whole; an interactive call takes shared permits first,
-    /// then kept ones; any other only shared ones.
+    /// (every permit) takes both pools whole; an interactive call takes kept permits first, so
+    /// that the shared ones stay with the other lanes' calls (a running batch gives its permit
+    /// back between its calls), then shared ones; any other only shared ones.
     fn fits(&self, permits: u32, lane: Priority) -> Option<Taken> {
         if permits >= self.total {
             (self.free + self.kept_free == self.total).then_some(Taken {
                 shared: self.free,
                 kept: self.kept_free,
             })
+        } else if lane == Priority::Interactive && permits <= self.free + self.kept_free {
+            let kept = permits.min(self.kept_free);
+            Some(Taken {
+                shared: permits - kept,
+                kept,
+            })
         } else if permits <= self.free {
             Some(Taken { shared: permits, kept: 0 })
-        } else if lane == Priority::Interactive && permits <= self.free + self.kept_free {
-            Some(Taken {
-                shared: self.free,
-                kept: permits - self.free,
-            })
         } else {
             None
         }
@@ -266,6 +268,19 @@ mod tests {
         let again = tokio::time::timeout(Duration::from_millis(5), gate.acquire(1, lane(Priority::Batch))).await;
         assert!(again.is_ok(), "the permit came back");
         assert!(gate.state.lock().unwrap().waiting.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_interactive_call_takes_the_kept_slot_first() {
+        let gate = Gate::new(1, 1);
+        let interactive = gate.acquire(1, lane(Priority::Interactive)).await;
+        {
+            let state = gate.state.lock().unwrap();
+            assert_eq!((state.free, state.kept_free), (1, 0), "the shared slot stays with the other lanes");
+        }
+        let standard = tokio::time::timeout(Duration::from_millis(5), gate.acquire(1, lane(Priority::Standard))).await;
+        assert!(standard.is_ok(), "a standard call runs beside it");
+        drop(interactive);
     }
 
     #[tokio::test(start_paused = true)]

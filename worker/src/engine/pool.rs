@@ -49,6 +49,8 @@ pub struct Engine {
 
 struct Inner {
     slots: Vec<std_mpsc::Sender<Command>>,
+    /// Slots any lane's calls take (the rest are kept for the interactive lane).
+    shared: usize,
     idle: Mutex<Vec<usize>>,
     gate: Gate,
     /// How each loaded model was loaded, for [`Engine::rebuild`].
@@ -80,6 +82,7 @@ impl Engine {
         Engine {
             inner: Arc::new(Inner {
                 slots: senders,
+                shared,
                 idle: Mutex::new((0..slots).rev().collect()),
                 gate: Gate::new(shared as u32, kept as u32),
                 loaders: Mutex::new(HashMap::new()),
@@ -90,6 +93,11 @@ impl Engine {
     /// Engine threads, kept ones included.
     pub fn slots(&self) -> usize {
         self.inner.slots.len()
+    }
+
+    /// Engine threads every lane's calls take: the kept ones left out.
+    pub fn shared_slots(&self) -> usize {
+        self.inner.shared
     }
 
     /// Runs a batch of `model` on one engine thread, in its `turn` among the calls waiting for

@@ -72,7 +72,7 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
         job_rx,
         adaptive,
         Duration::from_millis(b.max_wait_ms),
-        Admission::for_slots(loaded.engine.slots()),
+        Admission::for_slots(loaded.engine.shared_slots()),
     );
     let batcher = batcher.with_tenant_weights(b.tenant_weights.clone());
     let control = SourceControl {
