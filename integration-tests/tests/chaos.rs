@@ -970,6 +970,79 @@ async fn a_task_killed_mid_denoise_carries_on_from_its_checkpoint_to_the_same_im
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// Kills in a loop: a 40-step 256² sd-tiny task, checkpoints every 4 steps, one step a call, its
+/// worker killed with SIGKILL four times, each after its own count of steps (5, 3, 6, 7: some
+/// past a checkpoint, one before the next), then left to finish. Per kill, the steps re-run are
+/// where the killed worker had got to (the step it started from, from its `started` record, plus
+/// the model calls its metrics counted just before the kill) less the step the next worker
+/// started from; a call that ends between the reading and the kill makes it one more. Goal: at
+/// most `checkpoint_every`, one more allowed for a checkpoint still being written at the kill
+/// (writes overlap the next step). One completion, no DLQ record, the uninterrupted run's image.
+#[tokio::test(flavor = "multi_thread")]
+async fn kills_in_a_loop_re_run_at_most_a_checkpoint_interval_each_and_the_image_is_the_same() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("checkpoint-kills", 1).unwrap();
+    let every = 4;
+    let (models, catalog) = checkpointing_catalog(stack, every);
+    let env = checkpointing_worker(&models, &catalog);
+    let group = "chaos-checkpoint-kills";
+    let task = sluice_integration_tests::sd_task(90_003, 256, 40, 1);
+    let id = task.0.clone();
+    let calls = "sluice_worker_model_call_seconds_count{model=\"sd-tiny\"}";
+    let mut ran = Vec::new();
+    for (kill, steps) in [5.0, 3.0, 6.0, 7.0].into_iter().enumerate() {
+        let mut w = worker_with(stack, "checkpoint-kills-0", group, &topics, &env).await;
+        w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+        if kill == 0 {
+            publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, std::slice::from_ref(&task))
+                .await
+                .unwrap();
+        }
+        let counted = sluice_integration_tests::wait_for("the worker's steps", Duration::from_secs(120), async || {
+            w.metric(calls).await.filter(|&n| n >= steps)
+        })
+        .await
+        .unwrap();
+        w.service.kill9();
+        ran.push(counted as u32);
+    }
+    let mut w = worker_with(stack, "checkpoint-kills-0", group, &topics, &env).await;
+    let done = Outcomes::wait(stack.brokers(), &topics, &BTreeSet::from([id.clone()]), Duration::from_secs(240)).unwrap();
+    let started = started_steps(stack, &id);
+    let twin_image = uninterrupted_twin(stack, &topics, (90_003, 40, 1)).await;
+    let image = &done.completions[&id][0];
+    assert_eq!(started.len(), ran.len() + 1, "a started record per worker: {started:?}");
+    // Where each killed worker got to, less where the next one started.
+    let re_run: Vec<i64> = (0..ran.len())
+        .map(|k| (started[k] + ran[k]) as i64 - started[k + 1] as i64)
+        .collect();
+    table(
+        "a 40-step task, its worker killed (SIGKILL) 4 times, checkpoints every 4 steps",
+        &[
+            ("steps each worker ran before its kill", format!("{ran:?}")),
+            ("step each worker started from", format!("{started:?}")),
+            ("steps re-run per kill", format!("{re_run:?}")),
+            ("completions", done.completions[&id].len().to_string()),
+            ("same PNG as without a stop", same_images(image, &twin_image).to_string()),
+        ],
+    );
+    assert_eq!(done.completions[&id].len(), 1);
+    assert_eq!(image.status, CompletionStatus::Succeeded, "{image:?}");
+    assert_eq!(done.dlq_reason(&id), None);
+    assert!(same_images(image, &twin_image), "the image is the uninterrupted one's");
+    assert!(
+        re_run.iter().all(|&r| (0..=every as i64 + 1).contains(&r)),
+        "steps re-run per kill {re_run:?}: at most {every} (+1)"
+    );
+    assert!(
+        started.windows(2).all(|w| w[1] >= w[0]),
+        "no worker started behind its predecessor: {started:?}"
+    );
+    assert!(*started.last().unwrap() >= 8, "the kills did not all start over: {started:?}");
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
 /// `sluice-worker sweep-checkpoints` on the stack's S3 server: with the default age a fresh
 /// checkpoint stays; with an age of 0 s it goes, and the image beside it stays.
 #[tokio::test(flavor = "multi_thread")]

@@ -106,10 +106,14 @@ async fn resume_from_checkpoint(stage: &DecodeStage, bucket: &Bucket, mut job: J
         model: bucket.model.clone(),
         bucket: bucket.key.name().to_owned(),
     };
-    match CheckpointStore::new(stage.store.images.clone(), stage.store.metrics.clone())
+    let found = CheckpointStore::new(stage.store.images.clone(), stage.store.metrics.clone())
         .latest(&owner)
         .await
-    {
+        .map(|(resume, stored)| {
+            job.checkpoints_stored = stored;
+            resume
+        });
+    match found {
         Ok(Some(resume)) => {
             let fits =
                 steps.start < resume.step && resume.step < steps.end && resume.carried.iter().all(|t| t.rows() == bucket.rows_per_task);
@@ -132,10 +136,11 @@ async fn resume_from_checkpoint(stage: &DecodeStage, bucket: &Bucket, mut job: J
 }
 
 /// The crash guard's verdict on a task with no earlier results: it runs (alone, when an earlier
-/// worker started it and died), or goes to the DLQ after `SLUICE_MAX_CRASHES` such starts.
+/// worker started it and died), or goes to the DLQ after `SLUICE_MAX_CRASHES` such starts that
+/// made no progress (each step checkpoint stored is a start's progress).
 fn guard(stage: &DecodeStage, bucket: Bucket, job: Job) -> Option<(Bucket, Job)> {
     let origin = &job.record.origin;
-    match stage.crash_guard.verdict(origin) {
+    match stage.crash_guard.verdict(origin, job.checkpoints_stored) {
         Verdict::Run => Some((bucket, job)),
         Verdict::Alone { starts } => {
             tracing::warn!(parent: &job.span, starts, "started before by a worker that stopped before it finished; running it alone");
@@ -144,8 +149,8 @@ fn guard(stage: &DecodeStage, bucket: Bucket, job: Job) -> Option<(Bucket, Job)>
         }
         Verdict::Crashed { starts } => {
             let message = format!(
-                "started {starts} times without an outcome: each start ended the worker that ran it \
-                 (an abort, a crash in native code or an OOM kill; SLUICE_MAX_CRASHES)"
+                "started {starts} times without an outcome or a new step checkpoint: each start ended the \
+                 worker that ran it (an abort, a crash in native code or an OOM kill; SLUICE_MAX_CRASHES)"
             );
             tracing::error!(parent: &job.span, starts, "a record that keeps killing workers goes to the DLQ");
             stage.outcomes.fail(job, Failure::new(DlqReason::Crashed, message));
@@ -208,6 +213,7 @@ fn job_of(stage: &DecodeStage, record: Record) -> Option<Job> {
         inputs: Default::default(),
         checkpointed: false,
         resume: None,
+        checkpoints_stored: 0,
     })
 }
 

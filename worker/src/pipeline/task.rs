@@ -21,6 +21,9 @@ pub struct Job {
     pub(crate) checkpointed: bool,
     /// Where it carries on, from its latest checkpoint (a task that ran before).
     pub(crate) resume: Option<crate::batching::steps::Resume>,
+    /// How many step checkpoints of it are stored: each is a step some earlier run reached, the
+    /// progress the crash guard credits against its starts.
+    pub(crate) checkpoints_stored: u32,
 }
 
 impl Job {

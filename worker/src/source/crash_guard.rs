@@ -11,8 +11,11 @@
 //! lease: a record in it was in its model call when an earlier owner died. Such a record runs
 //! again alone, in a call of its own and one suspect at a time, so that the tasks batched or
 //! running with it are not blamed with it again; once it has been started
-//! `SLUICE_MAX_CRASHES` times without an outcome it goes to the DLQ as `crashed` instead of
-//! running.
+//! `SLUICE_MAX_CRASHES` times without an outcome, more than it has step checkpoints stored (each
+//! a step a start reached: a task preempted while it gets on is not a crash loop), it goes to the
+//! DLQ as `crashed` instead of running. A task that joins a running batch is marked started while
+//! the call before the one it joins runs (it is made ready meanwhile:
+//! [`crate::batching`]'s joiners), so a crash in that call counts for it too.
 //!
 //! The metadata is the list ` started:` ([`crate::source::offset_list`]), each offset with how
 //! many times it was started. It is bounded: past [`MAX_METADATA_CHARS`] the highest offsets are
@@ -65,14 +68,19 @@ impl CrashGuard {
         }
     }
 
-    /// The verdict on a record about to be batched.
-    pub(crate) fn verdict(&self, origin: &Origin) -> Verdict {
+    /// The verdict on a record about to be batched, whose task has `progress` step checkpoints
+    /// stored. Started before: it runs alone. It goes to the DLQ once its starts without
+    /// progress reach `max_crashes`: each stored checkpoint is a step a start reached, so it
+    /// excuses one start. A task preempted again and again while it gets on carries on; one
+    /// that kills its worker at the same step every time stops after `max_crashes` starts more
+    /// than its checkpoints, a bounded number.
+    pub(crate) fn verdict(&self, origin: &Origin, progress: u32) -> Verdict {
         if self.max_crashes == 0 {
             return Verdict::Run;
         }
         match self.offsets.previous_starts(origin) {
             0 => Verdict::Run,
-            starts if starts >= self.max_crashes => Verdict::Crashed { starts },
+            starts if starts.saturating_sub(progress) >= self.max_crashes => Verdict::Crashed { starts },
             starts => Verdict::Alone { starts },
         }
     }
@@ -168,10 +176,21 @@ mod tests {
         offsets.found_starts(&o[0], parse_starts(" started:1*2,2*3"));
         offsets.found_lease(&o[0], Ok(4096));
         let guard = CrashGuard::new(offsets.clone(), 3);
-        assert_eq!(guard.verdict(&o[0]), Verdict::Run);
-        assert_eq!(guard.verdict(&o[1]), Verdict::Alone { starts: 2 });
-        assert_eq!(guard.verdict(&o[2]), Verdict::Crashed { starts: 3 });
-        assert_eq!(CrashGuard::new(offsets.clone(), 0).verdict(&o[2]), Verdict::Run, "0 turns it off");
+        assert_eq!(guard.verdict(&o[0], 0), Verdict::Run);
+        assert_eq!(guard.verdict(&o[1], 0), Verdict::Alone { starts: 2 });
+        assert_eq!(guard.verdict(&o[2], 0), Verdict::Crashed { starts: 3 });
+        // Step checkpoints stored are progress: each excuses a start, and the rest still count.
+        assert_eq!(guard.verdict(&o[2], 1), Verdict::Alone { starts: 3 });
+        assert_eq!(
+            guard.verdict(&o[1], 5),
+            Verdict::Alone { starts: 2 },
+            "started before: alone all the same"
+        );
+        assert_eq!(
+            CrashGuard::new(offsets.clone(), 0).verdict(&o[2], 0),
+            Verdict::Run,
+            "0 turns it off"
+        );
         // Carried into this owner's first commit as found.
         let c = offsets.commit_candidates();
         assert_eq!(c[0].started, BTreeMap::from([(1, 2), (2, 3)]));

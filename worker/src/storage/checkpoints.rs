@@ -204,11 +204,13 @@ impl CheckpointStore {
         Ok(keys)
     }
 
-    /// The latest checkpoint of the task that reads back as `owner`'s, if any; each that does
-    /// not is passed over with a WARN.
-    pub(crate) async fn latest(&self, owner: &Owner) -> Result<Option<Resume>, StorageError> {
+    /// The latest checkpoint of the task that reads back as `owner`'s, if any (each that does
+    /// not is passed over with a WARN), and how many of the task's checkpoints are stored.
+    pub(crate) async fn latest(&self, owner: &Owner) -> Result<(Option<Resume>, u32), StorageError> {
         let (store, _) = self.images.objects();
-        for key in self.keys(owner.task_id).await? {
+        let keys = self.keys(owner.task_id).await?;
+        let stored = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        for key in keys {
             let result = store.get(&key).await?;
             if result.meta.size > MAX_CHECKPOINT_BYTES {
                 tracing::warn!(%key, bytes = result.meta.size, "a checkpoint larger than any this worker writes; passed over");
@@ -216,11 +218,11 @@ impl CheckpointStore {
             }
             let bytes = result.bytes().await?;
             match decode(&bytes, owner) {
-                Ok(resume) => return Ok(Some(resume)),
+                Ok(resume) => return Ok((Some(resume), stored)),
                 Err(reason) => tracing::warn!(%key, reason, "an unreadable checkpoint; passed over"),
             }
         }
-        Ok(None)
+        Ok((None, stored))
     }
 
     /// Deletes the task's checkpoints.
