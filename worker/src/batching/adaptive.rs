@@ -1446,6 +1446,65 @@ mod tests {
         }
     }
 
+    /// A task being handed off (its partition drains for a rebalance: its hooks say so) has its
+    /// state kept after every step, while the task beside it keeps the bucket's `checkpoint_every`.
+    #[tokio::test]
+    async fn a_task_handed_off_keeps_its_state_after_every_step() {
+        struct Kept(Mutex<Vec<(String, usize)>>);
+        impl Checkpoints for Kept {
+            fn save(&self, task: &str, _: &Bucket, resume: Resume) {
+                self.0.lock().unwrap().push((task.to_owned(), resume.step));
+            }
+        }
+        struct Handoff(bool);
+        impl crate::engine::TaskHooks for Handoff {
+            fn cancelled(&self) -> bool {
+                false
+            }
+            fn progress(&self, _: usize, _: usize) {}
+            fn handed_off(&self) -> bool {
+                self.0
+            }
+        }
+        struct Task(Item, Arc<Handoff>);
+        impl BatchItem for Task {
+            fn prepared(&self) -> &Prepared {
+                self.0.prepared()
+            }
+            fn id(&self) -> String {
+                self.0.id()
+            }
+            fn dimensions(&self) -> String {
+                self.0.dimensions()
+            }
+            fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
+                Some(self.1.clone())
+            }
+        }
+        let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
+        let kept = Arc::new(Kept(Mutex::new(Vec::new())));
+        let a = Arc::into_inner(a)
+            .expect("one owner")
+            .with_steps_per_call(1)
+            .with_checkpoints(kept.clone());
+        let tasks: Vec<Task> = items([1, 2], 1)
+            .into_iter()
+            .map(|i| {
+                let handed_off = i.1 == "1";
+                Task(i, Arc::new(Handoff(handed_off)))
+            })
+            .collect();
+        a.run(&stepped_bucket(7, Some(3)), tasks, |done| {
+            if let Done::Failed { error, .. } = done {
+                panic!("{error}")
+            }
+        })
+        .await;
+        let steps = |id: &str| -> Vec<usize> { kept.0.lock().unwrap().iter().filter(|(t, _)| t == id).map(|(_, s)| *s).collect() };
+        assert_eq!(steps("1"), vec![1, 2, 3, 4, 5, 6], "handed off");
+        assert_eq!(steps("2"), vec![3, 6], "staying");
+    }
+
     /// `checkpoint_seconds` keeps a task's state once that long has gone by since it was last
     /// kept, whatever the steps: with none (zero) after every step before the last, with an hour
     /// never in a short run; with `checkpoint_every` beside it, at its steps too.

@@ -202,15 +202,22 @@ impl<'a> Progress<'a> {
     /// The resume points of the tasks due a checkpoint, with steps left: their rows passed a
     /// multiple of the bucket's `checkpoint_every` steps (from its first) in the last call, or
     /// moved with `checkpoint_seconds` gone by since their state was last kept (or their run here
-    /// began). Draining, every task whose rows moved. Their state counts as kept from now.
+    /// began). Draining (the worker, or a task's partition: [`crate::engine::TaskHooks::handed_off`]), every
+    /// task whose rows moved. Their state counts as kept from now.
     pub(super) fn due(&mut self, call: &Call, draining: bool) -> Vec<(String, Resume)> {
         let (first, end) = (self.stepped.steps.start, self.stepped.steps.end);
         let (every, seconds) = (self.stepped.checkpoint_every, self.stepped.checkpoint_seconds);
+        let mut handed_off = vec![draining; self.at.len()];
+        for (task, rows) in call.task_rows() {
+            if task.hooks.as_ref().is_some_and(|h| h.handed_off()) {
+                handed_off[rows].fill(true);
+            }
+        }
         let points = self.points(call, |from| {
             let (was, is) = (self.before[from], self.at[from]);
             let by_steps = every.is_some_and(|every| (is - first) / every.max(1) > (was - first) / every.max(1));
             let by_time = seconds.is_some_and(|s| self.kept[from].elapsed() >= s);
-            is < end && is > was && (draining || by_steps || by_time)
+            is < end && is > was && (handed_off[from] || by_steps || by_time)
         });
         for (task, rows) in call.task_rows() {
             if points.iter().any(|(id, _)| *id == task.id) {

@@ -78,6 +78,12 @@ pub trait TaskHooks: Send + Sync {
     fn cancelled(&self) -> bool;
     /// The task finished step `step` of `steps` (1-based).
     fn progress(&self, step: usize, steps: usize);
+    /// Whether the task is being handed to another worker (its partition drains for a
+    /// rebalance): a model that keeps step checkpoints keeps its state after every step from
+    /// then on, so that the next owner loses none.
+    fn handed_off(&self) -> bool {
+        false
+    }
 }
 
 /// A loaded model that can run a batch. Implementations own their sessions and live on one

@@ -58,6 +58,7 @@ impl ProgressSink {
             // its last step only (two records, not three, for a quick SD-Turbo image).
             last: Mutex::new(Some(Instant::now())),
             cancelled: AtomicBool::new(false),
+            handoff: None,
         };
         p.send(ProgressEvent::Started, from, steps);
         p
@@ -72,9 +73,21 @@ pub(crate) struct TaskProgress {
     model: String,
     last: Mutex<Option<Instant>>,
     cancelled: AtomicBool,
+    /// Where to ask whether the task's record is being handed off, and the record.
+    handoff: Option<(Arc<crate::source::offsets::Offsets>, crate::source::record::Origin)>,
 }
 
 impl TaskProgress {
+    /// Asks `offsets` whether `origin` is being handed off ([`TaskHooks::handed_off`]).
+    pub(crate) fn with_handoff(
+        mut self,
+        offsets: Arc<crate::source::offsets::Offsets>,
+        origin: crate::source::record::Origin,
+    ) -> TaskProgress {
+        self.handoff = Some((offsets, origin));
+        self
+    }
+
     fn send(&self, event: ProgressEvent, step: u32, steps: u32) {
         let record = ProgressRecord {
             version: SCHEMA_VERSION,
@@ -109,6 +122,10 @@ impl TaskHooks for TaskProgress {
         }
         *last = Some(now);
         self.send(ProgressEvent::Step, step as u32, steps as u32);
+    }
+
+    fn handed_off(&self) -> bool {
+        self.handoff.as_ref().is_some_and(|(offsets, origin)| offsets.is_handed_off(origin))
     }
 }
 

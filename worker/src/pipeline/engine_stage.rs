@@ -191,12 +191,15 @@ async fn prepare(stage: &EngineStage, bucket: &Bucket, jobs: Vec<Job>) -> Option
                 let first = bucket.key.steps().map_or(0, |s| s.steps.start);
                 let from = job.resume.as_ref().map_or(0, |r| r.step.saturating_sub(first) as u32);
                 let progress = steps.zip(stage.progress.as_ref()).map(|(steps, sink)| {
-                    Arc::new(sink.start(
-                        job.task.task_id,
-                        &bucket.model,
-                        (from, steps),
-                        crate::outcome::publish::TraceHeaders::of(&job.record),
-                    ))
+                    Arc::new(
+                        sink.start(
+                            job.task.task_id,
+                            &bucket.model,
+                            (from, steps),
+                            crate::outcome::publish::TraceHeaders::of(&job.record),
+                        )
+                        .with_handoff(stage.offsets.clone(), job.record.origin.clone()),
+                    )
                 });
                 items.push(Item { job, prepared, progress })
             }

@@ -514,6 +514,16 @@ impl Offsets {
         }
     }
 
+    /// Whether `origin`'s partition is being given up: draining for a revoke, or no longer this
+    /// worker's (revoked, or assigned again since `origin` was read).
+    pub fn is_handed_off(&self, origin: &Origin) -> bool {
+        let state = self.lock();
+        match state.partitions.get(&TopicPartition::of(origin)) {
+            Some(p) => p.generation != origin.generation || matches!(p.phase, Phase::Draining { .. }),
+            None => true,
+        }
+    }
+
     /// Whether work on `origin` goes on (to its next stage, or into a model call): yes while its
     /// partition is this worker's and consuming. A record of a draining partition is released
     /// instead, which is why this is not a plain question: it leaves the pending set unfinished
@@ -861,6 +871,7 @@ mod tests {
             std::thread::yield_now(); // until the drain has begun
         }
         assert!(!offsets.keep_or_release(&o[2]), "queued work of a draining partition is released");
+        assert!(offsets.is_handed_off(&o[2]), "and it is being handed off");
         assert!(offsets.ack(&o[1]), "work in progress finishes");
         assert_eq!(drainer.join().unwrap(), 0, "the drain waited only for record 1");
         // Records 2 and 3 were released unfinished: the commit stops at 2.
