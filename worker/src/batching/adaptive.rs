@@ -1416,31 +1416,48 @@ mod tests {
         }
     }
 
+    /// The checkpoints saved: each task's id and step.
+    struct KeptSteps(Mutex<Vec<(String, usize)>>);
+
+    impl Checkpoints for KeptSteps {
+        fn save(&self, task: &str, _: &Bucket, resume: Resume) {
+            self.0.lock().unwrap().push((task.to_owned(), resume.step));
+        }
+    }
+
+    impl KeptSteps {
+        /// The steps kept, of task `id` or of every task.
+        fn steps(&self, id: Option<&str>) -> Vec<usize> {
+            let kept = self.0.lock().unwrap();
+            kept.iter().filter(|(t, _)| id.is_none_or(|id| t == id)).map(|(_, s)| *s).collect()
+        }
+    }
+
+    /// An adaptive batcher that runs a step a call and keeps its checkpoints in a [`KeptSteps`].
+    async fn checkpointing() -> (Adaptive, Arc<KeptSteps>) {
+        let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
+        let kept = Arc::new(KeptSteps(Mutex::new(Vec::new())));
+        let a = Arc::into_inner(a)
+            .expect("one owner")
+            .with_steps_per_call(1)
+            .with_checkpoints(kept.clone());
+        (a, kept)
+    }
+
     /// The steps each task's state is kept at: every `checkpoint_every` steps before the last,
     /// and, once the worker drains, after every step.
     #[tokio::test]
     async fn checkpoints_fall_every_n_steps_and_after_every_step_of_a_drain() {
-        struct Kept(Mutex<Vec<(String, usize)>>);
-        impl Checkpoints for Kept {
-            fn save(&self, task: &str, _: &Bucket, resume: Resume) {
-                self.0.lock().unwrap().push((task.to_owned(), resume.step));
-            }
-        }
         let b = stepped_bucket(7, Some(3));
         for draining in [false, true] {
-            let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
-            let kept = Arc::new(Kept(Mutex::new(Vec::new())));
+            let (a, kept) = checkpointing().await;
             let drain = CancellationToken::new();
-            let a = Arc::into_inner(a)
-                .expect("one owner")
-                .with_steps_per_call(1)
-                .with_checkpoints(kept.clone())
-                .with_drain(drain.clone());
+            let a = a.with_drain(drain.clone());
             if draining {
                 drain.cancel();
             }
             run(&a, &b, items([1], 1)).await;
-            let steps: Vec<usize> = kept.0.lock().unwrap().iter().map(|(_, s)| *s).collect();
+            let steps = kept.steps(None);
             let want = if draining { vec![1, 2, 3, 4, 5, 6] } else { vec![3, 6] };
             assert_eq!(steps, want, "draining: {draining}");
         }
@@ -1450,12 +1467,6 @@ mod tests {
     /// state kept after every step, while the task beside it keeps the bucket's `checkpoint_every`.
     #[tokio::test]
     async fn a_task_handed_off_keeps_its_state_after_every_step() {
-        struct Kept(Mutex<Vec<(String, usize)>>);
-        impl Checkpoints for Kept {
-            fn save(&self, task: &str, _: &Bucket, resume: Resume) {
-                self.0.lock().unwrap().push((task.to_owned(), resume.step));
-            }
-        }
         struct Handoff(bool);
         impl crate::engine::TaskHooks for Handoff {
             fn cancelled(&self) -> bool {
@@ -1466,32 +1477,16 @@ mod tests {
                 self.0
             }
         }
-        struct Task(Item, Arc<Handoff>);
-        impl BatchItem for Task {
-            fn prepared(&self) -> &Prepared {
-                self.0.prepared()
-            }
-            fn id(&self) -> String {
-                self.0.id()
-            }
-            fn dimensions(&self) -> String {
-                self.0.dimensions()
-            }
-            fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
-                Some(self.1.clone())
-            }
-        }
-        let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
-        let kept = Arc::new(Kept(Mutex::new(Vec::new())));
-        let a = Arc::into_inner(a)
-            .expect("one owner")
-            .with_steps_per_call(1)
-            .with_checkpoints(kept.clone());
-        let tasks: Vec<Task> = items([1, 2], 1)
+        let (a, kept) = checkpointing().await;
+        let tasks: Vec<Wrapped> = items([1, 2], 1)
             .into_iter()
-            .map(|i| {
-                let handed_off = i.1 == "1";
-                Task(i, Arc::new(Handoff(handed_off)))
+            .map(|item| {
+                let hooks: Arc<dyn crate::engine::TaskHooks> = Arc::new(Handoff(item.1 == "1"));
+                Wrapped {
+                    item,
+                    lane: Priority::Standard,
+                    hooks: Some(hooks),
+                }
             })
             .collect();
         a.run(&stepped_bucket(7, Some(3)), tasks, |done| {
@@ -1500,9 +1495,8 @@ mod tests {
             }
         })
         .await;
-        let steps = |id: &str| -> Vec<usize> { kept.0.lock().unwrap().iter().filter(|(t, _)| t == id).map(|(_, s)| *s).collect() };
-        assert_eq!(steps("1"), vec![1, 2, 3, 4, 5, 6], "handed off");
-        assert_eq!(steps("2"), vec![3, 6], "staying");
+        assert_eq!(kept.steps(Some("1")), vec![1, 2, 3, 4, 5, 6], "handed off");
+        assert_eq!(kept.steps(Some("2")), vec![3, 6], "staying");
     }
 
     /// `checkpoint_seconds` keeps a task's state once that long has gone by since it was last
@@ -1510,12 +1504,6 @@ mod tests {
     /// never in a short run; with `checkpoint_every` beside it, at its steps too.
     #[tokio::test]
     async fn checkpoints_fall_after_checkpoint_seconds_whatever_the_steps() {
-        struct Kept(Mutex<Vec<usize>>);
-        impl Checkpoints for Kept {
-            fn save(&self, _: &str, _: &Bucket, resume: Resume) {
-                self.0.lock().unwrap().push(resume.step);
-            }
-        }
         let cases = [
             (None, Duration::ZERO, vec![1, 2, 3, 4, 5, 6]),
             (None, Duration::from_secs(3600), vec![]),
@@ -1528,14 +1516,34 @@ mod tests {
                 ..b.key.steps().unwrap().clone()
             };
             b.key = CallKey::new("stepped", None).stepped(stepped);
-            let (a, _, _) = adaptive(64, 1, 8, 16, true).await;
-            let kept = Arc::new(Kept(Mutex::new(Vec::new())));
-            let a = Arc::into_inner(a)
-                .expect("one owner")
-                .with_steps_per_call(1)
-                .with_checkpoints(kept.clone());
+            let (a, kept) = checkpointing().await;
             run(&a, &b, items([1], 1)).await;
-            assert_eq!(*kept.0.lock().unwrap(), want, "every {every:?} steps, {seconds:?}");
+            assert_eq!(kept.steps(None), want, "every {every:?} steps, {seconds:?}");
+        }
+    }
+
+    /// A test task in a lane of its own, with hooks of its own.
+    struct Wrapped {
+        item: Item,
+        lane: Priority,
+        hooks: Option<Arc<dyn crate::engine::TaskHooks>>,
+    }
+
+    impl BatchItem for Wrapped {
+        fn prepared(&self) -> &Prepared {
+            self.item.prepared()
+        }
+        fn id(&self) -> String {
+            self.item.id()
+        }
+        fn dimensions(&self) -> String {
+            self.item.dimensions()
+        }
+        fn lane(&self) -> Priority {
+            self.lane
+        }
+        fn hooks(&self) -> Option<Arc<dyn crate::engine::TaskHooks>> {
+            self.hooks.clone()
         }
     }
 
@@ -1560,11 +1568,18 @@ mod tests {
         }
     }
 
-    /// Runs `items` as a running set that `late` tasks join: each task as it is reported, with
-    /// its first output row and the batch size it left.
-    async fn run_joined(a: &Adaptive, b: &Bucket, items: Vec<Item>, arrivals: &mut Arrivals) -> Vec<(String, f32, usize)> {
+    /// Runs `items` as a running set that the tasks of `joining` join: each task as it is
+    /// reported (and told to `reported` then), with its first output row and the batch size it
+    /// left.
+    async fn run_joined(
+        a: &Adaptive,
+        b: &Bucket,
+        items: Vec<Item>,
+        joining: &mut dyn Joining<Item>,
+        mut reported: impl FnMut(&str),
+    ) -> Vec<(String, f32, usize)> {
         let mut done = Vec::new();
-        a.run_joined(b, items, Some(arrivals), |d| match d {
+        a.run_joined(b, items, Some(joining), |d| match d {
             Done::Ran {
                 items,
                 outputs,
@@ -1572,7 +1587,10 @@ mod tests {
                 ..
             } => {
                 let y = outputs[0].f32_rows(0, items.len()).unwrap().to_vec();
-                done.extend(items.into_iter().zip(y).map(|(i, y)| (i.1, y, batch_size)));
+                for (i, y) in items.into_iter().zip(y) {
+                    reported(&i.1);
+                    done.push((i.1, y, batch_size));
+                }
             }
             Done::Failed { error, .. } => panic!("{error}"),
         })
@@ -1593,7 +1611,7 @@ mod tests {
             late: items([2], 1).into(),
             rooms: Vec::new(),
         };
-        let done = run_joined(&a, &b, items([1], 1), &mut arrivals).await;
+        let done = run_joined(&a, &b, items([1], 1), &mut arrivals, |_| {}).await;
         assert_eq!(done, vec![("1".into(), 4.0, 2), ("2".into(), 4.0, 2)]);
         assert_eq!(*device.steps.lock().unwrap(), vec![0..1, 1..2, 2..3, 3..4, 3..4]);
         assert_eq!(device.calls.load(std::sync::atomic::Ordering::SeqCst), 5);
@@ -1603,7 +1621,7 @@ mod tests {
             late: items([2], 1).into(),
             rooms: Vec::new(),
         };
-        let done = run_joined(&a, &b, items([1], 1), &mut arrivals).await;
+        let done = run_joined(&a, &b, items([1], 1), &mut arrivals, |_| {}).await;
         assert_eq!(
             done.iter().map(|(id, _, size)| (id.as_str(), *size)).collect::<Vec<_>>(),
             vec![("1", 1)]
@@ -1622,7 +1640,7 @@ mod tests {
             late: items([2, 3], 1).into(),
             rooms: Vec::new(),
         };
-        let done = run_joined(&a, &stepped_bucket(3, None), items([1], 1), &mut arrivals).await;
+        let done = run_joined(&a, &stepped_bucket(3, None), items([1], 1), &mut arrivals, |_| {}).await;
         assert_eq!(done, vec![("1".into(), 3.0, 2), ("2".into(), 3.0, 2), ("3".into(), 3.0, 2)]);
         assert_eq!(arrivals.rooms, vec![1, 1, 0, 1, 1, 1], "no room while the pair runs");
         assert_eq!(device.peak.load(std::sync::atomic::Ordering::SeqCst), 2);
@@ -1660,26 +1678,13 @@ mod tests {
             asks: 0,
             release: release.clone(),
         };
-        let mut done = Vec::new();
         let b = stepped_bucket(4, None);
-        let run = a.run_joined(&b, items([1], 1), Some(&mut held), |d| match d {
-            Done::Ran {
-                items,
-                outputs,
-                batch_size,
-                ..
-            } => {
-                let y = outputs[0].f32_rows(0, items.len()).unwrap().to_vec();
-                for (i, y) in items.into_iter().zip(y) {
-                    if i.1 == "1" {
-                        release.notify_one();
-                    }
-                    done.push((i.1, y, batch_size));
-                }
+        let run = run_joined(&a, &b, items([1], 1), &mut held, |id| {
+            if id == "1" {
+                release.notify_one();
             }
-            Done::Failed { error, .. } => panic!("{error}"),
         });
-        tokio::time::timeout(Duration::from_secs(30), run)
+        let done = tokio::time::timeout(Duration::from_secs(30), run)
             .await
             .expect("the set waited at a boundary for its joiner");
         assert_eq!(done, vec![("1".into(), 4.0, 1), ("2".into(), 4.0, 1)]);
@@ -1696,7 +1701,7 @@ mod tests {
             late: items([2], 1).into(),
             rooms: Vec::new(),
         };
-        let done = run_joined(&a, &stepped_bucket(4, None), items([1], 1), &mut arrivals).await;
+        let done = run_joined(&a, &stepped_bucket(4, None), items([1], 1), &mut arrivals, |_| {}).await;
         let mut ids: Vec<&str> = done.iter().map(|(id, _, _)| id.as_str()).collect();
         ids.sort();
         assert_eq!(ids, vec!["1", "2"]);
@@ -1707,24 +1712,16 @@ mod tests {
     /// no one to make room for at the gate.
     #[tokio::test]
     async fn an_interactive_batch_runs_its_steps_in_one_call() {
-        struct Interactive(Item);
-        impl BatchItem for Interactive {
-            fn prepared(&self) -> &Prepared {
-                self.0.prepared()
-            }
-            fn id(&self) -> String {
-                self.0.id()
-            }
-            fn dimensions(&self) -> String {
-                self.0.dimensions()
-            }
-            fn lane(&self) -> Priority {
-                Priority::Interactive
-            }
-        }
         let (a, device, _) = adaptive(64, 1, 8, 16, true).await;
         let a = Arc::into_inner(a).expect("one owner").with_steps_per_call(1);
-        let items: Vec<Interactive> = items([1, 2], 1).into_iter().map(Interactive).collect();
+        let items: Vec<Wrapped> = items([1, 2], 1)
+            .into_iter()
+            .map(|item| Wrapped {
+                item,
+                lane: Priority::Interactive,
+                hooks: None,
+            })
+            .collect();
         let mut outputs = Vec::new();
         a.run(&stepped_bucket(5, None), items, |done| match done {
             Done::Ran { outputs: o, .. } => outputs.push(o),
