@@ -4,8 +4,8 @@
 //! A batch asks again for each of its calls, so batches of one lane take turns call by call.
 //! The waiter whose turn it is waits for its permits; nobody passes it meanwhile, so an
 //! exclusive call is not starved by single ones. The one exception is a slot kept for the
-//! interactive lane (`SLUICE_INTERACTIVE_SLOTS`): an interactive call takes it when the shared
-//! slots are busy, even past the waiter whose turn it is, unless that waiter needs every slot.
+//! interactive lane (`SLUICE_INTERACTIVE_SLOTS`): an interactive call takes a kept slot first,
+//! even past the waiter whose turn it is, unless that waiter needs every slot.
 
 use std::sync::Mutex;
 
@@ -85,18 +85,16 @@ impl State {
                 Some(taken) => (i, taken),
                 None if first.permits >= self.total || self.kept_free == 0 => return,
                 None => {
-                    let fitting: Vec<usize> = (0..self.waiting.len())
-                        .filter(|&j| {
-                            let w = &self.waiting[j];
-                            w.turn.lane == Priority::Interactive && self.fits(w.permits, w.turn.lane).is_some()
-                        })
+                    // The interactive waiters that fit, with what each would take.
+                    let fitting: Vec<(usize, Taken)> = self
+                        .waiting
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, w)| w.turn.lane == Priority::Interactive)
+                        .filter_map(|(j, w)| Some((j, self.fits(w.permits, w.turn.lane)?)))
                         .collect();
-                    match turns::next(fitting.iter().map(|&j| self.waiting[j].turn)) {
-                        Some(k) => {
-                            let j = fitting[k];
-                            let w = &self.waiting[j];
-                            (j, self.fits(w.permits, w.turn.lane).expect("fits"))
-                        }
+                    match turns::next(fitting.iter().map(|&(j, _)| self.waiting[j].turn)) {
+                        Some(k) => fitting[k],
                         None => return,
                     }
                 }
@@ -211,6 +209,15 @@ mod tests {
         Turn { lane, had: 0 }
     }
 
+    /// A call of `l` that asks `gate` for `permits` on a task of its own and holds them `hold`.
+    fn call(gate: &Arc<Gate>, permits: u32, l: Priority, hold: Duration) -> tokio::task::JoinHandle<()> {
+        let gate = gate.clone();
+        tokio::spawn(async move {
+            let _permit = gate.acquire(permits, lane(l)).await;
+            tokio::time::sleep(hold).await;
+        })
+    }
+
     /// Calls queued behind one that holds the gate, each recording its turn when it gets in.
     async fn turns_of(gate: Arc<Gate>, calls: Vec<(Priority, u32)>) -> Vec<usize> {
         let holder = gate.acquire(1, lane(Priority::Standard)).await;
@@ -287,12 +294,7 @@ mod tests {
     async fn an_interactive_call_takes_the_kept_slot_while_the_shared_one_is_busy() {
         let gate = Arc::new(Gate::new(1, 1));
         let held = gate.acquire(1, lane(Priority::Batch)).await;
-        let standard = {
-            let gate = gate.clone();
-            tokio::spawn(async move {
-                let _p = gate.acquire(1, lane(Priority::Standard)).await;
-            })
-        };
+        let standard = call(&gate, 1, Priority::Standard, Duration::ZERO);
         tokio::time::sleep(Duration::from_millis(1)).await;
         let interactive = tokio::time::timeout(Duration::from_millis(5), gate.acquire(1, lane(Priority::Interactive))).await;
         assert!(interactive.is_ok(), "the kept slot was free");
@@ -320,22 +322,10 @@ mod tests {
         let gate = Arc::new(Gate::new(1, 1));
         let held = gate.acquire(1, lane(Priority::Standard)).await;
         // An exclusive call first in turn (a rebuild asks as interactive, with no turns had).
-        let exclusive = {
-            let gate = gate.clone();
-            tokio::spawn(async move {
-                let p = gate.acquire(2, lane(Priority::Interactive)).await;
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                drop(p);
-            })
-        };
+        let exclusive = call(&gate, 2, Priority::Interactive, Duration::from_millis(10));
         tokio::time::sleep(Duration::from_millis(1)).await;
         // The kept slot is free, but an interactive single does not pass the exclusive call.
-        let single = {
-            let gate = gate.clone();
-            tokio::spawn(async move {
-                let _p = gate.acquire(1, lane(Priority::Interactive)).await;
-            })
-        };
+        let single = call(&gate, 1, Priority::Interactive, Duration::ZERO);
         tokio::time::sleep(Duration::from_millis(5)).await;
         assert!(!single.is_finished() && !exclusive.is_finished());
         drop(held);

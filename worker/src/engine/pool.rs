@@ -90,11 +90,6 @@ impl Engine {
         }
     }
 
-    /// Engine threads, kept ones included.
-    pub fn slots(&self) -> usize {
-        self.inner.slots.len()
-    }
-
     /// Engine threads every lane's calls take: the kept ones left out.
     pub fn shared_slots(&self) -> usize {
         self.inner.shared
