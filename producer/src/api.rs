@@ -175,13 +175,13 @@ pub fn model_list(catalog: &sluice_schemas::Catalog, granted: Option<&[sluice_sc
             })
         })
         .collect();
-    let names = |lanes: &[sluice_schemas::Priority]| lanes.iter().map(|l| l.name()).collect::<Vec<_>>();
+    // A lane serializes as its name.
     let mut lanes = json!({
-        "names": names(&sluice_schemas::Priority::ALL),
-        "default": sluice_schemas::Priority::default().name(),
+        "names": sluice_schemas::Priority::ALL,
+        "default": sluice_schemas::Priority::default(),
     });
     if let Some(granted) = granted {
-        lanes["granted"] = json!(names(granted));
+        lanes["granted"] = json!(granted);
     }
     json!({ "models": models, "lanes": lanes })
 }

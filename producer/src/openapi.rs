@@ -339,7 +339,12 @@ mod tests {
         .unwrap();
         validate(RecordKind::ModelList, &crate::api::model_list(&catalog, None)).unwrap();
         let granted = crate::auth::TenantLanes::UNLISTED;
-        validate(RecordKind::ModelList, &crate::api::model_list(&catalog, Some(&granted))).unwrap();
+        let list = crate::api::model_list(&catalog, Some(&granted));
+        validate(RecordKind::ModelList, &list).unwrap();
+        assert_eq!(
+            list["lanes"],
+            serde_json::json!({"names": ["interactive", "standard", "batch"], "default": "standard", "granted": ["standard", "batch"]})
+        );
     }
 
     /// The document's request schema is the validator's: a sample of requests gets the same
