@@ -451,18 +451,54 @@ async fn images_per_second(
 
 /// The delivery modes each `pipeline` model is run end to end in, beside one raw figure: the
 /// default, at-least-once, and at-least-once without the crash guard's start records (what a
-/// hand-written consumer that commits after each batch does).
-const DELIVERY_MODES: [(&str, &[(&str, &str)]); 3] = [
-    ("exactly-once (default)", &[]),
-    ("at-least-once", &[("SLUICE_DELIVERY", "at-least-once")]),
+/// hand-written consumer that commits after each batch does); each with its short name in
+/// `SLUICE_BENCH_PIPELINE_MODES`.
+const DELIVERY_MODES: [(&str, &str, &[(&str, &str)]); 3] = [
+    ("exactly-once", "exactly-once (default)", &[]),
+    ("at-least-once", "at-least-once", &[("SLUICE_DELIVERY", "at-least-once")]),
     (
+        "guard-off",
         "at-least-once, crash guard off",
         &[("SLUICE_DELIVERY", "at-least-once"), ("SLUICE_MAX_CRASHES", "0")],
     ),
 ];
 
-/// A terrain model (the pretrained or the ~1 ms one): raw in-process images/s at `batch`, then
-/// the same tasks end to end in each of [`DELIVERY_MODES`], each row reported as it is measured.
+/// The rows `pipeline` runs after its raw figure, in order: `SLUICE_BENCH_PIPELINE_MODES`, a
+/// comma-separated list of [`DELIVERY_MODES`]' short names and `peer` (the plain Python
+/// consumer), a name may come more than once; by default each once, the peer last.
+fn pipeline_modes() -> anyhow::Result<Vec<String>> {
+    let names: Vec<&str> = DELIVERY_MODES.iter().map(|(name, _, _)| *name).chain(["peer"]).collect();
+    let Ok(list) = std::env::var("SLUICE_BENCH_PIPELINE_MODES") else {
+        return Ok(names.iter().map(|n| n.to_string()).collect());
+    };
+    let modes: Vec<String> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .map(str::to_owned)
+        .collect();
+    for m in &modes {
+        anyhow::ensure!(
+            names.contains(&m.as_str()),
+            "SLUICE_BENCH_PIPELINE_MODES: unknown mode {m:?} (one of {names:?})"
+        );
+    }
+    Ok(modes)
+}
+
+/// Tasks of `pipeline`'s warm-up pass.
+const WARM_UP_TASKS: usize = 5_000;
+
+/// A terrain model (the pretrained or the ~1 ms one) end to end in each of [`pipeline_modes`],
+/// each row reported as it is measured against raw in-process images/s at `batch`.
+///
+/// Two things the machine does, not the pipeline, are kept out of the ratios:
+/// - **A fresh broker's warm-up.** An untimed pass runs first. Measured: a just-started broker
+///   spent 2–3× the CPU per task of the later rows on the first row (its JIT compiling the
+///   fetch, produce and transaction paths), which always charged the default mode, run first.
+/// - **Drift.** On a shared machine the raw rate moves by more than the differences measured.
+///   Raw is measured before each row and after the last, and each row's ratio is against the
+///   mean of the raw figures on either side of it.
 async fn pipeline(
     stack: &Stack,
     scenario: &str,
@@ -470,17 +506,46 @@ async fn pipeline(
     (batch, tasks, raw_images): (usize, usize, usize),
     report: &dyn Fn(&Row),
 ) -> anyhow::Result<()> {
-    eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
-    let raw = raw_images_per_second(stack, model_dir, batch, raw_images.div_ceil(batch)).await?;
+    let modes = pipeline_modes()?;
     let make = |i: usize| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32);
-    for (mode, settings) in DELIVERY_MODES {
-        let row = end_to_end(stack, &format!("{scenario}, {mode}"), model_dir, batch, tasks, raw, &make, settings).await?;
+    // The ~1 ms model: thousands of tasks, each path of the broker taken as often as in minutes
+    // of the pretrained model, in seconds.
+    eprintln!("== {scenario}: warm-up, not measured ({WARM_UP_TASKS} tasks of the ~1 ms model end to end)");
+    let tiny = stack.tiny_models()?;
+    end_to_end(stack, "warm-up", &tiny, 64, WARM_UP_TASKS, f64::NAN, &make, DELIVERY_MODES[0].2).await?;
+    let raw = || async {
+        eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
+        raw_images_per_second(stack, model_dir, batch, raw_images.div_ceil(batch)).await
+    };
+    let mut raw_before = raw().await?;
+    for mode in &modes {
+        let row = if let Some((_, label, settings)) = DELIVERY_MODES.iter().find(|(name, _, _)| name == mode) {
+            end_to_end(
+                stack,
+                &format!("{scenario}, {label}"),
+                model_dir,
+                batch,
+                tasks,
+                raw_before,
+                &make,
+                settings,
+            )
+            .await
+        } else {
+            let peer = format!("{scenario}, plain Python consumer");
+            match peer_consumer(stack, &peer, model_dir, batch, tasks.min(2_000), raw_before, &make).await {
+                Ok(row) => Ok(row),
+                Err(e) => {
+                    eprintln!("== {scenario}: the plain Python consumer's row is left out: {e:#}");
+                    continue;
+                }
+            }
+        };
+        let mut row = row?;
+        let raw_after = raw().await?;
+        row.raw = (raw_before + raw_after) / 2.0;
         report(&row);
-    }
-    let peer = format!("{scenario}, plain Python consumer");
-    match peer_consumer(stack, &peer, model_dir, batch, tasks.min(2_000), raw, &make).await {
-        Ok(row) => report(&row),
-        Err(e) => eprintln!("== {scenario}: the plain Python consumer's row is left out: {e:#}"),
+        raw_before = raw_after;
     }
     Ok(())
 }
