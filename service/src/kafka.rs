@@ -114,6 +114,15 @@ impl KafkaClientArgs {
     }
 }
 
+/// How long a fetch of a consumer that runs all day (a worker's tasks and cancels) waits at the
+/// broker for records: librdkafka's default. The broker answers a waiting fetch as soon as a
+/// record arrives, so the wait adds nothing to how soon a record is read; it sets how often an
+/// idle consumer asks again, and each fetch costs the broker CPU. Measured on the local Apache
+/// Kafka 4.3.1: an idle worker fetching every 100 ms cost the broker 4–6 % of a core (~2 ms of
+/// CPU per fetch), every 500 ms 0.7 %; tasks sent to an idle worker at 5 a second completed with
+/// the same latency either way (p50 64–73 ms; `sluice-bench delivery`, `docs/benchmarks.md`).
+pub const IDLE_FETCH_WAIT_MS: u32 = 500;
+
 impl KafkaClientArgs {
     /// A consumer that reads whole topics itself ([`WholeTopics`]) rather than as a group
     /// member: the group id only names the client and never commits. Fetches answer within
@@ -124,14 +133,22 @@ impl KafkaClientArgs {
     /// records of an aborted worker transaction are never shown, and a transaction's records
     /// appear together once it commits.
     pub fn whole_topic_config(&self, client: &str) -> ClientConfig {
+        self.whole_topic_config_waiting(client, 100)
+    }
+
+    /// [`KafkaClientArgs::whole_topic_config`] whose fetches wait up to `fetch_wait_ms` at the
+    /// broker: for a reader that follows a topic where records are rare (a worker's cancels),
+    /// [`IDLE_FETCH_WAIT_MS`].
+    pub fn whole_topic_config_waiting(&self, client: &str, fetch_wait_ms: u32) -> ClientConfig {
         let group = format!("{client}-{}", std::process::id());
+        let wait = fetch_wait_ms.to_string();
         self.config(&[
             ("group.id", group.as_str()),
             ("isolation.level", "read_committed"),
             ("enable.auto.commit", "false"),
             ("enable.partition.eof", "false"),
             ("auto.offset.reset", "earliest"),
-            ("fetch.wait.max.ms", "100"),
+            ("fetch.wait.max.ms", wait.as_str()),
         ])
     }
 }

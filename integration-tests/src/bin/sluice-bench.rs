@@ -486,16 +486,27 @@ fn pipeline_modes() -> anyhow::Result<Vec<String>> {
     Ok(modes)
 }
 
-/// Tasks of `pipeline`'s warm-up pass.
+/// Tasks of [`warm_up`]'s pass.
 const WARM_UP_TASKS: usize = 5_000;
+
+/// An untimed pass through the stack before a benchmark's first row: a just-started broker spends
+/// its first minutes compiling (its JIT) the fetch, produce and transaction paths, and that cost
+/// must not fall on whichever row runs first. The ~1 ms model, exactly-once: thousands of tasks,
+/// each of those paths taken as often as in minutes of the pretrained model, in seconds.
+async fn warm_up(stack: &Stack) -> anyhow::Result<()> {
+    eprintln!("== warm-up, not measured ({WARM_UP_TASKS} tasks of the ~1 ms model end to end)");
+    let tiny = stack.tiny_models()?;
+    let make = |i: usize| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32);
+    end_to_end(stack, "warm-up", &tiny, 64, WARM_UP_TASKS, f64::NAN, &make, DELIVERY_MODES[0].2).await?;
+    Ok(())
+}
 
 /// A terrain model (the pretrained or the ~1 ms one) end to end in each of [`pipeline_modes`],
 /// each row reported as it is measured against raw in-process images/s at `batch`.
 ///
 /// Two things the machine does, not the pipeline, are kept out of the ratios:
-/// - **A fresh broker's warm-up.** An untimed pass runs first. Measured: a just-started broker
-///   spent 2–3× the CPU per task of the later rows on the first row (its JIT compiling the
-///   fetch, produce and transaction paths), which always charged the default mode, run first.
+/// - **A fresh broker's warm-up** ([`warm_up`]). Measured without it: the first row's broker CPU
+///   per task was 2–3× the later rows', and the first row was always the default mode.
 /// - **Drift.** On a shared machine the raw rate moves by more than the differences measured.
 ///   Raw is measured before each row and after the last, and each row's ratio is against the
 ///   mean of the raw figures on either side of it.
@@ -508,11 +519,7 @@ async fn pipeline(
 ) -> anyhow::Result<()> {
     let modes = pipeline_modes()?;
     let make = |i: usize| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32);
-    // The ~1 ms model: thousands of tasks, each path of the broker taken as often as in minutes
-    // of the pretrained model, in seconds.
-    eprintln!("== {scenario}: warm-up, not measured ({WARM_UP_TASKS} tasks of the ~1 ms model end to end)");
-    let tiny = stack.tiny_models()?;
-    end_to_end(stack, "warm-up", &tiny, 64, WARM_UP_TASKS, f64::NAN, &make, DELIVERY_MODES[0].2).await?;
+    warm_up(stack).await?;
     let raw = || async {
         eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
         raw_images_per_second(stack, model_dir, batch, raw_images.div_ceil(batch)).await
@@ -852,6 +859,7 @@ mod delivery {
         };
         // `SLUICE_BENCH_DELIVERY_ROWS=mixed`: the mixed rows alone.
         let only_mixed = std::env::var("SLUICE_BENCH_DELIVERY_ROWS").is_ok_and(|r| r == "mixed");
+        warm_up(stack).await?;
         let mut rows = Vec::new();
         let mut mixed_rows = Vec::new();
         // Twice, alternating, so neither mode always runs on the warmer machine.

@@ -127,7 +127,7 @@ pub(super) fn cancellations(config: &Config, worker_id: &str, keep: Duration) ->
     let cancellations = Cancellations::new(keep);
     let consumer: BaseConsumer = k
         .client
-        .whole_topic_config(&format!("{worker_id}-control"))
+        .whole_topic_config_waiting(&format!("{worker_id}-control"), sluice_service::kafka::IDLE_FETCH_WAIT_MS)
         .create()
         .map_err(failed("creating the control-topic consumer"))?;
     cancellations
@@ -154,9 +154,8 @@ fn consumer_settings(config: &Config, worker_id: &str) -> Vec<(&'static str, Str
         // revoke's drain plus its commit. This is also how long a rebalance waits for members
         // that are gone, so keep it short.
         ("max.poll.interval.ms", max_poll_interval.to_string()),
-        // Long-poll fetches: with a 10 ms wait an idle worker burns CPU in fetch round trips;
-        // 100 ms costs ~50 ms of pickup latency and nothing at idle.
-        ("fetch.wait.max.ms", "100".into()),
+        // Long-poll fetches, answered as soon as a task arrives (see IDLE_FETCH_WAIT_MS).
+        ("fetch.wait.max.ms", sluice_service::kafka::IDLE_FETCH_WAIT_MS.to_string()),
         ("statistics.interval.ms", "5000".into()),
         // librdkafka prefetches up to 64 MB per partition by default; the worker bounds its own
         // queue (SLUICE_MAX_IN_FLIGHT), so a smaller prefetch bounds memory under floods of
