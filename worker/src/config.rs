@@ -288,7 +288,8 @@ pub struct BatchingArgs {
     /// batch is capped at this many rows' worth of tasks, and never below one task.
     #[arg(long, env = "SLUICE_MAX_BATCH_ROWS", default_value_t = 64)]
     pub max_batch_rows: usize,
-    /// Longest a task waits for its batch to fill, milliseconds.
+    /// Longest a task waits for its batch to fill, milliseconds (an interactive task does not
+    /// wait).
     #[arg(long, env = "SLUICE_MAX_WAIT_MS", default_value_t = 50)]
     pub max_wait_ms: u64,
     /// Clean batches at the learned ceiling before trying one task more.

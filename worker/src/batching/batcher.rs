@@ -4,7 +4,7 @@
 //! is ready (it holds its learned ceiling of tasks, or its oldest task has waited `max_wait`):
 //! the best lane first, then the one whose oldest task came first, none overtaken more than
 //! [`turns::MAX_OVERTAKEN`] times. Under load batches are full; when idle a task waits at most
-//! `max_wait`.
+//! `max_wait`, and an interactive one not at all.
 //!
 //! Fair between buckets: a batch is out from when the engine stage takes it until its last call
 //! ends ([`Out`]). Each lane and bucket may have [`Admission::steady`] batches out (the engine's
@@ -247,7 +247,7 @@ impl<T: Work + Send + 'static> Batcher<T> {
                     return None;
                 }
                 let full = queue.items.len() >= self.limits.limit(&key.1);
-                (full || now >= oldest.since + self.max_wait || self.closed).then(|| {
+                (full || now >= oldest.since + self.wait_of(key.0) || self.closed).then(|| {
                     let turn = Waiter {
                         overtaken: queue.overtaken,
                         ..Waiter::new(key.0, oldest.order.0)
@@ -264,9 +264,19 @@ impl<T: Work + Send + 'static> Batcher<T> {
         self.queues
             .iter()
             .filter(|(key, q)| self.may_take(key) && !self.held(key, q))
-            .filter_map(|(_, q)| q.items.front())
-            .map(|q| q.since + self.max_wait)
+            .filter_map(|(key, q)| Some(q.items.front()?.since + self.wait_of(key.0)))
             .min()
+    }
+
+    /// How long a partial batch of `lane` waits to fill: `max_wait`, except in the interactive
+    /// lane, whose tasks have someone waiting on them and go at once. They still batch under
+    /// load: those that arrive while the lane's batches out are at [`Admission::steady`] queue,
+    /// and go out together.
+    fn wait_of(&self, lane: Priority) -> Duration {
+        match lane {
+            Priority::Interactive => Duration::ZERO,
+            _ => self.max_wait,
+        }
     }
 
     fn ended(&mut self, key: Key) {
@@ -492,6 +502,25 @@ mod tests {
         assert_eq!(third.items, vec![100]);
         drop(tx);
         assert!(requests.next().await.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_interactive_task_does_not_wait_for_its_batch_to_fill() {
+        let (tx, rx) = mpsc::channel(8);
+        let (batcher, requests) = Batcher::new(rx, Arc::new(Fixed(4)), Duration::from_millis(50), Admission::for_slots(4));
+        tokio::spawn(batcher.run());
+        tx.send((bucket(1), Of(Priority::Standard, 1))).await.unwrap();
+        tx.send((bucket(1), Of(Priority::Interactive, 2))).await.unwrap();
+        let started = Instant::now();
+        let first = requests.next().await.unwrap();
+        assert_eq!(first.items, vec![Of(Priority::Interactive, 2)]);
+        assert!(started.elapsed() < Duration::from_millis(50), "the interactive task went at once");
+        let second = requests.next().await.unwrap();
+        assert_eq!(second.items, vec![Of(Priority::Standard, 1)]);
+        assert!(
+            started.elapsed() >= Duration::from_millis(50),
+            "the standard one waited to fill its batch"
+        );
     }
 
     #[tokio::test]
