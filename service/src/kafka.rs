@@ -126,8 +126,10 @@ pub const IDLE_FETCH_WAIT_MS: u32 = 500;
 impl KafkaClientArgs {
     /// A consumer that reads whole topics itself ([`WholeTopics`]) rather than as a group
     /// member: the group id only names the client and never commits. Fetches answer within
-    /// 100 ms — these readers serve people (task status, cancels): with librdkafka's 500 ms
-    /// default the status view stayed seconds behind a running task on the local broker.
+    /// 100 ms — these readers serve people (task status): with librdkafka's 500 ms default the
+    /// status view stayed seconds behind a running task on tansu, the Kafka-protocol stand-in the
+    /// project ran on before Apache Kafka. A worker's cancels reader waits
+    /// [`IDLE_FETCH_WAIT_MS`] instead ([`KafkaClientArgs::whole_topic_config_waiting`]).
     ///
     /// They read `read_committed` (librdkafka's default, set here so an override is deliberate):
     /// records of an aborted worker transaction are never shown, and a transaction's records
