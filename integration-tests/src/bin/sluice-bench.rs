@@ -358,8 +358,13 @@ fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / hz
 }
 
+/// Terrain tile `i` of the benchmarks: 128×128, its seed `i`, 1 to 100 steps.
+fn tile_task(i: usize) -> (String, serde_json::Value) {
+    terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32)
+}
+
 fn task_record(i: usize) -> serde_json::Value {
-    terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32).1
+    tile_task(i).1
 }
 
 /// Raw: the model alone, in this process, on prepared inputs (no Kafka, no encoding, no storage).
@@ -496,8 +501,17 @@ const WARM_UP_TASKS: usize = 5_000;
 async fn warm_up(stack: &Stack) -> anyhow::Result<()> {
     eprintln!("== warm-up, not measured ({WARM_UP_TASKS} tasks of the ~1 ms model end to end)");
     let tiny = stack.tiny_models()?;
-    let make = |i: usize| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32);
-    end_to_end(stack, "warm-up", &tiny, 64, WARM_UP_TASKS, f64::NAN, &make, DELIVERY_MODES[0].2).await?;
+    end_to_end(
+        stack,
+        "warm-up",
+        &tiny,
+        64,
+        WARM_UP_TASKS,
+        f64::NAN,
+        &tile_task,
+        DELIVERY_MODES[0].2,
+    )
+    .await?;
     Ok(())
 }
 
@@ -518,7 +532,6 @@ async fn pipeline(
     report: &dyn Fn(&Row),
 ) -> anyhow::Result<()> {
     let modes = pipeline_modes()?;
-    let make = |i: usize| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32);
     warm_up(stack).await?;
     let raw = || async {
         eprintln!("== {scenario}: raw ({raw_images} images at batch {batch})");
@@ -526,29 +539,19 @@ async fn pipeline(
     };
     let mut raw_before = raw().await?;
     for mode in &modes {
-        let row = if let Some((_, label, settings)) = DELIVERY_MODES.iter().find(|(name, _, _)| name == mode) {
-            end_to_end(
-                stack,
-                &format!("{scenario}, {label}"),
-                model_dir,
-                batch,
-                tasks,
-                raw_before,
-                &make,
-                settings,
-            )
-            .await
+        let mut row = if let Some((_, label, settings)) = DELIVERY_MODES.iter().find(|(name, _, _)| name == mode) {
+            let scenario = format!("{scenario}, {label}");
+            end_to_end(stack, &scenario, model_dir, batch, tasks, raw_before, &tile_task, settings).await?
         } else {
             let peer = format!("{scenario}, plain Python consumer");
-            match peer_consumer(stack, &peer, model_dir, batch, tasks.min(2_000), raw_before, &make).await {
-                Ok(row) => Ok(row),
+            match peer_consumer(stack, &peer, model_dir, batch, tasks.min(2_000), raw_before, &tile_task).await {
+                Ok(row) => row,
                 Err(e) => {
                     eprintln!("== {scenario}: the plain Python consumer's row is left out: {e:#}");
                     continue;
                 }
             }
         };
-        let mut row = row?;
         let raw_after = raw().await?;
         row.raw = (raw_before + raw_after) / 2.0;
         report(&row);
@@ -957,13 +960,11 @@ mod delivery {
                 .map(|_| sluice_integration_tests::diffusion_task("sd-tiny", HELD, 64, 2, 1))
                 .collect();
             let fast: Vec<_> = (0..self.fast * self.partitions as usize)
-                .map(|i| terrain_task(i as u64 + 2_000_000, 128, 128, 1 + (i % 100) as u32))
+                .map(|i| tile_task(i + 2_000_000))
                 .collect();
             // Warm-up: the worker's first tasks on these topics (first transactions, first calls
             // of the bucket) are not what is measured.
-            let warm: Vec<_> = (0..10 * self.partitions as usize)
-                .map(|i| terrain_task(i as u64 + 1_000_000, 128, 128, 1 + (i % 100) as u32))
-                .collect();
+            let warm: Vec<_> = (0..10 * self.partitions as usize).map(|i| tile_task(i + 1_000_000)).collect();
             let reader = read(stack, &topics.completions, warm.len() + slow.len() + fast.len());
             let fault = format!("hold-run={HELD}");
             let models = mixed_models(stack)?;
@@ -1116,7 +1117,7 @@ mod delivery {
     async fn throughput(stack: &Stack, mode: &str, tasks: usize) -> anyhow::Result<f64> {
         let topics = stack.topics(&format!("delivery-tp-{}", uuid::Uuid::new_v4().simple()), 8)?;
         let kafka = producer(stack.brokers())?;
-        let all: Vec<_> = (0..tasks).map(|i| terrain_task(i as u64, 128, 128, 1 + (i % 100) as u32)).collect();
+        let all: Vec<_> = (0..tasks).map(tile_task).collect();
         for chunk in all.chunks(2000) {
             publish_tasks(&kafka, &topics.tasks, chunk).await?;
         }
@@ -1137,9 +1138,7 @@ mod delivery {
         let reader = read(stack, &topics.completions, tasks);
         let w = worker(stack, mode, &topics, &[]).await?;
         // Tasks in groups of 10 every 10 / rate seconds; each group's send time noted.
-        let all: Vec<_> = (0..tasks)
-            .map(|i| terrain_task(i as u64 + 1_000_000, 128, 128, 1 + (i % 100) as u32))
-            .collect();
+        let all: Vec<_> = (0..tasks).map(|i| tile_task(i + 1_000_000)).collect();
         let mut sent: HashMap<String, Instant> = HashMap::new();
         let tick = Duration::from_secs_f64(10.0 / rate as f64);
         let mut next = Instant::now();
