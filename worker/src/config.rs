@@ -325,7 +325,8 @@ pub struct DeliveryArgs {
     pub delivery: DeliveryMode,
     /// The transactional id of exactly-once delivery: stable per worker identity, so that a
     /// restarted worker fences its previous instance and aborts its open transaction (default:
-    /// `<group>.<group instance id or worker id>`).
+    /// `<group>.<group instance id or worker id>`). The worker's two transactional producers,
+    /// which take turns, use it and it with `.2` appended.
     #[arg(long, env = "SLUICE_TRANSACTIONAL_ID")]
     pub transactional_id: Option<String>,
     /// Tasks read but not yet finished before the worker pauses its partitions (it resumes at
