@@ -48,6 +48,7 @@ pub fn run_alone(model: &StableDiffusion, dir: &Path, request: &SdRequest, draws
         inputs,
         tasks: vec![CallTask {
             id: "case".into(),
+            attempt: 1,
             rows: n,
             hooks: None,
         }],
@@ -112,6 +113,7 @@ pub fn rows_at_different_steps(
                 .iter()
                 .map(|id| CallTask {
                     id: (*id).into(),
+                    attempt: 1,
                     rows: 1,
                     hooks: None,
                 })

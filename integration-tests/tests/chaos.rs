@@ -1056,7 +1056,7 @@ async fn the_checkpoint_sweep_deletes_checkpoints_past_its_age_and_nothing_else(
     let id = uuid::Uuid::now_v7().to_string();
     let image = format!("{prefix}/{id}/0.png");
     sink.write(
-        &format!("{prefix}/checkpoints/{id}/000003.ckpt"),
+        &format!("{prefix}/checkpoints/{id}/1/000003.ckpt"),
         bytes::Bytes::from_static(b"state"),
     )
     .await

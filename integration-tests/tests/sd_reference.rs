@@ -530,11 +530,13 @@ fn the_unet_loop_reports_each_step_and_stops_a_cancelled_task_between_steps() {
         tasks: vec![
             CallTask {
                 id: "cancelled".into(),
+                attempt: 1,
                 rows: 1,
                 hooks: Some(cancelled.clone()),
             },
             CallTask {
                 id: "kept".into(),
+                attempt: 1,
                 rows: 1,
                 hooks: Some(kept.clone()),
             },
@@ -555,6 +557,7 @@ fn the_unet_loop_reports_each_step_and_stops_a_cancelled_task_between_steps() {
         inputs: b.inputs.clone(),
         tasks: vec![CallTask {
             id: "b".into(),
+            attempt: 1,
             rows: 1,
             hooks: None,
         }],

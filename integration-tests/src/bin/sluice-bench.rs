@@ -439,6 +439,7 @@ async fn images_per_second(
             .enumerate()
             .map(|(i, p)| CallTask {
                 id: i.to_string(),
+                attempt: 1,
                 rows: p.rows,
                 hooks: None,
             })

@@ -198,6 +198,10 @@ pub trait BatchItem: Send + 'static {
     fn prepared(&self) -> &Prepared;
     /// Task id for logs.
     fn id(&self) -> String;
+    /// Which delivery of the task this is (its checkpoints are this attempt's).
+    fn attempt(&self) -> u32 {
+        1
+    }
     /// Dimensions for logs and the DLQ.
     fn dimensions(&self) -> String;
     /// Progress and cancellation of the task, for models with many steps.
@@ -224,6 +228,7 @@ fn call_of<T: BatchItem>(bucket: &Bucket, items: &[T]) -> Call {
             .iter()
             .map(|i| CallTask {
                 id: i.id(),
+                attempt: i.attempt(),
                 rows: i.prepared().rows,
                 hooks: i.hooks(),
             })
@@ -771,7 +776,8 @@ impl Adaptive {
     fn save_due(&self, bucket: &Bucket, stepped: &crate::engine::Stepped, progress: &mut Progress<'_>, call: &Call) {
         if let (true, Some(sink)) = (stepped.keeps_checkpoints(), &self.checkpoints) {
             for (task, resume) in progress.due(call, self.draining.is_cancelled()) {
-                sink.save(&task, bucket, resume);
+                let attempt = call.tasks.iter().find(|t| t.id == task).map_or(1, |t| t.attempt);
+                sink.save(&task, attempt, bucket, resume);
             }
         }
     }
@@ -1420,7 +1426,7 @@ mod tests {
     struct KeptSteps(Mutex<Vec<(String, usize)>>);
 
     impl Checkpoints for KeptSteps {
-        fn save(&self, task: &str, _: &Bucket, resume: Resume) {
+        fn save(&self, task: &str, _: u32, _: &Bucket, resume: Resume) {
             self.0.lock().unwrap().push((task.to_owned(), resume.step));
         }
     }
@@ -2098,6 +2104,7 @@ mod tests {
                 .iter()
                 .map(|id| CallTask {
                     id: id.to_string(),
+                    attempt: 1,
                     rows: 1,
                     hooks: None,
                 })

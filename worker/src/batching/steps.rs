@@ -23,9 +23,9 @@ pub(crate) type Resumes = HashMap<String, Resume>;
 /// Where the resume points of tasks of buckets that keep checkpoints
 /// ([`Stepped::checkpoint_every`]) are kept, outside the process.
 pub(crate) trait Checkpoints: Send + Sync {
-    /// Keeps task `task`'s resume point. It must not hold up the engine: the write runs on its
-    /// own, and may be skipped when writes are behind.
-    fn save(&self, task: &str, bucket: &Bucket, resume: Resume);
+    /// Keeps the resume point of attempt `attempt` of task `task`. It must not hold up the
+    /// engine: the write runs on its own, and may be skipped when writes are behind.
+    fn save(&self, task: &str, attempt: u32, bucket: &Bucket, resume: Resume);
 }
 
 /// `rows` rows of zeros shaped as `like`'s.

@@ -144,6 +144,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         inputs: prepared.inputs.clone(),
         tasks: vec![CallTask {
             id: "generate".into(),
+            attempt: 1,
             rows: n,
             hooks: None,
         }],

@@ -56,6 +56,9 @@ impl Call {
 pub struct CallTask {
     /// The task id, for logs.
     pub id: String,
+    /// Which delivery of the task this is: 1, or what a redrive recorded. Step checkpoints are
+    /// an attempt's own.
+    pub attempt: u32,
     /// Rows of the outputs that belong to this task.
     pub rows: usize,
     /// What a model with many steps reports of the task, and asks of it, between steps.
@@ -66,6 +69,7 @@ impl std::fmt::Debug for CallTask {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallTask")
             .field("id", &self.id)
+            .field("attempt", &self.attempt)
             .field("rows", &self.rows)
             .finish_non_exhaustive()
     }

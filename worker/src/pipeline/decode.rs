@@ -103,6 +103,7 @@ async fn resume_from_checkpoint(stage: &DecodeStage, bucket: &Bucket, mut job: J
     };
     let owner = Owner {
         task_id: job.task.task_id,
+        attempt: job.record.attempt(),
         model: bucket.model.clone(),
         bucket: bucket.key.name().to_owned(),
     };

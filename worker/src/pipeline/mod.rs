@@ -128,6 +128,9 @@ impl BatchItem for Item {
     fn id(&self) -> String {
         self.job.task.task_id.to_string()
     }
+    fn attempt(&self) -> u32 {
+        self.job.record.attempt()
+    }
     fn dimensions(&self) -> String {
         let r = &self.job.task.request;
         format!("{}x{}x{}", r.width, r.height, r.num_images)

@@ -3,14 +3,16 @@
 //! `checkpoint_every` steps of a model that asks for it, so that the next owner of a task whose
 //! worker was killed, preempted or drained carries on from there instead of from the first step.
 //!
-//! Keys are `checkpoints/<task id>/<step, six digits>.ckpt` under the output prefix, written
-//! create-only (a step's state is the same whoever writes it: seeded noise, the same model). A
-//! checkpoint is a versioned file: a magic line, a JSON header (format version, task, model,
-//! bucket, step, each tensor's name and shape, the payload's sha256) and the tensors' float32
-//! values, little-endian. One that does not read back as written for this task and bucket is
-//! passed over with a WARN, and the task starts from an earlier checkpoint or its first step.
-//! A task's checkpoints are deleted once its results are stored (their manifest supersedes
-//! them); what a crash or a failed task leaves behind is swept by age ([`sweep`]:
+//! Keys are `checkpoints/<task id>/<attempt>/<step, six digits>.ckpt` under the output prefix,
+//! written create-only (a step's state is the same whoever writes it: seeded noise, the same
+//! model). An attempt carries on from its own checkpoints only: a task redriven from the DLQ
+//! (attempt 2, …) starts from its first step, not from where the attempt that failed stopped. A
+//! checkpoint is a versioned file: a magic line, a JSON header (format version, task, attempt,
+//! model, bucket, step, each tensor's name and shape, the payload's sha256) and the tensors'
+//! float32 values, little-endian. One that does not read back as written for this task, attempt
+//! and bucket is passed over with a WARN, and the task starts from an earlier checkpoint or its
+//! first step. A task's checkpoints, of every attempt, are deleted once its results are stored
+//! (their manifest supersedes them); what a crash or a failed task leaves behind is swept by age ([`sweep`]:
 //! `sluice-worker sweep-checkpoints`, the chart's CronJob) or by the bucket's lifecycle rule.
 
 use std::sync::Arc;
@@ -31,8 +33,8 @@ use crate::events::{self, Emit};
 use crate::metrics::Metrics;
 use crate::models::Bucket;
 
-/// The format this worker writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The format this worker writes and reads (1 had no attempt).
+pub const FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8] = b"SLUICE-CHECKPOINT\n";
 /// The largest header read.
 const MAX_HEADER_BYTES: usize = 64 << 10;
@@ -48,6 +50,7 @@ const MAX_WRITES_IN_FLIGHT: usize = 16;
 struct Header {
     version: u32,
     task_id: Uuid,
+    attempt: u32,
     model: String,
     bucket: String,
     step: usize,
@@ -65,6 +68,8 @@ struct TensorHeader {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Owner {
     pub task_id: Uuid,
+    /// The task's delivery attempt (1, or what a redrive recorded).
+    pub attempt: u32,
     pub model: String,
     /// The bucket key's name: size, sampler, steps, guidance.
     pub bucket: String,
@@ -87,6 +92,7 @@ pub(crate) fn encode(owner: &Owner, resume: &Resume) -> Result<Vec<u8>, String> 
     let header = Header {
         version: FORMAT_VERSION,
         task_id: owner.task_id,
+        attempt: owner.attempt,
         model: owner.model.clone(),
         bucket: owner.bucket.clone(),
         step: resume.step,
@@ -115,6 +121,7 @@ pub(crate) fn decode(bytes: &[u8], owner: &Owner) -> Result<Resume, String> {
     }
     let theirs = Owner {
         task_id: header.task_id,
+        attempt: header.attempt,
         model: header.model.clone(),
         bucket: header.bucket.clone(),
     };
@@ -167,9 +174,15 @@ impl CheckpointStore {
         }
     }
 
+    /// Where all of a task's checkpoints are, of every attempt.
     fn dir(&self, task_id: Uuid) -> Path {
         let (_, prefix) = self.images.objects();
         prefix.clone().join("checkpoints").join(task_id.to_string())
+    }
+
+    /// Where one attempt's checkpoints are.
+    fn attempt_dir(&self, owner: &Owner) -> Path {
+        self.dir(owner.task_id).join(owner.attempt.to_string())
     }
 
     /// Writes a checkpoint create-only; one already there (the same step of the same task) is
@@ -180,7 +193,7 @@ impl CheckpointStore {
             reason,
         })?;
         let size = bytes.len() as u64;
-        let key = self.dir(owner.task_id).join(format!("{:06}.ckpt", resume.step));
+        let key = self.attempt_dir(owner).join(format!("{:06}.ckpt", resume.step));
         let (store, _) = self.images.objects();
         let options = PutOptions {
             mode: PutMode::Create,
@@ -192,23 +205,20 @@ impl CheckpointStore {
         }
     }
 
-    /// The task's checkpoints, the latest step first.
-    async fn keys(&self, task_id: Uuid) -> Result<Vec<Path>, StorageError> {
+    /// The checkpoints under `dir`, the latest step first.
+    async fn keys(&self, dir: &Path) -> Result<Vec<Path>, StorageError> {
         let (store, _) = self.images.objects();
-        let mut keys: Vec<Path> = store
-            .list(Some(&self.dir(task_id)))
-            .map_ok(|meta| meta.location)
-            .try_collect()
-            .await?;
+        let mut keys: Vec<Path> = store.list(Some(dir)).map_ok(|meta| meta.location).try_collect().await?;
         keys.sort_unstable_by(|a, b| b.as_ref().cmp(a.as_ref()));
         Ok(keys)
     }
 
-    /// The latest checkpoint of the task that reads back as `owner`'s, if any (each that does
-    /// not is passed over with a WARN), and how many of the task's checkpoints are stored.
+    /// The latest checkpoint of the task's attempt that reads back as `owner`'s, if any (each
+    /// that does not is passed over with a WARN), and how many of the attempt's checkpoints are
+    /// stored.
     pub(crate) async fn latest(&self, owner: &Owner) -> Result<(Option<Resume>, u32), StorageError> {
         let (store, _) = self.images.objects();
-        let keys = self.keys(owner.task_id).await?;
+        let keys = self.keys(&self.attempt_dir(owner)).await?;
         let stored = u32::try_from(keys.len()).unwrap_or(u32::MAX);
         for key in keys {
             let result = store.get(&key).await?;
@@ -225,10 +235,10 @@ impl CheckpointStore {
         Ok((None, stored))
     }
 
-    /// Deletes the task's checkpoints.
+    /// Deletes the task's checkpoints, of every attempt.
     pub(crate) async fn delete(&self, task_id: Uuid) -> Result<(), StorageError> {
         let (store, _) = self.images.objects();
-        for key in self.keys(task_id).await? {
+        for key in self.keys(&self.dir(task_id)).await? {
             match store.delete(&key).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
@@ -279,7 +289,7 @@ pub async fn sweep(images: &ImageStore, older_than: std::time::Duration) -> Resu
 }
 
 impl Checkpoints for CheckpointStore {
-    fn save(&self, task: &str, bucket: &Bucket, resume: Resume) {
+    fn save(&self, task: &str, attempt: u32, bucket: &Bucket, resume: Resume) {
         let Ok(task_id) = task.parse::<Uuid>() else {
             return;
         };
@@ -290,6 +300,7 @@ impl Checkpoints for CheckpointStore {
         }
         let owner = Owner {
             task_id,
+            attempt,
             model: bucket.model.clone(),
             bucket: bucket.key.name().to_owned(),
         };
@@ -318,6 +329,7 @@ mod tests {
     fn owner() -> Owner {
         Owner {
             task_id: Uuid::nil(),
+            attempt: 1,
             model: "sd".into(),
             bucket: "64x64:euler:20:cfg".into(),
         }
@@ -346,7 +358,7 @@ mod tests {
         }
         images.write(&format!("{old}/0.png"), Bytes::from_static(b"png")).await.unwrap();
         let two_days_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(2 * 86_400);
-        let file = dir.join(format!("checkpoints/{old}/000007.ckpt"));
+        let file = dir.join(format!("checkpoints/{old}/1/000007.ckpt"));
         std::fs::File::options()
             .write(true)
             .open(&file)
@@ -357,7 +369,7 @@ mod tests {
         let swept = sweep(&images, day).await.unwrap();
         assert_eq!((swept.deleted, swept.kept), (1, 1));
         assert!(swept.deleted_bytes > 0);
-        assert!(!file.exists() && dir.join(format!("checkpoints/{young}/000007.ckpt")).exists());
+        assert!(!file.exists() && dir.join(format!("checkpoints/{young}/1/000007.ckpt")).exists());
         assert!(dir.join(format!("{old}/0.png")).exists(), "an image is not a checkpoint");
         assert_eq!(
             sweep(&images, day).await.unwrap(),
@@ -366,6 +378,37 @@ mod tests {
                 ..Swept::default()
             }
         );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// An attempt carries on from its own checkpoints only: a redriven task (attempt 2) finds
+    /// none of attempt 1's and starts from its first step; its own are found; a succeeded task's
+    /// checkpoints of every attempt are deleted.
+    #[tokio::test]
+    async fn an_attempt_carries_on_from_its_own_checkpoints_only_and_all_go_with_the_task() {
+        let dir = std::env::temp_dir().join(format!("sluice-attempts-{}", Uuid::new_v4()));
+        let images = ImageStore::from_url(&format!("file://{}", dir.display())).unwrap();
+        let store = CheckpointStore::new(images, Metrics::new());
+        let task_id = Uuid::now_v7();
+        let first = Owner { task_id, ..owner() };
+        let second = Owner {
+            attempt: 2,
+            ..first.clone()
+        };
+        store.put(&first, &resume()).await.unwrap();
+        store.put(&first, &Resume { step: 9, ..resume() }).await.unwrap();
+        assert!(dir.join(format!("checkpoints/{task_id}/1/000009.ckpt")).exists());
+        let (found, stored) = store.latest(&second).await.unwrap();
+        assert_eq!((found, stored), (None, 0), "attempt 1's are not attempt 2's");
+        store.put(&second, &Resume { step: 3, ..resume() }).await.unwrap();
+        let (found, stored) = store.latest(&second).await.unwrap();
+        assert_eq!((found.map(|r| r.step), stored), (Some(3), 1));
+        let (found, stored) = store.latest(&first).await.unwrap();
+        assert_eq!((found.map(|r| r.step), stored), (Some(9), 2), "the latest of attempt 1");
+        store.delete(task_id).await.unwrap();
+        for owner in [&first, &second] {
+            assert_eq!(store.latest(owner).await.unwrap(), (None, 0));
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -388,10 +431,11 @@ mod tests {
         assert!(other(&|o| o.task_id = Uuid::max()).contains("written for"));
         assert!(other(&|o| o.bucket = "64x64:euler:25:cfg".into()).contains("written for"));
         assert!(other(&|o| o.model = "sdxl".into()).contains("written for"));
+        assert!(other(&|o| o.attempt = 2).contains("written for"));
         let mut flipped = bytes.clone();
         *flipped.last_mut().unwrap() ^= 1;
         assert!(decode(&flipped, &owner()).unwrap_err().contains("sha256"));
-        let newer = String::from_utf8_lossy(&bytes).replacen("\"version\":1", "\"version\":2", 1);
+        let newer = String::from_utf8_lossy(&bytes).replacen("\"version\":2", "\"version\":3", 1);
         assert!(decode(newer.as_bytes(), &owner()).is_err());
         assert!(decode(b"PNG...", &owner()).unwrap_err().contains("magic"));
         assert!(decode(&bytes[..bytes.len() - 4], &owner()).is_err(), "a truncated payload");
