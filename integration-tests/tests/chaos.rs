@@ -970,6 +970,105 @@ async fn a_task_killed_mid_denoise_carries_on_from_its_checkpoint_to_the_same_im
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// Every sampler of the UNet families and both flow families carry on from a checkpoint to the
+/// image of an uninterrupted run, byte for byte: sd-tiny with each of its samplers (the ancestral
+/// one's noise draws by step, DPM-Solver++'s history in `solver_previous`, LCM), sdxl-tiny with
+/// DPM-Solver++, flux-dev-tiny and sd3-tiny; each a 256² task of 4 images, checkpoints every
+/// step, one step a call. One case at a time: its worker is killed with SIGKILL once the task
+/// has a checkpoint stored, and the next worker carries it on from a later step than 0 (its
+/// `started` record) to the image the same request makes without a stop. One completion each, no
+/// DLQ record.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_sampler_and_model_family_carries_on_from_a_checkpoint_to_the_same_image() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("checkpoint-samplers", 1).unwrap();
+    let models = ["sd-tiny", "sdxl-tiny", "flux-dev-tiny", "sd3-tiny"];
+    let (dir, catalog) = checkpointing_catalog_of(stack, 1, &models);
+    let served = models.join(",");
+    let env = [
+        ("SLUICE_MODEL_DIR", dir.as_str()),
+        ("SLUICE_MODEL_CATALOG", catalog.as_str()),
+        ("SLUICE_MODELS", served.as_str()),
+        ("SLUICE_ENGINE_SLOTS", "1"),
+        ("SLUICE_STEPS_PER_CALL", "1"),
+    ];
+    let cases: Vec<(&str, &str, u32)> = vec![
+        ("sd-tiny", "euler", 20),
+        ("sd-tiny", "euler_a", 20),
+        ("sd-tiny", "ddim", 20),
+        ("sd-tiny", "dpmpp_2m", 20),
+        ("sd-tiny", "dpmpp_2m_karras", 20),
+        ("sd-tiny", "lcm", 8),
+        ("sdxl-tiny", "dpmpp_2m", 20),
+        ("flux-dev-tiny", "flow_euler", 20),
+        ("sd3-tiny", "flow_euler", 20),
+    ];
+    let request = |(model, sampler, steps): (&str, &str, u32), seed: u64| {
+        let mut task = sluice_integration_tests::diffusion_task(model, seed, 256, steps, 4);
+        task.1["request"]["sampler"] = sampler.into();
+        task
+    };
+    let group = "chaos-checkpoint-samplers";
+    let sink = stack.sink().unwrap();
+    let kafka = producer(stack.brokers()).unwrap();
+    let mut w = worker_with(stack, "checkpoint-samplers-0", group, &topics, &env).await;
+    let mut killed = Vec::new();
+    for (i, &case) in cases.iter().enumerate() {
+        let task = request(case, 91_000 + i as u64);
+        w.wait_assigned(Duration::from_secs(60)).await.unwrap();
+        publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&task)).await.unwrap();
+        sluice_integration_tests::wait_for("a checkpoint of the task", Duration::from_secs(120), async || {
+            checkpoint_steps(&sink, &task.0).await.into_iter().max()
+        })
+        .await
+        .unwrap();
+        w.service.kill9();
+        w = worker_with(stack, "checkpoint-samplers-0", group, &topics, &env).await;
+        Outcomes::wait(
+            stack.brokers(),
+            &topics,
+            &BTreeSet::from([task.0.clone()]),
+            Duration::from_secs(180),
+        )
+        .unwrap();
+        killed.push(task);
+    }
+    let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&killed), Duration::from_secs(30)).unwrap();
+    let twins: Vec<_> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, &case)| request(case, 91_000 + i as u64))
+        .collect();
+    publish_tasks(&kafka, &topics.tasks, &twins).await.unwrap();
+    let uninterrupted = Outcomes::wait(stack.brokers(), &topics, &ids_of(&twins), Duration::from_secs(300)).unwrap();
+    let mut rows = Vec::new();
+    let mut failures = Vec::new();
+    for ((case, (id, _)), (twin, _)) in cases.iter().zip(&killed).zip(&twins) {
+        let name = format!("{} {}", case.0, case.1);
+        let started = started_steps(stack, id);
+        let image = &done.completions[id];
+        let same = same_images(&image[0], &uninterrupted.completions[twin][0]);
+        rows.push((name.clone(), format!("started at steps {started:?}, same PNGs: {same}")));
+        if image.len() != 1 || image[0].status != CompletionStatus::Succeeded || done.dlq_reason(id).is_some() {
+            failures.push(format!("{name}: {image:?}, DLQ {:?}", done.dlq_reason(id)));
+        }
+        if started.last().is_none_or(|&s| s == 0) {
+            failures.push(format!("{name} did not carry on from a checkpoint: started at {started:?}"));
+        }
+        if !same {
+            failures.push(format!("{name}: the images are not the uninterrupted run's"));
+        }
+    }
+    let rows: Vec<(&str, String)> = rows.iter().map(|(n, r)| (n.as_str(), r.clone())).collect();
+    table(
+        "each sampler and family, its worker killed (SIGKILL) once the task had a checkpoint (every step)",
+        &rows,
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+    w.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
 /// Kills in a loop: a 40-step 256² sd-tiny task, checkpoints every 4 steps, one step a call, its
 /// worker killed with SIGKILL four times, each after its own count of steps (5, 3, 6, 7: some
 /// past a checkpoint, one before the next), then left to finish. Per kill, the steps re-run are
@@ -1153,14 +1252,27 @@ async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_
 /// The demo catalog with sd-tiny keeping checkpoints every `every` steps and taking up to 100,
 /// written into the stack's directory: (models directory, catalog path).
 fn checkpointing_catalog(stack: &Stack, every: u32) -> (String, String) {
+    checkpointing_catalog_of(stack, every, &["sd-tiny"])
+}
+
+/// The demo catalog with each of `models` keeping checkpoints every `every` steps (sd-tiny also
+/// taking up to 100), written into the stack's directory: (models directory, catalog path).
+fn checkpointing_catalog_of(stack: &Stack, every: u32, models: &[&str]) -> (String, String) {
     let repo = sluice_integration_tests::stack::repo_root();
-    let demo = std::fs::read_to_string(repo.join("deploy/models.demo.toml")).unwrap();
-    let (before, sd_tiny) = demo.split_once("name = \"sd-tiny\"\n").expect("the demo catalog has sd-tiny");
+    let mut text = std::fs::read_to_string(repo.join("deploy/models.demo.toml")).unwrap();
     let steps = "steps = { min = 1, max = 20, default = 4 }";
+    let (before, sd_tiny) = text.split_once("name = \"sd-tiny\"\n").expect("the demo catalog has sd-tiny");
     assert!(sd_tiny.contains(steps), "sd-tiny's steps in the demo catalog");
-    let sd_tiny = sd_tiny.replacen(steps, "steps = { min = 1, max = 100, default = 4 }", 1);
-    let text = format!("{before}name = \"sd-tiny\"\ncheckpoint_every = {every}\n{sd_tiny}");
-    let catalog = stack.dir.join(format!("checkpoint-every-{every}.toml"));
+    text = format!(
+        "{before}name = \"sd-tiny\"\n{}",
+        sd_tiny.replacen(steps, "steps = { min = 1, max = 100, default = 4 }", 1)
+    );
+    for model in models {
+        let name = format!("name = \"{model}\"\n");
+        assert!(text.contains(&name), "the demo catalog has {model}");
+        text = text.replacen(&name, &format!("{name}checkpoint_every = {every}\n"), 1);
+    }
+    let catalog = stack.dir.join(format!("checkpoint-every-{every}-{}.toml", models.join("-")));
     std::fs::write(&catalog, text).unwrap();
     (stack.dir.join("models").display().to_string(), catalog.display().to_string())
 }
