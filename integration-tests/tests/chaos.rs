@@ -1249,6 +1249,94 @@ async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }
 
+/// A rebalance that moves a running task keeps its state first: two 60-step 256² tasks of 4
+/// images, one in each of two partitions, on one worker (checkpoints every 50 steps, a 500 ms
+/// drain timeout). A second worker joins the group while both run; the partition that moves is
+/// drained: its task's state is kept after every step until the drain gives it up, and the new
+/// owner carries it on from the last step kept (off the every-50 grid), to the images of an
+/// uninterrupted run. The task that stays runs on. One completion each, no DLQ record.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_from_it() {
+    let _one = SERIAL.lock().await;
+    let stack = stack().await;
+    let topics = stack.topics("rebalance-checkpoint", 2).unwrap();
+    let (models, catalog) = checkpointing_catalog(stack, 50);
+    let mut env = checkpointing_worker(&models, &catalog).to_vec();
+    env.push(("SLUICE_DRAIN_TIMEOUT_MS", "500"));
+    let group = "chaos-rebalance-checkpoint";
+    let sink = stack.sink().unwrap();
+    let kafka = producer(stack.brokers()).unwrap();
+    const STEPS: u32 = 60;
+    let tasks: Vec<_> = (0..2)
+        .map(|i| sluice_integration_tests::sd_task(90_201 + i, 256, STEPS, 4))
+        .collect();
+    let mut first = worker_with(stack, "rebalance-checkpoint-0", group, &topics, &env).await;
+    first.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    for (partition, (id, record)) in tasks.iter().enumerate() {
+        let value = serde_json::to_vec(record).unwrap();
+        sluice_integration_tests::kafka::produce_to(
+            &kafka,
+            &topics.tasks,
+            Some(partition as i32),
+            Some(id.as_bytes()),
+            &value,
+            &[("sluice-schema-version", b"1")],
+        )
+        .await
+        .unwrap();
+    }
+    sluice_integration_tests::wait_for("both tasks in flight", Duration::from_secs(60), async || {
+        (first.metric("sluice_worker_in_flight_tasks").await? >= 2.0).then_some(())
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut second = worker_with(stack, "rebalance-checkpoint-1", group, &topics, &env).await;
+    let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&tasks), Duration::from_secs(300)).unwrap();
+    let mut rows = Vec::new();
+    let mut moved = Vec::new();
+    for (i, (id, _)) in tasks.iter().enumerate() {
+        let started = started_steps(stack, id);
+        let image = &done.completions[id];
+        rows.push((format!("task {id}"), format!("started at steps {started:?}")));
+        assert_eq!(image.len(), 1, "{image:?}");
+        assert_eq!(image[0].status, CompletionStatus::Succeeded, "{image:?}");
+        assert_eq!(done.dlq_reason(id), None);
+        if started.len() > 1 {
+            moved.push((i, started));
+        }
+    }
+    assert_eq!(moved.len(), 1, "one task moved to the new worker: {moved:?}");
+    let (i, started) = &moved[0];
+    let twin = sluice_integration_tests::sd_task(90_201 + *i as u64, 256, STEPS, 4);
+    publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(&twin)).await.unwrap();
+    let uninterrupted = Outcomes::wait(
+        stack.brokers(),
+        &topics,
+        &ids_of(std::slice::from_ref(&twin)),
+        Duration::from_secs(300),
+    )
+    .unwrap();
+    let same = same_images(&done.completions[&tasks[*i].0][0], &uninterrupted.completions[&twin.0][0]);
+    rows.push(("the moved task's PNGs are the uninterrupted run's".into(), same.to_string()));
+    let rows: Vec<(&str, String)> = rows.iter().map(|(n, r)| (n.as_str(), r.clone())).collect();
+    table(
+        "two 60-step tasks in two partitions, a second worker joins (drain timeout 500 ms), checkpoints every 50 steps",
+        &rows,
+    );
+    let carried_on = *started.last().unwrap();
+    assert!(
+        carried_on > 0 && carried_on % 50 != 0,
+        "carried on from a step the drain kept, off the every-50 grid: {started:?}"
+    );
+    assert!(same, "the moved task's images are the uninterrupted run's");
+    for (id, _) in &tasks {
+        assert!(checkpoint_steps(&sink, id).await.is_empty(), "task {id}'s checkpoints deleted");
+    }
+    first.service.terminate(Duration::from_secs(30)).unwrap();
+    second.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
 /// The demo catalog with sd-tiny keeping checkpoints every `every` steps and taking up to 100,
 /// written into the stack's directory: (models directory, catalog path).
 fn checkpointing_catalog(stack: &Stack, every: u32) -> (String, String) {
