@@ -23,7 +23,9 @@ pub mod stack;
 
 pub use kafka::{Consumed, TopicReader, produce_raw};
 pub use process::{Service, bin};
-pub use records::{Outcomes, completions_for, demo_catalog, diffusion_task, ids_of, publish_tasks, sd_task, terrain_task};
+pub use records::{
+    Outcomes, completions_for, demo_catalog, diffusion_task, ids_of, publish_tasks, publish_to_partition, sd_task, terrain_task,
+};
 pub use rejected::{names_field, rejected_fields};
 pub use reload_memory::{ReloadRss, assert_rss_bounded};
 pub use stack::{Stack, Topics};

@@ -98,6 +98,19 @@ pub async fn publish_tasks(producer: &FutureProducer, topic: &str, tasks: &[(Str
     Ok(())
 }
 
+/// Publishes one task, keyed by its id, to partition `partition` of `topic`.
+pub async fn publish_to_partition(
+    producer: &FutureProducer,
+    topic: &str,
+    partition: i32,
+    (id, record): &(String, Value),
+) -> anyhow::Result<()> {
+    let value = serde_json::to_vec(record)?;
+    let headers: &[(&str, &[u8])] = &[(sluice_schemas::HEADER_SCHEMA_VERSION, b"1")];
+    crate::kafka::produce_to(producer, topic, Some(partition), Some(id.as_bytes()), &value, headers).await?;
+    Ok(())
+}
+
 /// What became of a set of tasks, by task id: every completion and every DLQ record of each
 /// (more than one means it was announced twice).
 #[derive(Debug, Default)]

@@ -17,7 +17,9 @@ use serde_json::{Value, json};
 use sluice_integration_tests::cluster::{API_KEY, Worker, metric_value};
 use sluice_integration_tests::kafka::{Isolation, producer};
 use sluice_integration_tests::process::{Service, bin};
-use sluice_integration_tests::{Outcomes, Stack, TopicReader, Topics, ids_of, produce_raw, publish_tasks, terrain_task};
+use sluice_integration_tests::{
+    Outcomes, Stack, TopicReader, Topics, ids_of, produce_raw, publish_tasks, publish_to_partition, terrain_task,
+};
 use sluice_schemas::{CompletionEvent, CompletionStatus, DlqRecord};
 use tokio::sync::{Mutex, OnceCell};
 
@@ -882,11 +884,7 @@ async fn a_task_whose_worker_is_stopped_four_times_is_handed_off_not_crashed() {
     for stop in 1..=4 {
         let mut w = worker_with(stack, "handoff-0", group, &topics, &held).await;
         w.wait_assigned(Duration::from_secs(60)).await.unwrap();
-        sluice_integration_tests::wait_for("the task in flight", Duration::from_secs(60), async || {
-            (w.metric("sluice_worker_in_flight_tasks").await? >= 1.0).then_some(())
-        })
-        .await
-        .unwrap();
+        in_flight(&w, 1.0).await;
         // Into its model call, its start recorded.
         tokio::time::sleep(Duration::from_secs(3)).await;
         let t = Instant::now();
@@ -1217,11 +1215,7 @@ async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_
     publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, std::slice::from_ref(&task))
         .await
         .unwrap();
-    sluice_integration_tests::wait_for("the task in flight", Duration::from_secs(60), async || {
-        (w.metric("sluice_worker_in_flight_tasks").await? >= 1.0).then_some(())
-    })
-    .await
-    .unwrap();
+    in_flight(&w, 1.0).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     w.service.terminate(Duration::from_secs(30)).unwrap();
     let stored = checkpoint_steps(&sink, &id).await;
@@ -1272,24 +1266,10 @@ async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_
         .collect();
     let mut first = worker_with(stack, "rebalance-checkpoint-0", group, &topics, &env).await;
     first.wait_assigned(Duration::from_secs(60)).await.unwrap();
-    for (partition, (id, record)) in tasks.iter().enumerate() {
-        let value = serde_json::to_vec(record).unwrap();
-        sluice_integration_tests::kafka::produce_to(
-            &kafka,
-            &topics.tasks,
-            Some(partition as i32),
-            Some(id.as_bytes()),
-            &value,
-            &[("sluice-schema-version", b"1")],
-        )
-        .await
-        .unwrap();
+    for (partition, task) in tasks.iter().enumerate() {
+        publish_to_partition(&kafka, &topics.tasks, partition as i32, task).await.unwrap();
     }
-    sluice_integration_tests::wait_for("both tasks in flight", Duration::from_secs(60), async || {
-        (first.metric("sluice_worker_in_flight_tasks").await? >= 2.0).then_some(())
-    })
-    .await
-    .unwrap();
+    in_flight(&first, 2.0).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut second = worker_with(stack, "rebalance-checkpoint-1", group, &topics, &env).await;
     let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&tasks), Duration::from_secs(300)).unwrap();
@@ -1374,6 +1354,15 @@ fn checkpointing_worker<'a>(models: &'a str, catalog: &'a str) -> [(&'static str
         ("SLUICE_ENGINE_SLOTS", "1"),
         ("SLUICE_STEPS_PER_CALL", "1"),
     ]
+}
+
+/// Waits (up to a minute) until `w` holds at least `n` tasks in flight.
+async fn in_flight(w: &Worker, n: f64) {
+    sluice_integration_tests::wait_for(&format!("{n} tasks in flight"), Duration::from_secs(60), async || {
+        (w.metric("sluice_worker_in_flight_tasks").await? >= n).then_some(())
+    })
+    .await
+    .unwrap();
 }
 
 /// The steps of task `id`'s checkpoints in the store.
@@ -1663,24 +1652,10 @@ async fn an_orphaned_partition_is_handed_out_within_seconds() {
     let mut a = worker_with(stack, "orphans-a", group, &topics, &[&common[..], &held_a].concat()).await;
     a.wait_assigned(Duration::from_secs(60)).await.unwrap();
     let kafka = producer(stack.brokers()).unwrap();
-    for (p, (id, record)) in held.iter().enumerate() {
-        let value = serde_json::to_vec(record).unwrap();
-        sluice_integration_tests::kafka::produce_to(
-            &kafka,
-            &topics.tasks,
-            Some(p as i32),
-            Some(id.as_bytes()),
-            &value,
-            &[(sluice_schemas::HEADER_SCHEMA_VERSION, b"1")],
-        )
-        .await
-        .unwrap();
+    for (p, task) in held.iter().enumerate() {
+        publish_to_partition(&kafka, &topics.tasks, p as i32, task).await.unwrap();
     }
-    sluice_integration_tests::wait_for("the held tasks in flight", Duration::from_secs(60), async || {
-        (a.metric("sluice_worker_in_flight_tasks").await? >= 4.0).then_some(())
-    })
-    .await
-    .unwrap();
+    in_flight(&a, 4.0).await;
 
     // B joins: A gives up half of the partitions and drains them, which never ends.
     let mut b = worker_with(

@@ -983,7 +983,7 @@ mod delivery {
             ];
             let w = worker(stack, mode, &topics, &more).await?;
             for (i, task) in warm.iter().enumerate() {
-                to_partition(&kafka, &topics.tasks, i as i32 % self.partitions, task).await?;
+                sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, i as i32 % self.partitions, task).await?;
             }
             let warm_ids: std::collections::HashSet<&String> = warm.iter().map(|(id, _)| id).collect();
             let warmed = tokio::task::spawn_blocking({
@@ -994,13 +994,13 @@ mod delivery {
             warmed.await??;
             let mut sent: HashMap<String, Instant> = HashMap::new();
             for (p, task) in slow.iter().enumerate() {
-                to_partition(&kafka, &topics.tasks, p as i32, task).await?;
+                sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, p as i32, task).await?;
                 sent.insert(task.0.clone(), Instant::now());
             }
             let slow_sent = Instant::now();
             tokio::time::sleep(Duration::from_millis(500)).await; // the slow ones are in their call
             for (i, task) in fast.iter().enumerate() {
-                to_partition(&kafka, &topics.tasks, i as i32 % self.partitions, task).await?;
+                sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, i as i32 % self.partitions, task).await?;
                 sent.insert(task.0.clone(), Instant::now());
             }
             // The slow ones' call ends when they are cancelled.
@@ -1045,19 +1045,6 @@ mod delivery {
             std::os::unix::fs::symlink(stack.dir.join("models/sd-tiny"), dir.join("sd-tiny"))?;
         }
         Ok(dir.display().to_string())
-    }
-
-    /// Publishes one task to `partition`.
-    pub(super) async fn to_partition(
-        kafka: &rdkafka::producer::FutureProducer,
-        topic: &str,
-        partition: i32,
-        task: &(String, serde_json::Value),
-    ) -> anyhow::Result<()> {
-        let value = serde_json::to_vec(&task.1)?;
-        let headers: &[(&str, &[u8])] = &[(sluice_schemas::HEADER_SCHEMA_VERSION, b"1")];
-        sluice_integration_tests::kafka::produce_to(kafka, topic, Some(partition), Some(task.0.as_bytes()), &value, headers).await?;
-        Ok(())
     }
 
     pub(super) async fn worker(
@@ -1212,7 +1199,7 @@ mod turns {
         let warm = [terrain_task(1, 256, 256, 50), terrain_task(2, 128, 128, 50)];
         let reader = delivery::read(stack, &topics.completions, warm.len());
         for task in &warm {
-            delivery::to_partition(&kafka, &topics.tasks, 0, task).await?;
+            sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, 0, task).await?;
         }
         tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;
         let map_tasks: Vec<_> = (0..maps).map(|i| terrain_task(100 + i as u64, size, size, 50)).collect();
@@ -1221,7 +1208,7 @@ mod turns {
         let reader = delivery::read_events(stack, &topics.completions, warm.len() + maps + tiles);
         let mut sent: HashMap<String, Instant> = HashMap::new();
         for task in map_tasks.iter().chain(&tile_tasks) {
-            delivery::to_partition(&kafka, &topics.tasks, 0, task).await?;
+            sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, 0, task).await?;
             sent.insert(task.0.clone(), Instant::now());
         }
         let seen = tokio::task::spawn_blocking(move || reader.join().expect("reader thread")).await??;

@@ -37,7 +37,7 @@ use sluice_integration_tests::records::diffusion_task_of;
 use sluice_integration_tests::stack::{Stack, Topics};
 use sluice_schemas::{Catalog, CompletionEvent, CompletionStatus};
 
-use super::{delivery, env_or};
+use super::env_or;
 
 /// What kind of task it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -268,14 +268,14 @@ async fn once(stack: &Stack, load: &Load, settings: &[(&str, &str)], round: u64)
     let long = (load.long_model.as_str(), load.long_size, load.long_steps);
     for (i, (model, size, steps)) in [long, ("sd-tiny", 64, 4)].into_iter().enumerate() {
         let t = task(model, base + i as u64, size, steps, Class::Background)?;
-        delivery::to_partition(&kafka, &topics.tasks, 0, &t).await?;
+        sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, 0, &t).await?;
         tokio::task::block_in_place(|| wait_for(&t.0))?;
     }
     let mut unloaded = Vec::new();
     for i in 0..env_or("SLUICE_BENCH_SCHED_ALONE", 12) {
         let t = task("sd-tiny", base + 100 + i as u64, 64, 4, Class::Interactive)?;
         let sent = Instant::now();
-        delivery::to_partition(&kafka, &topics.tasks, (i % 4) as i32, &t).await?;
+        sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, (i % 4) as i32, &t).await?;
         let at = tokio::task::block_in_place(|| wait_for(&t.0))?;
         unloaded.push((at - sent).as_secs_f64());
     }
@@ -305,7 +305,7 @@ async fn once(stack: &Stack, load: &Load, settings: &[(&str, &str)], round: u64)
             Class::Short | Class::Interactive => task("sd-tiny", seed, 64, 4, class)?,
         };
         let at = Instant::now();
-        delivery::to_partition(&kafka, &topics.tasks, (seed % 4) as i32, &t).await?;
+        sluice_integration_tests::publish_to_partition(&kafka, &topics.tasks, (seed % 4) as i32, &t).await?;
         sent.insert(t.0, (class, at));
         Ok(())
     };
