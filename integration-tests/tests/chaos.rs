@@ -1045,8 +1045,11 @@ async fn every_sampler_and_model_family_carries_on_from_a_checkpoint_to_the_same
     for ((case, (id, _)), (twin, _)) in cases.iter().zip(&killed).zip(&twins) {
         let name = format!("{} {}", case.0, case.1);
         let started = started_steps(stack, id);
-        let image = &done.completions[id];
-        let same = same_images(&image[0], &uninterrupted.completions[twin][0]);
+        let image = done.completions.get(id).cloned().unwrap_or_default();
+        let same = match (image.first(), uninterrupted.completions.get(twin).and_then(|t| t.first())) {
+            (Some(a), Some(b)) => same_images(a, b),
+            _ => false,
+        };
         rows.push((name.clone(), format!("started at steps {started:?}, same PNGs: {same}")));
         if image.len() != 1 || image[0].status != CompletionStatus::Succeeded || done.dlq_reason(id).is_some() {
             failures.push(format!("{name}: {image:?}, DLQ {:?}", done.dlq_reason(id)));
@@ -1244,11 +1247,13 @@ async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_
 }
 
 /// A rebalance that moves a running task keeps its state first: two 60-step 256² tasks of 4
-/// images, one in each of two partitions, on one worker (checkpoints every 50 steps, a 500 ms
-/// drain timeout). A second worker joins the group while both run; the partition that moves is
-/// drained: its task's state is kept after every step until the drain gives it up, and the new
-/// owner carries it on from the last step kept (off the every-50 grid), to the images of an
-/// uninterrupted run. The task that stays runs on. One completion each, no DLQ record.
+/// images, one in each of two partitions, on one worker (checkpoints every 50 steps, a 3 s drain
+/// timeout). A second worker joins the group while both run; the partition that moves is
+/// drained: from the revoke on its task's state is kept after every step, and the new owner
+/// carries it on from a step so kept (off the every-50 grid), to the images of an uninterrupted
+/// run. The task that stays runs on. One completion each, no DLQ record. (The old owner runs the
+/// moved task on and keeps writing its checkpoints: docs/delivery.md; so no assertion here that
+/// they are gone.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_from_it() {
     let _one = SERIAL.lock().await;
@@ -1256,9 +1261,12 @@ async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_
     let topics = stack.topics("rebalance-checkpoint", 2).unwrap();
     let (models, catalog) = checkpointing_catalog(stack, 50);
     let mut env = checkpointing_worker(&models, &catalog).to_vec();
-    env.push(("SLUICE_DRAIN_TIMEOUT_MS", "500"));
+    // Long enough for a few steps (~0.6 s each here) inside the drain; each write logged.
+    env.extend([
+        ("SLUICE_DRAIN_TIMEOUT_MS", "3000"),
+        ("RUST_LOG", "info,sluice_worker::events=debug"),
+    ]);
     let group = "chaos-rebalance-checkpoint";
-    let sink = stack.sink().unwrap();
     let kafka = producer(stack.brokers()).unwrap();
     const STEPS: u32 = 60;
     let tasks: Vec<_> = (0..2)
@@ -1301,18 +1309,36 @@ async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_
     rows.push(("the moved task's PNGs are the uninterrupted run's".into(), same.to_string()));
     let rows: Vec<(&str, String)> = rows.iter().map(|(n, r)| (n.as_str(), r.clone())).collect();
     table(
-        "two 60-step tasks in two partitions, a second worker joins (drain timeout 500 ms), checkpoints every 50 steps",
+        "two 60-step tasks in two partitions, a second worker joins (drain timeout 3 s), checkpoints every 50 steps",
         &rows,
     );
+    // The steps the first worker kept of the moved task before its drain ended (the line
+    // `partitions revoked`, logged when the partition is given up): off the every-50 grid, so
+    // the drain's.
+    let log = first.service.log_text();
+    let moved_id = &tasks[*i].0;
+    let revoked_at = log
+        .lines()
+        .find(|l| l.contains("partitions revoked") && l.contains(&format!("partitions=[{i}]")))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("the first worker gave the partition up")
+        .to_owned();
+    let kept_in_drain: Vec<u32> = log
+        .lines()
+        .filter(|l| l.contains("checkpoint written") && l.contains(moved_id.as_str()))
+        .filter(|l| l.split_whitespace().next().is_some_and(|at| at < revoked_at.as_str()))
+        .filter_map(|l| l.split("step=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .collect();
     let carried_on = *started.last().unwrap();
     assert!(
-        carried_on > 0 && carried_on % 50 != 0,
-        "carried on from a step the drain kept, off the every-50 grid: {started:?}"
+        kept_in_drain.iter().any(|s| s % 50 != 0),
+        "the drain kept steps off the every-50 grid: {kept_in_drain:?}"
+    );
+    assert!(
+        carried_on > 0 && carried_on % 50 != 0 && carried_on >= *kept_in_drain.iter().max().unwrap(),
+        "carried on from a step kept since the revoke, off the every-50 grid: {started:?}, kept in the drain {kept_in_drain:?}"
     );
     assert!(same, "the moved task's images are the uninterrupted run's");
-    for (id, _) in &tasks {
-        assert!(checkpoint_steps(&sink, id).await.is_empty(), "task {id}'s checkpoints deleted");
-    }
     first.service.terminate(Duration::from_secs(30)).unwrap();
     second.service.terminate(Duration::from_secs(30)).unwrap();
 }

@@ -22,7 +22,7 @@ use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
-use sluice_schemas::{DlqReason, DlqRecord, HEADER_ATTEMPT, HEADER_ORIGIN};
+use sluice_schemas::{DlqReason, DlqRecord, HEADER_ATTEMPT, HEADER_ORIGIN, attempt_of};
 use thiserror::Error;
 use tokio::sync::mpsc::{Receiver, Sender};
 
@@ -423,8 +423,11 @@ fn select(mode: Mode, source: &str, m: &BorrowedMessage<'_>, filter: &Filter) ->
             let (Ok(key), Ok(value), Ok(headers)) = (dlq.original.key(), dlq.original.value(), dlq.original.headers()) else {
                 return (None, Outcome::Unreadable);
             };
+            // The next delivery of the task: one more than the original record's (`attempts` of a
+            // DLQ record counts the retries of one delivery, not deliveries).
+            let attempt = attempt_of(headers.iter().find(|(k, _)| k == HEADER_ATTEMPT).and_then(|(_, v)| v.as_deref()));
             let mut headers: Vec<(String, Option<Vec<u8>>)> = headers.into_iter().filter(|(k, _)| k != HEADER_ATTEMPT).collect();
-            headers.push((HEADER_ATTEMPT.to_owned(), Some((dlq.attempts + 1).to_string().into_bytes())));
+            headers.push((HEADER_ATTEMPT.to_owned(), Some((attempt + 1).to_string().into_bytes())));
             let identity = dlq
                 .task_id
                 .map(|t| t.to_string())

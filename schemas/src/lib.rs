@@ -28,6 +28,16 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub const HEADER_SCHEMA_VERSION: &str = "sluice-schema-version";
 /// Kafka header carrying how many times a task has been attempted (set by redrive).
 pub const HEADER_ATTEMPT: &str = "sluice-attempt";
+
+/// The attempt a [`HEADER_ATTEMPT`] value names: 1 where there is none, or it is not a number
+/// of at least 1 (a record as first published carries none).
+pub fn attempt_of(header: Option<&[u8]>) -> u32 {
+    header
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|a| *a >= 1)
+        .unwrap_or(1)
+}
 /// Kafka header that replay and redrive put on the records they write: where the record came
 /// from (`replay:<topic>:<partition>:<offset>` or `redrive:<topic>:<partition>:<offset>`).
 /// Workers check such records for existing results before running them.
@@ -58,4 +68,18 @@ pub mod dlq_headers {
     pub const SOURCE_OFFSET: &str = "sluice-dlq-source-offset";
     pub const FIRST_FAILED_AT: &str = "sluice-dlq-first-failed-at";
     pub const LAST_FAILED_AT: &str = "sluice-dlq-last-failed-at";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attempt_of;
+
+    #[test]
+    fn an_attempt_header_reads_as_its_number_and_anything_else_as_the_first() {
+        assert_eq!(attempt_of(Some(b"3")), 3);
+        assert_eq!(attempt_of(Some(b" 2 ")), 2);
+        for other in [None, Some(&b""[..]), Some(b"0"), Some(b"-1"), Some(b"two"), Some(b"\xff")] {
+            assert_eq!(attempt_of(other), 1, "{other:?}");
+        }
+    }
 }

@@ -44,11 +44,10 @@ fn decode(topics: &ViewTopics, m: &rdkafka::message::BorrowedMessage<'_>) -> Opt
     if topic == topics.tasks {
         let r: sluice_schemas::TaskRecord = serde_json::from_slice(payload).ok()?;
         // A redriven record is the original, byte for byte, with its attempt in a header.
-        let attempt = m
-            .headers()
-            .and_then(|h| h.iter().find(|h| h.key == sluice_schemas::HEADER_ATTEMPT).and_then(|h| h.value))
-            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u32>().ok())
-            .unwrap_or(1);
+        let attempt = sluice_schemas::attempt_of(
+            m.headers()
+                .and_then(|h| h.iter().find(|h| h.key == sluice_schemas::HEADER_ATTEMPT).and_then(|h| h.value)),
+        );
         if attempt > 1 {
             let at = m
                 .timestamp()

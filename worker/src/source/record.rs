@@ -46,10 +46,6 @@ impl Record {
 
     /// The attempt this delivery is: 1, or what a redrive recorded in `sluice-attempt`.
     pub fn attempt(&self) -> u32 {
-        self.header(sluice_schemas::HEADER_ATTEMPT)
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|v| v.trim().parse().ok())
-            .filter(|a| *a >= 1)
-            .unwrap_or(1)
+        sluice_schemas::attempt_of(self.header(sluice_schemas::HEADER_ATTEMPT))
     }
 }
