@@ -1327,7 +1327,7 @@ async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_
         .lines()
         .filter(|l| l.contains("checkpoint written") && l.contains(moved_id.as_str()))
         .filter(|l| l.split_whitespace().next().is_some_and(|at| at < revoked_at.as_str()))
-        .filter_map(|l| l.split("step=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .filter_map(logged_step)
         .collect();
     let carried_on = *started.last().unwrap();
     assert!(
@@ -1404,10 +1404,19 @@ async fn checkpoint_steps(sink: &sluice_worker::storage::images::ImageStore, id:
 
 /// The step a worker's log says a task carried on from.
 fn carried_on_from(log: &str) -> Option<usize> {
-    log.lines().filter(|l| l.contains("carrying on from a checkpoint")).find_map(|l| {
-        let at = l.find("step=")? + 5;
-        l[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
-    })
+    log.lines()
+        .filter(|l| l.contains("carrying on from a checkpoint"))
+        .find_map(logged_step)
+}
+
+/// The `step=` field of a worker's log line.
+fn logged_step<T: std::str::FromStr>(line: &str) -> Option<T> {
+    line.split("step=")
+        .nth(1)?
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The completion of the same 256² sd-tiny request (`seed`, `steps`, `images`) run without a

@@ -776,8 +776,7 @@ impl Adaptive {
     fn save_due(&self, bucket: &Bucket, stepped: &crate::engine::Stepped, progress: &mut Progress<'_>, call: &Call) {
         if let (true, Some(sink)) = (stepped.keeps_checkpoints(), &self.checkpoints) {
             for (task, resume) in progress.due(call, self.draining.is_cancelled()) {
-                let attempt = call.tasks.iter().find(|t| t.id == task).map_or(1, |t| t.attempt);
-                sink.save(&task, attempt, bucket, resume);
+                sink.save(task, bucket, resume);
             }
         }
     }
@@ -1426,8 +1425,8 @@ mod tests {
     struct KeptSteps(Mutex<Vec<(String, usize)>>);
 
     impl Checkpoints for KeptSteps {
-        fn save(&self, task: &str, _: u32, _: &Bucket, resume: Resume) {
-            self.0.lock().unwrap().push((task.to_owned(), resume.step));
+        fn save(&self, task: &CallTask, _: &Bucket, resume: Resume) {
+            self.0.lock().unwrap().push((task.id.clone(), resume.step));
         }
     }
 

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::engine::{Call, Stepped, Tensor};
+use crate::engine::{Call, CallTask, Stepped, Tensor};
 use crate::models::Bucket;
 
 /// Where a task's rows stand in their bucket's steps: the step they reached, and the inputs that
@@ -23,9 +23,9 @@ pub(crate) type Resumes = HashMap<String, Resume>;
 /// Where the resume points of tasks of buckets that keep checkpoints
 /// ([`Stepped::checkpoint_every`]) are kept, outside the process.
 pub(crate) trait Checkpoints: Send + Sync {
-    /// Keeps the resume point of attempt `attempt` of task `task`. It must not hold up the
-    /// engine: the write runs on its own, and may be skipped when writes are behind.
-    fn save(&self, task: &str, attempt: u32, bucket: &Bucket, resume: Resume);
+    /// Keeps the resume point of `task` (its attempt's). It must not hold up the engine: the
+    /// write runs on its own, and may be skipped when writes are behind.
+    fn save(&self, task: &CallTask, bucket: &Bucket, resume: Resume);
 }
 
 /// `rows` rows of zeros shaped as `like`'s.
@@ -204,7 +204,7 @@ impl<'a> Progress<'a> {
     /// moved with `checkpoint_seconds` gone by since their state was last kept (or their run here
     /// began). Draining (the worker, or a task's partition: [`crate::engine::TaskHooks::handed_off`]), every
     /// task whose rows moved. Their state counts as kept from now.
-    pub(super) fn due(&mut self, call: &Call, draining: bool) -> Vec<(String, Resume)> {
+    pub(super) fn due<'c>(&mut self, call: &'c Call, draining: bool) -> Vec<(&'c CallTask, Resume)> {
         let (first, end) = (self.stepped.steps.start, self.stepped.steps.end);
         let (every, seconds) = (self.stepped.checkpoint_every, self.stepped.checkpoint_seconds);
         let mut handed_off = vec![draining; self.at.len()];
@@ -220,7 +220,7 @@ impl<'a> Progress<'a> {
             is < end && is > was && (handed_off[from] || by_steps || by_time)
         });
         for (task, rows) in call.task_rows() {
-            if points.iter().any(|(id, _)| *id == task.id) {
+            if points.iter().any(|(due, _)| due.id == task.id) {
                 self.kept[rows].fill(Instant::now());
             }
         }
@@ -233,19 +233,20 @@ impl<'a> Progress<'a> {
         if self.carried.is_empty() {
             return;
         }
-        resumes.extend(self.points(call, |from| self.at[from] != self.stepped.steps.start));
+        let points = self.points(call, |from| self.at[from] != self.stepped.steps.start);
+        resumes.extend(points.into_iter().map(|(task, resume)| (task.id.clone(), resume)));
     }
 
     /// The resume points of the tasks of `call` whose first row `chosen` picks: their step and
     /// their rows of what the last call handed on.
-    fn points(&self, call: &Call, chosen: impl Fn(usize) -> bool) -> Vec<(String, Resume)> {
+    fn points<'c>(&self, call: &'c Call, chosen: impl Fn(usize) -> bool) -> Vec<(&'c CallTask, Resume)> {
         let mut points = Vec::new();
         for (task, rows) in call.task_rows() {
             let (from, to) = (rows.start, rows.end);
             if chosen(from) {
                 let carried = self.carried.iter().map(|t| t.slice_rows(from, to)).collect();
                 points.push((
-                    task.id.clone(),
+                    task,
                     Resume {
                         step: self.at[from],
                         carried,

@@ -28,7 +28,7 @@ use uuid::Uuid;
 
 use super::images::{ImageStore, StorageError};
 use crate::batching::steps::{Checkpoints, Resume};
-use crate::engine::{Tensor, TensorData};
+use crate::engine::{CallTask, Tensor, TensorData};
 use crate::events::{self, Emit};
 use crate::metrics::Metrics;
 use crate::models::Bucket;
@@ -289,8 +289,8 @@ pub async fn sweep(images: &ImageStore, older_than: std::time::Duration) -> Resu
 }
 
 impl Checkpoints for CheckpointStore {
-    fn save(&self, task: &str, attempt: u32, bucket: &Bucket, resume: Resume) {
-        let Ok(task_id) = task.parse::<Uuid>() else {
+    fn save(&self, task: &CallTask, bucket: &Bucket, resume: Resume) {
+        let Ok(task_id) = task.id.parse::<Uuid>() else {
             return;
         };
         if self.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_WRITES_IN_FLIGHT {
@@ -300,7 +300,7 @@ impl Checkpoints for CheckpointStore {
         }
         let owner = Owner {
             task_id,
-            attempt,
+            attempt: task.attempt,
             model: bucket.model.clone(),
             bucket: bucket.key.name().to_owned(),
         };
