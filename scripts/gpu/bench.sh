@@ -75,7 +75,7 @@ if [[ " $steps " == *" reloads "* ]]; then
   (cd "$root" && "$BIN/sluice-bench" reloads) | tee "$out/reloads.md"
 fi
 if [[ " $steps " == *" sched "* ]]; then
-  # Rows at different steps in one UNet call (numerically the same model: sd_reference.rs).
+  # Rows at different steps in one UNet call (numerically the same model: integration-tests/tests/reference/sd.rs).
   "$PY" "$root/scripts/unet_timestep_rows.py" "$work/models/sd15"
   # The demo catalog's sd-tiny beside sd15, which the sched catalog names by its absolute path.
   sed "s|^name = \"sd15\"|&\npath = \"$work/models/sd15\"|" "$work/catalog.toml" >"$work/sched-catalog.toml"

@@ -29,11 +29,11 @@ case "$device" in
   cuda)
     nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
     export SLUICE_ORT_FLAVOUR="${SLUICE_ORT_FLAVOUR:-cuda}" SLUICE_REQUIRE_GPU=true
-    default_tests="sd_memory: memory:a_reload_that_leaks sd:cancelled_tasks"
+    default_tests="memory:diffusion:: memory:a_reload_that_leaks e2e:cancelled_tasks"
     ;;
   cpu)
     export SLUICE_ORT_FLAVOUR=cpu
-    default_tests="memory:a_reload_that_leaks sd:cancelled_tasks sd_memory:twenty_reloads_of_the_sd_model"
+    default_tests="memory:a_reload_that_leaks e2e:cancelled_tasks memory:twenty_reloads_of_the_sd_model"
     ;;
   *) echo "SLUICE_GPU_CHECK_DEVICE: cuda or cpu, not $device" >&2; exit 2 ;;
 esac

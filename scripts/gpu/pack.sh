@@ -22,7 +22,7 @@ out="${1:-$root/.gpu-pack}"
 part_mb="${2:-32}"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 target="${CARGO_TARGET_DIR:-$CACHE/target}"
-tests=(sd_memory)  # what a node without the terrain model runs (scripts/gpu/check.sh)
+tests=(memory)  # its diffusion:: tests are what a node without the terrain model runs (scripts/gpu/check.sh)
 log() { echo "==> $*" >&2; }
 
 cd "$root"

@@ -1,5 +1,5 @@
 //! Memory discipline of the Stable Diffusion pipeline on real out-of-memory errors and reloads,
-//! as `memory.rs` proves it for terrain: ONNX Runtime's CPU arena is capped, so a batch that
+//! as [`terrain`](super::terrain) proves it for the terrain model: ONNX Runtime's CPU arena is capped, so a batch that
 //! needs more fails inside ORT as a CUDA allocation does on a GPU.
 //!
 //! Measured here (tiny SD, euler, guidance on): under a 400 MB arena cap two 256×256 images run

@@ -63,7 +63,7 @@ async fn large_maps_halve_their_batch_and_huge_ones_run_their_tiles_in_parts() {
     .await;
     // Small maps (one tile each), a group of 320×320 maps (9 tiles: 6 of them, 54 rows, overflow
     // the cap together; one fits alone) and 1024×1024 maps (121 tiles: never fit together; their
-    // tiles run in parts). What does not fit even as one row goes to the DLQ: sd_memory.rs.
+    // tiles run in parts). What does not fit even as one row goes to the DLQ: `memory/diffusion.rs`.
     let small: Vec<_> = (0..8).map(|i| terrain_task(i, 128, 128, 10 + i as u32)).collect();
     let large: Vec<_> = (0..6).map(|i| terrain_task(100 + i, 320, 320, 50)).collect();
     let huge: Vec<_> = (0..2).map(|i| terrain_task(200 + i, 1024, 1024, 90)).collect();
