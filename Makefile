@@ -30,7 +30,9 @@ help:
 	@echo "make gpu-pack    what a GPU node without Rust, Java or network needs for the two above"
 	@echo "make images      build the container images (buildah; local Debian bases) and run them once"
 
-setup: tools assets build
+# The tools' builds and downloads run beside the build of Sluice, as for the demo below.
+setup:
+	@$(MAKE) --no-print-directory -j3 tools assets build
 
 tools:
 	scripts/install-tools.sh all
@@ -80,7 +82,11 @@ stack-status:
 demo-bins:
 	$(CARGO) build --release --locked --bin sluice-worker --bin sluice-producer --bin sluice-demo
 
-demo: stack-tools assets demo-bins stack-up
+# The S3 server's build and the downloads run beside the build of Sluice (-j3 here, whatever make
+# was given): on 2 cores a cargo build leaves a core idle through much of its serial tail.
+demo:
+	@$(MAKE) --no-print-directory -j3 stack-tools assets demo-bins
+	@$(MAKE) --no-print-directory stack-up
 	$(BIN)/sluice-demo
 
 unit-test: assets build
