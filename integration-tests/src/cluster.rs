@@ -89,7 +89,7 @@ impl Worker {
 
     /// `POST /admin/reload` with the admin token: the status and the JSON body.
     pub async fn reload(&self, body: &Value) -> (u16, Value) {
-        let response = reqwest::Client::new()
+        let response = sluice_service::http_client::client()
             .post(format!("{}/admin/reload", self.url))
             .bearer_auth(ADMIN_TOKEN)
             .json(body)
@@ -101,7 +101,12 @@ impl Worker {
 
     /// The worker's `/metrics` text.
     pub async fn metrics(&self) -> anyhow::Result<String> {
-        Ok(reqwest::get(format!("{}/metrics", self.url)).await?.text().await?)
+        Ok(sluice_service::http_client::client()
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await?
+            .text()
+            .await?)
     }
 
     /// The value of a metric line (`name{labels}` exactly as exposed), if present.
@@ -114,7 +119,7 @@ impl Worker {
 /// body (null when there is none).
 pub async fn post_task(url: &str, body: &Value, key: Option<&str>) -> anyhow::Result<(u16, Value)> {
     // A client per call: tests share one cluster across their own runtimes.
-    let mut request = reqwest::Client::new().post(format!("{url}/v1/tasks")).json(body);
+    let mut request = sluice_service::http_client::client().post(format!("{url}/v1/tasks")).json(body);
     if let Some(key) = key {
         request = request.bearer_auth(key);
     }
@@ -173,7 +178,12 @@ fn check_device(service: &Service) -> anyhow::Result<()> {
 
 /// `GET` with an API key: the status and the JSON body (null when there is none).
 pub async fn get_json(url: &str, key: &str) -> (u16, Value) {
-    let response = reqwest::Client::new().get(url).bearer_auth(key).send().await.expect("GET");
+    let response = sluice_service::http_client::client()
+        .get(url)
+        .bearer_auth(key)
+        .send()
+        .await
+        .expect("GET");
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
 }
@@ -314,7 +324,12 @@ impl Cluster {
 
     /// The producer's `/metrics` text.
     pub async fn producer_metrics(&self) -> anyhow::Result<String> {
-        Ok(reqwest::get(format!("{}/metrics", self.producer_metrics_url)).await?.text().await?)
+        Ok(sluice_service::http_client::client()
+            .get(format!("{}/metrics", self.producer_metrics_url))
+            .send()
+            .await?
+            .text()
+            .await?)
     }
 
     /// `POST /v1/tasks` with the test key; returns the status and the JSON body.

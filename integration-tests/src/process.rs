@@ -159,7 +159,7 @@ impl Service {
 
     /// Waits until `GET url` answers 200.
     pub async fn wait_ready(&mut self, url: &str, timeout: Duration) -> anyhow::Result<()> {
-        let client = reqwest::Client::new();
+        let client = sluice_service::http_client::client();
         let deadline = Instant::now() + timeout;
         loop {
             if let Ok(r) = client.get(url).timeout(Duration::from_secs(1)).send().await

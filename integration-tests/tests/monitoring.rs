@@ -98,7 +98,14 @@ impl Prometheus {
 
     async fn api(&self, path: &str, query: &[(&str, &str)]) -> Value {
         let url = reqwest::Url::parse_with_params(&format!("{}{path}", self.url), query).unwrap();
-        let reply: Value = reqwest::get(url).await.unwrap().json().await.unwrap();
+        let reply: Value = sluice_service::http_client::client()
+            .get(url)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         assert_eq!(reply["status"], "success", "{path} {query:?}: {reply}");
         reply["data"].clone()
     }
@@ -294,7 +301,12 @@ async fn one_trace_spans_the_request_the_producer_the_worker_and_the_completion_
     .unwrap();
     let endpoint = format!("http://127.0.0.1:{port}");
     wait_for("the OTLP receiver", Duration::from_secs(30), async || {
-        reqwest::get(format!("{endpoint}/")).await.ok().map(|_| ())
+        sluice_service::http_client::client()
+            .get(format!("{endpoint}/"))
+            .send()
+            .await
+            .ok()
+            .map(|_| ())
     })
     .await
     .unwrap();
@@ -320,7 +332,7 @@ async fn one_trace_spans_the_request_the_producer_the_worker_and_the_completion_
 
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
     let request_span = "b7ad6b7169203331";
-    let response = reqwest::Client::new()
+    let response = sluice_service::http_client::client()
         .post(format!("{}/v1/tasks", c.producer_url))
         .bearer_auth(API_KEY)
         .header("traceparent", format!("00-{trace_id}-{request_span}-01"))

@@ -31,6 +31,7 @@ impl Presigner {
         if let Some(s) = stores.get(bucket) {
             return Some(s.clone());
         }
+        sluice_service::http_client::install_crypto_provider();
         match AmazonS3Builder::from_env().with_bucket_name(bucket).build() {
             Ok(s) => {
                 let s = Arc::new(s);

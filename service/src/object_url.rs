@@ -50,6 +50,7 @@ pub fn open(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> 
         };
         // Timeouts go through config keys: replacing the client options would drop what
         // `from_env` read (AWS_ALLOW_HTTP, proxies).
+        crate::http_client::install_crypto_provider();
         let mut builder = AmazonS3Builder::from_env();
         for (key, value) in settings {
             if let Ok(key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {

@@ -246,7 +246,7 @@ pub fn init(default_service: &str) -> Result<bool, OtlpError> {
     let Some(settings) = settings(default_service, |name| std::env::var(name).ok())? else {
         return Ok(false);
     };
-    let client = reqwest::Client::builder()
+    let client = crate::http_client::builder()
         .timeout(Duration::from_secs(10))
         .build()
         .map_err(|e| OtlpError::Client(e.to_string()))?;

@@ -73,7 +73,7 @@ async fn main() -> anyhow::Result<()> {
     })
     .await?;
 
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let started = Instant::now();
     let mut submitted = Vec::new();
     let mut bodies: Vec<(serde_json::Value, String)> = DIFFICULTIES

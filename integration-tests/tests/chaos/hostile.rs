@@ -110,7 +110,7 @@ async fn hostile_records_each_reach_the_dlq_with_their_reason_and_valid_tasks_co
         let (peak, url) = (peak.clone(), w.url.clone());
         tokio::spawn(async move {
             loop {
-                if let Ok(response) = reqwest::get(format!("{url}/metrics")).await {
+                if let Ok(response) = sluice_service::http_client::client().get(format!("{url}/metrics")).send().await {
                     let text = response.text().await.unwrap_or_default();
                     if let Some(rss) = metric_value(&text, "sluice_worker_rss_bytes") {
                         peak.fetch_max(rss as u64, std::sync::atomic::Ordering::Relaxed);

@@ -105,7 +105,7 @@ struct Submitted {
 /// Submits `n` terrain tasks over HTTP, 16 at a time, spread over `spread`.
 fn submit_paced(url: String, n: usize, spread: Duration) -> tokio::task::JoinHandle<Submitted> {
     tokio::spawn(async move {
-        let client = reqwest::Client::new();
+        let client = sluice_service::http_client::client();
         let mut out = Submitted::default();
         let waves = n.div_ceil(16);
         let pause = spread / waves as u32;

@@ -21,7 +21,7 @@ async fn a_producer_is_ready_only_once_its_status_view_caught_up() {
     let _one = SERIAL.lock().await;
     let stack = stack().await;
     let topics = stack.topics("readiness", 2).unwrap();
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let submit = async |url: &str| {
         let r = client
             .post(format!("{url}/v1/tasks"))
@@ -109,13 +109,17 @@ async fn an_idempotency_key_sent_to_two_replicas_at_once_runs_once() {
     let (mut second, url_b) = producer_service(stack, &topics, "producer-idem-b").await;
     for url in [&url_a, &url_b] {
         sluice_integration_tests::wait_for("producer ready", Duration::from_secs(60), async || {
-            let r = reqwest::get(format!("{url}/readyz")).await.ok()?;
+            let r = sluice_service::http_client::client()
+                .get(format!("{url}/readyz"))
+                .send()
+                .await
+                .ok()?;
             r.status().is_success().then_some(())
         })
         .await
         .unwrap();
     }
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let mut attempt = 0;
     let (id, published) = loop {
         attempt += 1;

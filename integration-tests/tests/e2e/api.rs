@@ -59,7 +59,9 @@ async fn bad_requests_get_4xx_naming_the_field() {
         reply["message"], "invalid field(s): width, height, num_images, params.tile_overlap",
         "each field named once"
     );
-    let models: Value = reqwest::get(format!("{}/v1/models", c.producer_url))
+    let models: Value = sluice_service::http_client::client()
+        .get(format!("{}/v1/models", c.producer_url))
+        .send()
         .await
         .unwrap()
         .json()
@@ -81,7 +83,7 @@ async fn bad_requests_get_4xx_naming_the_field() {
         json!({"names": ["interactive", "standard", "batch"], "default": "standard"})
     );
     let with_key = |key: &str| {
-        reqwest::Client::new()
+        sluice_service::http_client::client()
             .get(format!("{}/v1/models", c.producer_url))
             .bearer_auth(key)
             .send()
@@ -95,7 +97,7 @@ async fn bad_requests_get_4xx_naming_the_field() {
     assert_eq!(with_key("not-a-key").await.unwrap().status(), 401);
 
     // Not JSON at all.
-    let response = reqwest::Client::new()
+    let response = sluice_service::http_client::client()
         .post(format!("{}/v1/tasks", c.producer_url))
         .bearer_auth(API_KEY)
         .body("{nope")
@@ -212,7 +214,7 @@ async fn bad_input_images_are_refused_naming_the_field() {
 #[tokio::test(flavor = "multi_thread")]
 async fn every_http_error_of_both_services_is_json() {
     let c = terrain_cluster().await;
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let worker = &c.workers[0].url;
     let producer = &c.producer_url;
     let huge = "x".repeat(100_000);
@@ -450,7 +452,7 @@ async fn twenty_hostile_bodies_at_once_neither_exhaust_nor_stop_the_producer() {
     hostile.extend_from_slice(b"0]}");
     // The room comes back once the producer sees the held body's connection closed: one hostile
     // body alone is read, and refused by size.
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let alone = async {
         loop {
             let reply = client

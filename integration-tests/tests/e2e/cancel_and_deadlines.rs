@@ -19,7 +19,7 @@ use crate::stacks::{diffusion_cluster, terrain_cluster};
 async fn cancelled_tasks_stop_queued_or_running_and_store_nothing() {
     let c = diffusion_cluster().await;
     let key = sluice_integration_tests::cluster::API_KEY;
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let cancel = |id: String| {
         let client = client.clone();
         let url = format!("{}/v1/tasks/{id}/cancel", c.producer_url);

@@ -200,7 +200,15 @@ async fn a_panic_in_model_code_fails_its_task_and_the_partition_moves_on() {
     }
     // The worker is still up and ready, and its offset moved past every record.
     assert!(worker.service.running());
-    assert!(reqwest::get(format!("{}/readyz", worker.url)).await.unwrap().status().is_success());
+    assert!(
+        sluice_service::http_client::client()
+            .get(format!("{}/readyz", worker.url))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
     let committed = sluice_integration_tests::wait_for("the commit past the last record", Duration::from_secs(30), async || {
         sluice_integration_tests::kafka::committed(stack.brokers(), "e2e-panics", &topics.tasks, 0).filter(|o| *o == 9)
     })
@@ -386,7 +394,7 @@ async fn a_redriven_task_shows_its_new_attempt_and_can_be_cancelled() {
     let queued = c.wait_for_status(&id, API_KEY, "queued", Duration::from_secs(30)).await.unwrap();
     assert_eq!(queued["attempt"], 2, "{queued}");
     assert!(queued["error"].is_null(), "the old error is not shown: {queued}");
-    let cancel = reqwest::Client::new()
+    let cancel = sluice_service::http_client::client()
         .post(format!("{}/v1/tasks/{id}/cancel", c.producer_url))
         .bearer_auth(API_KEY)
         .send()

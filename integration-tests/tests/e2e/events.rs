@@ -71,7 +71,12 @@ async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
         .unwrap();
     let url = format!("{}/v1/tasks/{id}/events", c.producer_url);
     let key = sluice_integration_tests::cluster::API_KEY;
-    let response = reqwest::Client::new().get(&url).bearer_auth(key).send().await.unwrap();
+    let response = sluice_service::http_client::client()
+        .get(&url)
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status().as_u16(), 200);
     assert!(
         response.headers()["content-type"]
@@ -91,7 +96,7 @@ async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
     assert_eq!(last["task_id"], id.as_str());
     assert_eq!(last["outputs"].as_array().unwrap().len(), 1);
     // The same body as GET.
-    let get: Value = reqwest::Client::new()
+    let get: Value = sluice_service::http_client::client()
         .get(format!("{}/v1/tasks/{id}", c.producer_url))
         .bearer_auth(key)
         .send()
@@ -112,7 +117,7 @@ async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
     // A 256x256, 20-step image runs for seconds: the stream saw it running, step by step.
     assert!(events.iter().any(|e| e.2["status"] == "running"), "{names:?}");
     // Resuming after the last event: nothing more, the stream ends at once.
-    let resumed = reqwest::Client::new()
+    let resumed = sluice_service::http_client::client()
         .get(&url)
         .bearer_auth(key)
         .header("last-event-id", events.last().unwrap().1.as_str())
@@ -126,7 +131,7 @@ async fn a_client_watches_a_task_live_over_server_sent_events_to_its_result() {
             .is_empty()
     );
     // Another tenant cannot watch it.
-    let rival = reqwest::Client::new()
+    let rival = sluice_service::http_client::client()
         .get(&url)
         .bearer_auth(sluice_integration_tests::cluster::RIVAL_KEY)
         .send()
@@ -144,7 +149,7 @@ async fn event_streams_are_bounded_per_tenant() {
     let c = Cluster::start_with("streams", 0, &[], &[("SLUICE_EVENTS_MAX_STREAMS_PER_TENANT", "2")])
         .await
         .expect("cluster starts");
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let submit = async |key: &str| {
         let (status, body) = c
             .post(&json!({"model": "terrain", "width": 64, "height": 64}), Some(key))

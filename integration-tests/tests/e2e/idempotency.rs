@@ -19,7 +19,7 @@ async fn a_retried_request_with_its_idempotency_key_is_one_task() {
     let c = terrain_cluster().await;
     let key = format!("order-{}", uuid::Uuid::new_v4());
     let post = |body: Value, key: String| async move {
-        let response = reqwest::Client::new()
+        let response = sluice_service::http_client::client()
             .post(format!("{}/v1/tasks", c.producer_url))
             .bearer_auth(API_KEY)
             .header("idempotency-key", key)
@@ -60,7 +60,7 @@ async fn two_bodies_racing_with_one_idempotency_key_publish_one_task() {
     let c = terrain_cluster().await;
     let key = format!("race-{}", uuid::Uuid::new_v4());
     let post = |seed: u64| {
-        reqwest::Client::new()
+        sluice_service::http_client::client()
             .post(format!("{}/v1/tasks", c.producer_url))
             .bearer_auth(API_KEY)
             .header("idempotency-key", key.as_str())

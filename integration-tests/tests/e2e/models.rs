@@ -14,7 +14,9 @@ use crate::stacks::{diffusion_cluster, terrain_cluster};
 #[tokio::test(flavor = "multi_thread")]
 async fn the_catalog_bounds_requests_and_lists_the_models() {
     let c = diffusion_cluster().await;
-    let models: Value = reqwest::get(format!("{}/v1/models", c.producer_url))
+    let models: Value = sluice_service::http_client::client()
+        .get(format!("{}/v1/models", c.producer_url))
+        .send()
         .await
         .unwrap()
         .json()

@@ -18,7 +18,7 @@ async fn the_request_trace_continues_through_task_progress_and_completion() {
     let c = diffusion_cluster().await;
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let incoming = format!("00-{trace_id}-00f067aa0ba902b7-01");
-    let response = reqwest::Client::new()
+    let response = sluice_service::http_client::client()
         .post(format!("{}/v1/tasks", c.producer_url))
         .bearer_auth(sluice_integration_tests::cluster::API_KEY)
         .header("traceparent", &incoming)
@@ -32,7 +32,7 @@ async fn the_request_trace_continues_through_task_progress_and_completion() {
     let untraced = c.submit_ok(&json!({"model": "sd-tiny", "prompt": "no trace given"})).await.unwrap();
     // A hostile `tracestate` (over W3C's 32 members, ~1.7 KB) is not copied into the record.
     let hostile = (0..200).map(|i| format!("k{i}=value{i}")).collect::<Vec<_>>().join(",");
-    let response = reqwest::Client::new()
+    let response = sluice_service::http_client::client()
         .post(format!("{}/v1/tasks", c.producer_url))
         .bearer_auth(sluice_integration_tests::cluster::API_KEY)
         .header("traceparent", &incoming)

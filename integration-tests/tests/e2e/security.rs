@@ -86,7 +86,7 @@ async fn nothing_is_open_unless_configured_open() {
     open.terminate(Duration::from_secs(10)).unwrap();
 
     // The cluster's producer: metrics on the metrics listener only.
-    let client = reqwest::Client::new();
+    let client = sluice_service::http_client::client();
     let on_api = client.get(format!("{}/metrics", c.producer_url)).send().await.unwrap();
     assert_eq!(on_api.status().as_u16(), 404);
     let metrics = c.producer_metrics().await.unwrap();

@@ -18,7 +18,7 @@ use crate::stacks::terrain_cluster;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_status_follows_the_task_to_its_result_and_only_its_tenant_sees_it() {
     let c = terrain_cluster().await;
-    let response = reqwest::Client::new()
+    let response = sluice_service::http_client::client()
         .post(format!("{}/v1/tasks", c.producer_url))
         .bearer_auth(API_KEY)
         .json(&json!({"model": "terrain", "width": 96, "height": 64, "num_images": 2, "seed": 77}))
@@ -56,7 +56,16 @@ async fn a_task_status_follows_the_task_to_its_result_and_only_its_tenant_sees_i
     for output in done["outputs"].as_array().unwrap() {
         let url = output["url"].as_str().unwrap();
         assert!(url.starts_with("http") && url.contains("X-Amz-Signature"), "presigned: {url}");
-        let bytes = reqwest::get(url).await.unwrap().error_for_status().unwrap().bytes().await.unwrap();
+        let bytes = sluice_service::http_client::client()
+            .get(url)
+            .send()
+            .await
+            .unwrap()
+            .error_for_status()
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
         assert_eq!(sha256_hex(&bytes), output["sha256"].as_str().unwrap());
     }
     assert!(done["timings"]["total_ms"].as_u64().is_some(), "{done}");
@@ -72,7 +81,7 @@ async fn a_tenant_lists_its_own_tasks_newest_first_page_by_page() {
     let c = terrain_cluster().await;
     let mut ids = Vec::new();
     for i in 0..5 {
-        let response = reqwest::Client::new()
+        let response = sluice_service::http_client::client()
             .post(format!("{}/v1/tasks", c.producer_url))
             .bearer_auth(RIVAL_KEY)
             .json(&json!({"model": "terrain", "seed": 500 + i}))
@@ -184,7 +193,11 @@ async fn a_restarted_producer_keeps_its_status_view() {
     assert!(before >= 10.0, "the view applied the tasks' records: {before}");
     c.kill_and_restart_producer().await.unwrap();
     sluice_integration_tests::wait_for("the restarted producer ready", Duration::from_secs(60), async || {
-        let r = reqwest::get(format!("{}/readyz", c.producer_url)).await.ok()?;
+        let r = sluice_service::http_client::client()
+            .get(format!("{}/readyz", c.producer_url))
+            .send()
+            .await
+            .ok()?;
         r.status().is_success().then_some(())
     })
     .await

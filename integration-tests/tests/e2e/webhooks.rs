@@ -85,7 +85,9 @@ async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_onc
     assert_eq!(payload["outputs"][0]["key"], view["outputs"][0]["key"]);
     assert_eq!(payload["outputs"][0]["sha256"], view["outputs"][0]["sha256"]);
     let image = payload["outputs"][0]["url"].as_str().unwrap();
-    let bytes = reqwest::get(image)
+    let bytes = sluice_service::http_client::client()
+        .get(image)
+        .send()
         .await
         .unwrap()
         .error_for_status()

@@ -82,7 +82,15 @@ async fn large_maps_halve_their_batch_and_huge_ones_run_their_tiles_in_parts() {
 
     // The worker never exited, and says so.
     assert!(worker.service.running(), "the worker is still up");
-    assert!(reqwest::get(format!("{}/readyz", worker.url)).await.unwrap().status().is_success());
+    assert!(
+        sluice_service::http_client::client()
+            .get(format!("{}/readyz", worker.url))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
 
     // One WARN per handled OOM, naming bucket, sizes, dimensions and task ids; never an ERROR.
     let events = log_events(&worker);
@@ -299,7 +307,9 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
     let done = outcomes(stack, &topics, &ids_of(&after), Duration::from_secs(120));
     assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), after.len());
     wait_for("ready again", Duration::from_secs(10), async || {
-        reqwest::get(format!("{}/readyz", worker.url))
+        sluice_service::http_client::client()
+            .get(format!("{}/readyz", worker.url))
+            .send()
             .await
             .ok()
             .filter(|r| r.status().is_success())

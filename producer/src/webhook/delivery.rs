@@ -81,7 +81,7 @@ impl Deliverer {
     pub fn new(guard: Guard, secrets: Secrets, timeout: Duration, host_concurrency: usize) -> Result<Deliverer, reqwest::Error> {
         let guard = Arc::new(guard);
         let client = |https: bool| {
-            reqwest::Client::builder()
+            sluice_service::http_client::builder()
                 .dns_resolver(Arc::new(GuardedResolver::new(guard.clone(), https)))
                 .redirect(reqwest::redirect::Policy::none())
                 .no_proxy()
