@@ -176,6 +176,16 @@ fn check_device(service: &Service) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// GET `url` without credentials (health, metrics, the model list, presigned objects); panics
+/// naming the URL if the request cannot be sent.
+pub async fn http_get(url: &str) -> reqwest::Response {
+    sluice_service::http_client::client()
+        .get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+}
+
 /// `GET` with an API key: the status and the JSON body (null when there is none).
 pub async fn get_json(url: &str, key: &str) -> (u16, Value) {
     let response = sluice_service::http_client::client()

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{API_KEY, Cluster, Worker};
+use sluice_integration_tests::cluster::{API_KEY, Cluster, Worker, http_get};
 use sluice_integration_tests::kafka::{produce_raw, producer};
 use sluice_integration_tests::process::Service;
 use sluice_integration_tests::receiver::Receiver;
@@ -98,14 +98,7 @@ impl Prometheus {
 
     async fn api(&self, path: &str, query: &[(&str, &str)]) -> Value {
         let url = reqwest::Url::parse_with_params(&format!("{}{path}", self.url), query).unwrap();
-        let reply: Value = sluice_service::http_client::client()
-            .get(url)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let reply: Value = http_get(url.as_str()).await.json().await.unwrap();
         assert_eq!(reply["status"], "success", "{path} {query:?}: {reply}");
         reply["data"].clone()
     }

@@ -32,7 +32,9 @@ impl Presigner {
             return Some(s.clone());
         }
         sluice_service::http_client::install_crypto_provider();
-        match AmazonS3Builder::from_env().with_bucket_name(bucket).build() {
+        #[allow(clippy::disallowed_methods)] // the crypto provider is installed above
+        let built = AmazonS3Builder::from_env().with_bucket_name(bucket).build();
+        match built {
             Ok(s) => {
                 let s = Arc::new(s);
                 stores.insert(bucket.to_owned(), s.clone());

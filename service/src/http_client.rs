@@ -2,7 +2,8 @@
 //! provider. reqwest and object_store are built without a provider of their own (aws-lc's C
 //! build was the largest single cost of a cold build), so the provider is installed here, once,
 //! before any client is built; building a client any other way would panic. `clippy.toml`
-//! refuses `reqwest::Client::new`, `reqwest::Client::builder` and `reqwest::get` elsewhere.
+//! refuses reqwest's own constructors and `reqwest::get` elsewhere, and `AmazonS3Builder::build`
+//! where the provider was not installed first.
 
 use std::sync::Once;
 

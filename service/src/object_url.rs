@@ -57,6 +57,7 @@ pub fn open(url: &str, settings: impl IntoIterator<Item = (String, String)>) -> 
                 builder = builder.with_config(key, value);
             }
         }
+        #[allow(clippy::disallowed_methods)] // the crypto provider is installed above
         let store = builder
             .with_bucket_name(bucket)
             .with_retry(retry)

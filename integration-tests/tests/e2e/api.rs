@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{ADMIN_TOKEN, API_KEY, Cluster, histogram_quantile, lone_producer, metric_value, post_task};
+use sluice_integration_tests::cluster::{
+    ADMIN_TOKEN, API_KEY, Cluster, histogram_quantile, http_get, lone_producer, metric_value, post_task,
+};
 use sluice_integration_tests::rejected_fields;
 
 use crate::diffusion::image_url;
@@ -59,14 +61,7 @@ async fn bad_requests_get_4xx_naming_the_field() {
         reply["message"], "invalid field(s): width, height, num_images, params.tile_overlap",
         "each field named once"
     );
-    let models: Value = sluice_service::http_client::client()
-        .get(format!("{}/v1/models", c.producer_url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = http_get(&format!("{}/v1/models", c.producer_url)).await.json().await.unwrap();
     let terrain = models["models"]
         .as_array()
         .unwrap()

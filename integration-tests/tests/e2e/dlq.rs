@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{API_KEY, Cluster, Worker, producer_cli};
+use sluice_integration_tests::cluster::{API_KEY, Cluster, Worker, http_get, producer_cli};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::receiver::{Received, Receiver};
 use sluice_integration_tests::stack::repo_root;
@@ -200,15 +200,7 @@ async fn a_panic_in_model_code_fails_its_task_and_the_partition_moves_on() {
     }
     // The worker is still up and ready, and its offset moved past every record.
     assert!(worker.service.running());
-    assert!(
-        sluice_service::http_client::client()
-            .get(format!("{}/readyz", worker.url))
-            .send()
-            .await
-            .unwrap()
-            .status()
-            .is_success()
-    );
+    assert!(http_get(&format!("{}/readyz", worker.url)).await.status().is_success());
     let committed = sluice_integration_tests::wait_for("the commit past the last record", Duration::from_secs(30), async || {
         sluice_integration_tests::kafka::committed(stack.brokers(), "e2e-panics", &topics.tasks, 0).filter(|o| *o == 9)
     })

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use sluice_integration_tests::cluster::http_get;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::{Outcomes, png_info, rejected_fields, sha256_hex, terrain_task};
 use sluice_schemas::CompletionStatus;
@@ -14,14 +15,7 @@ use crate::stacks::{diffusion_cluster, terrain_cluster};
 #[tokio::test(flavor = "multi_thread")]
 async fn the_catalog_bounds_requests_and_lists_the_models() {
     let c = diffusion_cluster().await;
-    let models: Value = sluice_service::http_client::client()
-        .get(format!("{}/v1/models", c.producer_url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = http_get(&format!("{}/v1/models", c.producer_url)).await.json().await.unwrap();
     let names: Vec<&str> = models["models"]
         .as_array()
         .unwrap()

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json, lone_producer, metric_value, post_task};
+use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json, http_get, lone_producer, metric_value, post_task};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::{Stack, completions_for, sha256_hex, terrain_task};
 use sluice_schemas::topics;
@@ -56,16 +56,7 @@ async fn a_task_status_follows_the_task_to_its_result_and_only_its_tenant_sees_i
     for output in done["outputs"].as_array().unwrap() {
         let url = output["url"].as_str().unwrap();
         assert!(url.starts_with("http") && url.contains("X-Amz-Signature"), "presigned: {url}");
-        let bytes = sluice_service::http_client::client()
-            .get(url)
-            .send()
-            .await
-            .unwrap()
-            .error_for_status()
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap();
+        let bytes = http_get(url).await.error_for_status().unwrap().bytes().await.unwrap();
         assert_eq!(sha256_hex(&bytes), output["sha256"].as_str().unwrap());
     }
     assert!(done["timings"]["total_ms"].as_u64().is_some(), "{done}");

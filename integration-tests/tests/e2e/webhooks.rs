@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json, metric_value};
+use sluice_integration_tests::cluster::{API_KEY, Cluster, RIVAL_KEY, get_json, http_get, metric_value};
 use sluice_integration_tests::receiver::{Received, Receiver};
 use sluice_integration_tests::{TopicReader, completions_for, rejected_fields, sha256_hex};
 use sluice_schemas::topics;
@@ -85,16 +85,7 @@ async fn a_signed_webhook_is_retried_across_a_producer_restart_and_delivered_onc
     assert_eq!(payload["outputs"][0]["key"], view["outputs"][0]["key"]);
     assert_eq!(payload["outputs"][0]["sha256"], view["outputs"][0]["sha256"]);
     let image = payload["outputs"][0]["url"].as_str().unwrap();
-    let bytes = sluice_service::http_client::client()
-        .get(image)
-        .send()
-        .await
-        .unwrap()
-        .error_for_status()
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
+    let bytes = http_get(image).await.error_for_status().unwrap().bytes().await.unwrap();
     assert_eq!(sha256_hex(&bytes), payload["outputs"][0]["sha256"].as_str().unwrap());
 
     // 410: one attempt, then the event is given up on the webhook DLQ.

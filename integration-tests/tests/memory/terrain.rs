@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice_integration_tests::cluster::{Worker, metric_sum, metric_value};
+use sluice_integration_tests::cluster::{Worker, http_get, metric_sum, metric_value};
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::{Outcomes, ReloadRss, Stack, Topics, assert_rss_bounded, ids_of, publish_tasks, terrain_task, wait_for};
 use sluice_schemas::CompletionStatus;
@@ -82,15 +82,7 @@ async fn large_maps_halve_their_batch_and_huge_ones_run_their_tiles_in_parts() {
 
     // The worker never exited, and says so.
     assert!(worker.service.running(), "the worker is still up");
-    assert!(
-        sluice_service::http_client::client()
-            .get(format!("{}/readyz", worker.url))
-            .send()
-            .await
-            .unwrap()
-            .status()
-            .is_success()
-    );
+    assert!(http_get(&format!("{}/readyz", worker.url)).await.status().is_success());
 
     // One WARN per handled OOM, naming bucket, sizes, dimensions and task ids; never an ERROR.
     let events = log_events(&worker);
