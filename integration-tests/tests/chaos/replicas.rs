@@ -107,17 +107,11 @@ async fn an_idempotency_key_sent_to_two_replicas_at_once_runs_once() {
     w.wait_assigned(Duration::from_secs(60)).await.unwrap();
     let (mut first, url_a) = producer_service(stack, &topics, "producer-idem-a").await;
     let (mut second, url_b) = producer_service(stack, &topics, "producer-idem-b").await;
-    for url in [&url_a, &url_b] {
-        sluice_integration_tests::wait_for("producer ready", Duration::from_secs(60), async || {
-            let r = sluice_service::http_client::client()
-                .get(format!("{url}/readyz"))
-                .send()
-                .await
-                .ok()?;
-            r.status().is_success().then_some(())
-        })
-        .await
-        .unwrap();
+    for (producer, url) in [(&mut first, &url_a), (&mut second, &url_b)] {
+        producer
+            .wait_ready(&format!("{url}/readyz"), Duration::from_secs(60))
+            .await
+            .unwrap();
     }
     let client = sluice_service::http_client::client();
     let mut attempt = 0;

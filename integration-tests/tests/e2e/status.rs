@@ -183,16 +183,8 @@ async fn a_restarted_producer_keeps_its_status_view() {
     let before = applied(&c.producer_metrics().await.unwrap());
     assert!(before >= 10.0, "the view applied the tasks' records: {before}");
     c.kill_and_restart_producer().await.unwrap();
-    sluice_integration_tests::wait_for("the restarted producer ready", Duration::from_secs(60), async || {
-        let r = sluice_service::http_client::client()
-            .get(format!("{}/readyz", c.producer_url))
-            .send()
-            .await
-            .ok()?;
-        r.status().is_success().then_some(())
-    })
-    .await
-    .unwrap();
+    let ready = format!("{}/readyz", c.producer_url);
+    c.producer.wait_ready(&ready, Duration::from_secs(60)).await.unwrap();
     for id in &ids {
         let (status, body) = get_json(&format!("{}/v1/tasks/{id}", c.producer_url), API_KEY).await;
         assert_eq!((status, body["status"].as_str()), (200, Some("succeeded")), "{body}");

@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_json::Value;
 use sluice_integration_tests::cluster::{Worker, http_get, metric_sum, metric_value};
 use sluice_integration_tests::kafka::producer;
-use sluice_integration_tests::{Outcomes, ReloadRss, Stack, Topics, assert_rss_bounded, ids_of, publish_tasks, terrain_task, wait_for};
+use sluice_integration_tests::{Outcomes, ReloadRss, Stack, Topics, assert_rss_bounded, ids_of, publish_tasks, terrain_task};
 use sluice_schemas::CompletionStatus;
 use tokio::sync::OnceCell;
 
@@ -298,16 +298,8 @@ async fn fifty_reloads_under_load_lose_nothing_leak_nothing_and_fall_back_or_exi
     publish_tasks(&kafka, &topics.tasks, &after).await.unwrap();
     let done = outcomes(stack, &topics, &ids_of(&after), Duration::from_secs(120));
     assert_eq!(done.with_status(CompletionStatus::Succeeded).len(), after.len());
-    wait_for("ready again", Duration::from_secs(10), async || {
-        sluice_service::http_client::client()
-            .get(format!("{}/readyz", worker.url))
-            .send()
-            .await
-            .ok()
-            .filter(|r| r.status().is_success())
-    })
-    .await
-    .unwrap();
+    let ready = format!("{}/readyz", worker.url);
+    worker.service.wait_ready(&ready, Duration::from_secs(10)).await.unwrap();
 
     // Now the previous model is corrupted too (in place, through its other name): the reload
     // cannot load either, and the worker exits non-zero rather than stay up unable to serve.
