@@ -196,7 +196,8 @@ async fn a_supervisor_crash_loop_with_default_identity_loses_nothing() {
 /// A record that kills the worker running it (an abort in the backend call, as a crash in
 /// native code would: no panic handler sees it) does not crash-loop its partition. Under a
 /// supervisor that restarts the worker whenever it dies, the record is started
-/// `SLUICE_MAX_CRASHES` (3) times, then dead-lettered as `crashed` without running; the tasks
+/// `SLUICE_MAX_CRASHES` (3) times (once more when its first start, new to the group and not
+/// waited for, was not committed yet), then dead-lettered as `crashed` without running; the tasks
 /// batched with it complete (after the first crash each runs alone), and the partition's
 /// committed offset moves past them all.
 #[tokio::test(flavor = "multi_thread")]
@@ -281,7 +282,9 @@ async fn crash_loop(scenario: &str, diffusion: Option<&'static str>) {
     for (id, _) in all.iter().filter(|(id, _)| *id != poison_id) {
         assert_eq!(done.completions[id][0].status, CompletionStatus::Succeeded, "{id}");
     }
-    assert_eq!(restarts, 3, "one death per start of the poison record");
+    // One death per recorded start, and at most one more: the first start of a record new to
+    // the group is committed beside its call, not before it, and a kill can come first.
+    assert!((3..=4).contains(&restarts), "{restarts} deaths for 3 recorded starts");
     sluice_integration_tests::wait_for("the commit past every record", Duration::from_secs(30), async || {
         sluice_integration_tests::kafka::committed(stack.brokers(), &group, &topics.tasks, 0).filter(|o| *o == all.len() as i64)
     })

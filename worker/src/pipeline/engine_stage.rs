@@ -48,7 +48,8 @@ async fn run_batch(stage: &EngineStage, batch: Batch<Job>) {
         tracing::error!(model = %bucket.model, "model is not loaded; leaving its tasks for a restarted worker");
         return;
     };
-    // Durably, before the call: should it kill the process, the next owner knows what ran.
+    // Before the call (durably for a record an earlier owner may have started): should it kill
+    // the process, the next owner knows what ran.
     let _alone = match bucket.alone {
         Some(_) => Some(stage.crash_guard.alone().await),
         None => None,
@@ -89,8 +90,8 @@ impl Joining<Item> for Joiner<'_> {
     }
 }
 
-/// Durably, before their model call: should it kill the process, the next owner knows what ran
-/// (the crash guard).
+/// Before their model call (durably for records an earlier owner may have started): should it
+/// kill the process, the next owner knows what ran (the crash guard).
 async fn record_starts(stage: &EngineStage, items: &[Item]) {
     let origins: Vec<&crate::source::record::Origin> = items.iter().map(|i| &i.job.record.origin).collect();
     stage.crash_guard.starting(&origins).await;

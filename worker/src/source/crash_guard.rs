@@ -2,9 +2,14 @@
 //! native code, an OOM kill: what no panic handler catches) must not kill every worker that
 //! reads it after.
 //!
-//! Before a model call starts, the records it holds are written, durably, into their
-//! partitions' commit metadata next to the read lease ([`crate::source::redelivery`]), each with
-//! how many times it has been started. A record leaves the set (back to its earlier owners'
+//! When a model call starts, the records it holds are written into their partitions' commit
+//! metadata next to the read lease ([`crate::source::redelivery`]), each with how many times it
+//! has been started. A record an earlier owner may have started (below the lease that owner
+//! committed) is a possible crash loop: its call waits until the broker has the record. A record
+//! new to the group does not wait; its start rides along with the partition's next commit, and
+//! should this worker die first, the next owner finds the record below this worker's lease and
+//! waits for it from then on (so a record that kills every worker is started at most once more
+//! than the bound before it is dead-lettered, and a fresh task's call never waits for a commit). A record leaves the set (back to its earlier owners'
 //! count) with the next commit once its model call returns, with results or an error a handler
 //! saw, and when a drain gives it up unfinished (handed off, not crashed): only an end inside the
 //! model call that nothing saw counts. A new owner of the partition reads the set with the
@@ -90,8 +95,9 @@ impl CrashGuard {
         self.alone.lock().await
     }
 
-    /// Records, durably, that `origins` start now; returns once the broker has acknowledged it
-    /// (or after [`RECORD_TIMEOUT`], with a warning).
+    /// Records that `origins` start now; returns once the broker has acknowledged the starts of
+    /// those an earlier owner may have started (or after [`RECORD_TIMEOUT`], with a warning).
+    /// The others are committed with their partitions' next commit.
     pub(crate) async fn starting(&self, origins: &[&Origin]) {
         if self.max_crashes == 0 {
             return;

@@ -397,26 +397,41 @@ impl Offsets {
             .unwrap_or(0)
     }
 
-    /// Notes that `origins` start now (each one's count: the previous owners' starts plus one)
-    /// and wakes the committer. Returns what to wait for with [`Offsets::starts_recorded`]:
-    /// per partition whose lease is known, the version that holds these starts.
+    /// Notes that `origins` start now (each one's count: the previous owners' starts plus one).
+    /// Returns what to wait for with [`Offsets::starts_recorded`]: per partition whose lease is
+    /// known and that holds a record an earlier owner may have started (below the lease it
+    /// committed), the version that holds these starts; the committer is woken for them.
+    ///
+    /// A record at or beyond that lease is new to the group: no earlier owner started it, so it
+    /// is no suspect, and its start rides along with the partition's next commit instead of
+    /// holding its model call for a round trip. Should this owner die before that commit, the
+    /// start goes uncounted; the next owner finds the record below this owner's lease (a lease
+    /// is committed before any record beyond it starts) and waits for its starts. So a record
+    /// that kills every worker that runs it is started at most once more than
+    /// `SLUICE_MAX_CRASHES` before it is dead-lettered.
     pub(crate) fn start(&self, origins: &[&Origin]) -> Vec<(Origin, u64)> {
         let mut state = self.lock();
+        let mut changed: Vec<TopicPartition> = Vec::new();
         let mut waits: Vec<(Origin, u64)> = Vec::new();
         for origin in origins {
-            let Some(p) = state.partitions.get_mut(&TopicPartition::of(origin)) else {
+            let tp = TopicPartition::of(origin);
+            let Some(p) = state.partitions.get_mut(&tp) else {
                 continue;
             };
-            if p.generation != origin.generation || p.lease.is_none() || !p.pending.is_pending(origin.offset) {
+            let Some(lease) = p.lease else {
                 continue; // nothing of it can be committed: the start cannot be recorded
+            };
+            if p.generation != origin.generation || !p.pending.is_pending(origin.offset) {
+                continue;
             }
             let before = p.previous_starts.as_ref().and_then(|s| s.get(&origin.offset)).copied().unwrap_or(0);
             p.started.insert(origin.offset, before + 1);
-            if !waits
-                .iter()
-                .any(|(o, _)| o.topic == origin.topic && o.partition == origin.partition)
-            {
+            if !changed.contains(&tp) {
                 p.starts_version += 1;
+                changed.push(tp.clone());
+            }
+            let suspect = origin.offset < lease.previous;
+            if suspect && !waits.iter().any(|(o, _)| TopicPartition::of(o) == tp) {
                 p.starts_awaited = p.starts_version;
                 waits.push(((*origin).clone(), p.starts_version));
             }
@@ -780,8 +795,10 @@ mod tests {
     #[test]
     fn records_finished_ahead_of_the_position_are_committed_as_done_and_skipped_by_the_next_owner() {
         let offsets = Offsets::new();
-        assign(&offsets, &[tp(0)]);
+        offsets.assign(&[tp(0)]);
         let o: Vec<_> = (10..15).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
+        // Below the previous owner's lease: their starts are awaited, with plain commits.
+        offsets.found_lease(&o[0], Ok(4096));
         commit(&offsets, tp(0), 10);
         // 12 and 13 finish while 10 still runs: a commit that leaves the position at 10 and
         // lists them.
@@ -840,6 +857,34 @@ mod tests {
         // owner's count of 1 kept, this one's starts taken back.
         let last = offsets.revoke(&[tp(0)]);
         assert_eq!(last[0].started, BTreeMap::from([(1, 2)]));
+    }
+
+    #[test]
+    fn only_a_start_an_earlier_owner_may_have_made_is_awaited() {
+        let offsets = Offsets::new();
+        offsets.assign(&[tp(0), tp(1)]);
+        let a: Vec<_> = (8..12).map(|i| offsets.track(&tp(0), i).unwrap()).collect();
+        let b = offsets.track(&tp(1), 3).unwrap();
+        // The previous owner of partition 0 leased up to 10; partition 1 never had one.
+        offsets.found_lease(&a[0], Ok(10));
+        offsets.found_lease(&b, Ok(0));
+        commit(&offsets, tp(0), 8);
+        commit(&offsets, tp(1), 3);
+        // 10, 11 and partition 1's 3 are new to the group: no wait, no plain commit of their
+        // own, and the next regular commit carries their starts.
+        assert!(offsets.start(&[&a[2], &a[3], &b]).is_empty());
+        assert!(offsets.start_candidates().is_empty());
+        let c = offsets.commit_candidates();
+        assert_eq!(c.len(), 2, "both partitions' starts are due");
+        assert_eq!(c[0].started, BTreeMap::from([(10, 1), (11, 1)]));
+        assert_eq!(c[1].started, BTreeMap::from([(3, 1)]));
+        offsets.committed(&c);
+        // 9 may have been started by the earlier owner: its call waits for the record.
+        let waits = offsets.start(&[&a[1]]);
+        assert_eq!(waits.len(), 1);
+        assert_eq!(waits[0].0.offset, 9);
+        let s = offsets.start_candidates();
+        assert_eq!((s[0].offset, s[0].started.clone()), (8, BTreeMap::from([(9, 1), (10, 1), (11, 1)])));
     }
 
     #[test]
