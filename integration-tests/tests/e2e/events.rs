@@ -11,10 +11,32 @@ use crate::stacks::diffusion_cluster;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_reports_its_start_and_steps_on_the_progress_topic() {
     let c = diffusion_cluster().await;
-    let id = c
-        .submit_ok(&json!({"model": "sd-tiny", "prompt": "a windmill", "steps": 6, "sampler": "ddim", "width": 128, "height": 128}))
-        .await
-        .unwrap();
+    reports_its_steps(
+        c,
+        json!({"model": "sd-tiny", "prompt": "a windmill", "steps": 6, "sampler": "ddim", "width": 128, "height": 128}),
+    )
+    .await;
+}
+
+/// The flow families report their steps as the UNet ones do, with their steps sliced into calls
+/// of one step each (the worker's default `SLUICE_STEPS_PER_CALL`): FLUX.1 and SD3.
+#[tokio::test(flavor = "multi_thread")]
+async fn flux_and_sd3_tasks_report_their_steps_one_call_at_a_time() {
+    let c = diffusion_cluster().await;
+    for model in ["flux-dev-tiny", "sd3-tiny"] {
+        reports_its_steps(
+            c,
+            json!({"model": model, "prompt": "a windmill", "steps": 6, "width": 128, "height": 128}),
+        )
+        .await;
+    }
+}
+
+/// Submits `body` (6 steps) and reads its progress records: a start, then its steps in order up
+/// to the last, each valid, throttled.
+async fn reports_its_steps(c: &Cluster, body: Value) {
+    let model = body["model"].as_str().unwrap().to_owned();
+    let id = c.submit_ok(&body).await.unwrap();
     let mut reader = sluice_integration_tests::TopicReader::new(c.stack.brokers(), sluice_schemas::topics::PROGRESS).unwrap();
     let mine = |records: &[sluice_integration_tests::Consumed]| -> Vec<sluice_schemas::ProgressRecord> {
         records
@@ -29,14 +51,17 @@ async fn a_task_reports_its_start_and_steps_on_the_progress_topic() {
     };
     tokio::task::block_in_place(|| reader.read_until(Duration::from_secs(120), |r| mine(r).iter().any(|p| p.step == 6))).unwrap();
     let records = mine(&reader.records);
-    assert_eq!(records[0].event, sluice_schemas::ProgressEvent::Started, "{records:?}");
+    assert_eq!(records[0].event, sluice_schemas::ProgressEvent::Started, "{model}: {records:?}");
     let steps: Vec<u32> = records[1..].iter().map(|p| p.step).collect();
-    assert!(steps.windows(2).all(|w| w[0] < w[1]), "in order: {steps:?}");
-    assert_eq!(*steps.last().unwrap(), 6);
-    assert!(records.iter().all(|p| p.steps == 6 && p.model == "sd-tiny"));
+    assert!(steps.windows(2).all(|w| w[0] < w[1]), "{model}: in order: {steps:?}");
+    assert_eq!(*steps.last().unwrap(), 6, "{model}");
+    assert!(records.iter().all(|p| p.steps == 6 && p.model == model), "{model}: {records:?}");
     // Throttled to one per 500 ms (plus the last): a run this short reports at most a few.
     let span = records.last().unwrap().at - records[0].at;
-    assert!(steps.len() as i64 <= 2 + span.num_milliseconds() / 500, "{steps:?} over {span}");
+    assert!(
+        steps.len() as i64 <= 2 + span.num_milliseconds() / 500,
+        "{model}: {steps:?} over {span}"
+    );
 }
 
 /// Reads a Server-Sent Events response to its end: (event, id, data) of each event.
