@@ -339,8 +339,10 @@ pub struct DeliveryArgs {
     /// A record started this many times without an outcome (each start ended the worker running
     /// it: an abort, a segfault in native code, an OOM kill) goes to the DLQ as `crashed`
     /// instead of running again; a record started before runs in a model call of its own. Every
-    /// model call first records its records' starts in the commit metadata (a commit round
-    /// trip, overlapped with the call before). 0 turns the guard off.
+    /// model call records its records' starts in the commit metadata; it waits for that commit
+    /// only for records an earlier owner may have started (below its lease), the others' starts
+    /// ride with the next commit, so the first start of a record new to the group can go
+    /// uncounted (at most one start more than this). 0 turns the guard off.
     #[arg(long, env = "SLUICE_MAX_CRASHES", default_value_t = 3)]
     pub max_crashes: u32,
     /// How often finished offsets are committed, milliseconds.
