@@ -7,12 +7,15 @@
 //! has been started. A record an earlier owner may have started (below the lease that owner
 //! committed) is a possible crash loop: its call waits until the broker has the record. A record
 //! new to the group does not wait; its start rides along with the partition's next commit, and
-//! should this worker die first, the next owner finds the record below this worker's lease and
-//! waits for it from then on (so a record that kills every worker is started at most once more
-//! than the bound before it is dead-lettered, and a fresh task's call never waits for a commit). A record leaves the set (back to its earlier owners'
-//! count) with the next commit once its model call returns, with results or an error a handler
-//! saw, and when a drain gives it up unfinished (handed off, not crashed): only an end inside the
-//! model call that nothing saw counts. A new owner of the partition reads the set with the
+//! should this worker die first, the next owner finds the record below this worker's lease (a
+//! lease is committed before any record beyond it starts) and waits for it from then on. So a
+//! record that kills every worker is started at most once more than the bound before it is
+//! dead-lettered, and a fresh task's call never waits for a commit.
+//!
+//! A record leaves the set (back to its earlier owners' count) with the next commit once its
+//! model call returns, with results or an error a handler saw, and when a drain gives it up
+//! unfinished (handed off, not crashed): only an end inside the model call that nothing saw
+//! counts. A new owner of the partition reads the set with the
 //! lease: a record in it was in its model call when an earlier owner died. Such a record runs
 //! again alone, in a call of its own and one suspect at a time, so that the tasks batched or
 //! running with it are not blamed with it again; once it has been started

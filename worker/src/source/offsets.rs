@@ -400,15 +400,9 @@ impl Offsets {
     /// Notes that `origins` start now (each one's count: the previous owners' starts plus one).
     /// Returns what to wait for with [`Offsets::starts_recorded`]: per partition whose lease is
     /// known and that holds a record an earlier owner may have started (below the lease it
-    /// committed), the version that holds these starts; the committer is woken for them.
-    ///
-    /// A record at or beyond that lease is new to the group: no earlier owner started it, so it
-    /// is no suspect, and its start rides along with the partition's next commit instead of
-    /// holding its model call for a round trip. Should this owner die before that commit, the
-    /// start goes uncounted; the next owner finds the record below this owner's lease (a lease
-    /// is committed before any record beyond it starts) and waits for its starts. So a record
-    /// that kills every worker that runs it is started at most once more than
-    /// `SLUICE_MAX_CRASHES` before it is dead-lettered.
+    /// committed), the version that holds these starts; the committer is woken for them. The
+    /// other starts ride with the partition's next commit (why that is safe:
+    /// [`crate::source::crash_guard`]).
     pub(crate) fn start(&self, origins: &[&Origin]) -> Vec<(Origin, u64)> {
         let mut state = self.lock();
         let mut changed: Vec<TopicPartition> = Vec::new();
