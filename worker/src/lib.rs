@@ -18,4 +18,4 @@ mod source;
 pub mod storage;
 mod testing;
 
-pub use lifecycle::{Exit, Models, StartError, run};
+pub use lifecycle::{Exit, Models, StartError, run, serve};

@@ -3,9 +3,7 @@
 mod cli;
 
 use clap::Parser;
-use sluice_service::{shutdown, telemetry};
-use sluice_worker::config::Config;
-use sluice_worker::{Models, run};
+use sluice_service::telemetry;
 
 fn main() {
     // `sluice-worker generate ...`: one run from the command line; anything else is the worker.
@@ -30,7 +28,7 @@ fn main() {
         telemetry::init(args.log_format);
         return exit_on_error("sweep-checkpoints", cli::sweep_checkpoints::run(args));
     }
-    serve();
+    sluice_worker::serve();
 }
 
 /// The end of a subcommand that logs: on failure its error, logged, and exit status 1.
@@ -39,25 +37,4 @@ fn exit_on_error(command: &str, result: anyhow::Result<()>) {
         tracing::error!(error = format!("{e:#}"), "{command} failed");
         std::process::exit(1);
     }
-}
-
-#[tokio::main]
-async fn serve() {
-    let config = Config::parse();
-    telemetry::init(config.log_format);
-    if let Err(e) = sluice_service::otlp::init("sluice-worker") {
-        tracing::error!(error = %e, "worker stopped");
-        std::process::exit(2);
-    }
-    let code = match run(config, Models::Onnx, shutdown::terminated()).await {
-        Ok(exit) => exit.code(),
-        Err(e) => {
-            tracing::error!(error = %e, "worker stopped");
-            2
-        }
-    };
-    sluice_service::otlp::flush(std::time::Duration::from_secs(5)).await;
-    // Exit here rather than return: the Kafka clients are being dropped on a thread of their own
-    // (their destructors wait on the broker), and everything that had to be acknowledged was.
-    std::process::exit(code)
 }

@@ -1,8 +1,9 @@
 //! The whole worker as library code, in roles: [`run`] loads the models (`load`), connects to
 //! Kafka (`kafka`), serves its HTTP endpoint (`admin`), starts the pipeline (`stages`), serves
 //! until `shutdown` (or a fatal reload), then drains (`drain`): within the grace period, commits
-//! and leaves the group. `main` only parses the configuration and calls it; tests call it in
-//! process with their own models ([`Models::Custom`]).
+//! and leaves the group. [`serve`] is the process around it (its configuration, logs and exit
+//! status), which `main` calls; tests call [`run`] in process with their own models
+//! ([`Models::Custom`]).
 
 mod admin;
 mod drain;
@@ -14,6 +15,7 @@ mod stages;
 use std::future::Future;
 use std::time::Duration;
 
+use clap::Parser;
 use sluice_service::shutdown;
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
@@ -79,6 +81,32 @@ impl Exit {
             Exit::Fatal => 1,
         }
     }
+}
+
+/// The `sluice-worker` process: its configuration (flags and `SLUICE_*`), logs and traces, [`run`]
+/// until SIGTERM or SIGINT, and its exit status ([`Exit::code`], or 2 when it could not start).
+/// Library code, so that `main` is one plain call into this crate: a binary that awaited [`run`]
+/// compiled its own copy of much of the worker (the drop glue and tasks of every future under
+/// `run`'s), and took 36 s of CPU to build instead of 7 (docs/benchmarks.md, "Cold `make demo`").
+#[tokio::main]
+pub async fn serve() {
+    let config = Config::parse();
+    sluice_service::telemetry::init(config.log_format);
+    if let Err(e) = sluice_service::otlp::init("sluice-worker") {
+        tracing::error!(error = %e, "worker stopped");
+        std::process::exit(2);
+    }
+    let code = match run(config, Models::Onnx, shutdown::terminated()).await {
+        Ok(exit) => exit.code(),
+        Err(e) => {
+            tracing::error!(error = %e, "worker stopped");
+            2
+        }
+    };
+    sluice_service::otlp::flush(Duration::from_secs(5)).await;
+    // Exit here rather than return: the Kafka clients are being dropped on a thread of their own
+    // (their destructors wait on the broker), and everything that had to be acknowledged was.
+    std::process::exit(code)
 }
 
 /// Runs a worker until `shutdown` resolves (or a reload fails for good). Everything that can be
