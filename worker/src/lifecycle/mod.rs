@@ -87,7 +87,7 @@ impl Exit {
 /// until SIGTERM or SIGINT, and its exit status ([`Exit::code`], or 2 when it could not start).
 /// Library code, so that `main` is one plain call into this crate: a binary that awaited [`run`]
 /// compiled its own copy of much of the worker (the drop glue and tasks of every future under
-/// `run`'s), and took 36 s of CPU to build instead of 7 (docs/benchmarks.md, "Cold `make demo`").
+/// `run`); what that cost is in docs/benchmarks.md, "Cold `make demo`".
 #[tokio::main]
 pub async fn serve() {
     let config = Config::parse();
