@@ -207,7 +207,11 @@ for profile in profiles:
             for required in ("bootstrapServers", "consumerGroup", "topic", "lagThreshold", "activationLagThreshold"):
                 check(required in meta, f"{name}: kafka trigger without {required}")
             check(meta["consumerGroup"] == wenv["SLUICE_GROUP_ID"], f"{name}: KEDA watches the workers' group")
-            check(meta["topic"] == wenv["SLUICE_TASKS_TOPIC"], f"{name}: KEDA watches the tasks topic")
+        task_topics = [wenv["SLUICE_TASKS_TOPIC"]] + [
+            t for t in (wenv.get("SLUICE_INTERACTIVE_TOPIC"), wenv.get("SLUICE_BATCH_TOPIC")) if t and t != wenv["SLUICE_TASKS_TOPIC"]
+        ]
+        watched = [t["metadata"]["topic"] for t in so["spec"]["triggers"]]
+        check(watched == list(dict.fromkeys(task_topics)), f"{name}: KEDA watches each task topic once: {watched} against {task_topics}")
     if not values.get("keda", {}).get("enabled"):
         check(worker["spec"].get("replicas") == values.get("worker", {}).get("replicas", 1), f"{name}: fixed worker count")
     for rule in by_kind.get("PrometheusRule", []):

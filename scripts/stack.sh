@@ -313,7 +313,8 @@ topics() { # NAME:PARTITIONS[:compact]...  (compact: cleanup.policy=compact)
 }
 
 create_topics() {
-  topics "sluice.tasks.v1:$TASK_PARTITIONS" sluice.completions.v1:4 sluice.dlq.v1:2 sluice.progress.v1:4 \
+  topics "sluice.tasks.v1:$TASK_PARTITIONS" "sluice.tasks.interactive.v1:$TASK_PARTITIONS" \
+    "sluice.tasks.batch.v1:$TASK_PARTITIONS" sluice.completions.v1:4 sluice.dlq.v1:2 sluice.progress.v1:4 \
     sluice.control.v1:2 sluice.webhooks.retry.v1:8 sluice.webhooks.dlq.v1:2 sluice.ceilings.v1:1:compact
 }
 

@@ -135,12 +135,29 @@ impl Stack {
             completions: format!("{}.{scenario}", sluice_schemas::topics::COMPLETIONS),
             dlq: format!("{}.{scenario}", sluice_schemas::topics::DLQ),
             ceilings: format!("{}.{scenario}", sluice_schemas::topics::CEILINGS),
+            interactive: String::new(),
+            batch: String::new(),
         };
         crate::kafka::create_topics(
             self.brokers(),
             &[(&topics.tasks, task_partitions), (&topics.completions, 2), (&topics.dlq, 2)],
         )?;
         crate::kafka::create_compacted_topic(self.brokers(), &topics.ceilings)?;
+        Ok(topics)
+    }
+
+    /// [`Stack::topics`], and a topic of their own for the interactive and batch lanes, each
+    /// with `task_partitions` partitions.
+    pub fn lane_topics(&self, scenario: &str, task_partitions: u32) -> anyhow::Result<Topics> {
+        let topics = Topics {
+            interactive: format!("{}.{scenario}", sluice_schemas::topics::TASKS_INTERACTIVE),
+            batch: format!("{}.{scenario}", sluice_schemas::topics::TASKS_BATCH),
+            ..self.topics(scenario, task_partitions)?
+        };
+        crate::kafka::create_topics(
+            self.brokers(),
+            &[(&topics.interactive, task_partitions), (&topics.batch, task_partitions)],
+        )?;
         Ok(topics)
     }
 
@@ -175,6 +192,10 @@ pub struct Topics {
     pub dlq: String,
     /// Learned batch ceilings (compacted).
     pub ceilings: String,
+    /// The interactive lane's own topic; empty: the lane is in `tasks`.
+    pub interactive: String,
+    /// The batch lane's own topic; empty: the lane is in `tasks`.
+    pub batch: String,
 }
 
 impl Default for Topics {
@@ -185,15 +206,19 @@ impl Default for Topics {
             completions: sluice_schemas::topics::COMPLETIONS.into(),
             dlq: sluice_schemas::topics::DLQ.into(),
             ceilings: sluice_schemas::topics::CEILINGS.into(),
+            interactive: String::new(),
+            batch: String::new(),
         }
     }
 }
 
 impl Topics {
-    /// Worker settings that point at these topics.
-    pub fn worker_env(&self) -> [(&'static str, &str); 4] {
+    /// Worker settings that point at these topics (the task topics are a producer's too).
+    pub fn worker_env(&self) -> [(&'static str, &str); 6] {
         [
             ("SLUICE_TASKS_TOPIC", self.tasks.as_str()),
+            ("SLUICE_INTERACTIVE_TOPIC", self.interactive.as_str()),
+            ("SLUICE_BATCH_TOPIC", self.batch.as_str()),
             ("SLUICE_COMPLETIONS_TOPIC", self.completions.as_str()),
             ("SLUICE_DLQ_TOPIC", self.dlq.as_str()),
             ("SLUICE_CEILINGS_TOPIC", self.ceilings.as_str()),

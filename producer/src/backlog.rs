@@ -1,4 +1,5 @@
-//! The workers' backlog, measured from outside the workers: per partition of the tasks topic, the
+//! The workers' backlog, measured from outside the workers: per partition of each task topic (the
+//! tasks topic, and a lane's own where it has one: the backlog per lane), the
 //! tasks the workers' consumer group has not committed (high watermark − committed offset) and how
 //! long the oldest of them has waited (the timestamp of the record at the committed offset).
 //!
@@ -23,8 +24,8 @@ use crate::metrics::Metrics;
 pub struct Settings {
     /// The workers' consumer group.
     pub group: String,
-    /// The tasks topic.
-    pub topic: String,
+    /// The task topics.
+    pub topics: Vec<String>,
     pub interval: Duration,
 }
 
@@ -54,19 +55,21 @@ pub fn start(kafka: &KafkaClientArgs, settings: Settings, metrics: Metrics) -> R
         .spawn(move || {
             loop {
                 let started = Instant::now();
-                match measure(&offsets, &reader, &settings.topic) {
-                    Ok(partitions) => {
-                        for (partition, (waiting, age)) in &partitions {
-                            BacklogMeasured {
-                                topic: &settings.topic,
-                                partition: *partition,
-                                tasks: waiting.tasks,
-                                oldest_seconds: *age,
+                for topic in &settings.topics {
+                    match measure(&offsets, &reader, topic) {
+                        Ok(partitions) => {
+                            for (partition, (waiting, age)) in &partitions {
+                                BacklogMeasured {
+                                    topic,
+                                    partition: *partition,
+                                    tasks: waiting.tasks,
+                                    oldest_seconds: *age,
+                                }
+                                .emit(&metrics);
                             }
-                            .emit(&metrics);
                         }
+                        Err(e) => tracing::warn!(error = %e, topic, group = %settings.group, "measuring the backlog failed"),
                     }
-                    Err(e) => tracing::warn!(error = %e, topic = %settings.topic, group = %settings.group, "measuring the backlog failed"),
                 }
                 std::thread::sleep(settings.interval.saturating_sub(started.elapsed()));
             }

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+use sluice_schemas::topics::TaskTopics;
 use sluice_service::kafka::KafkaClientArgs;
 use sluice_service::telemetry::LogFormat;
 
@@ -115,6 +116,14 @@ pub struct PublishArgs {
     pub kafka: KafkaClientArgs,
     #[arg(long, env = "SLUICE_TASKS_TOPIC", default_value = sluice_schemas::topics::TASKS)]
     pub tasks_topic: String,
+    /// The interactive lane's own topic (the workers read it with a window of their own, so a
+    /// backlog of other work is never in front of it). Empty: the lane's tasks go to the tasks
+    /// topic.
+    #[arg(long, env = "SLUICE_INTERACTIVE_TOPIC", default_value = "")]
+    pub interactive_topic: String,
+    /// The batch lane's own topic (as `SLUICE_INTERACTIVE_TOPIC`).
+    #[arg(long, env = "SLUICE_BATCH_TOPIC", default_value = "")]
+    pub batch_topic: String,
     /// How long a task may wait for the broker's acknowledgement before the request fails with
     /// 503, milliseconds.
     #[arg(long, env = "SLUICE_PUBLISH_TIMEOUT_MS", default_value_t = 5000)]
@@ -123,6 +132,13 @@ pub struct PublishArgs {
     /// built-in terrain model alone.
     #[arg(long, env = "SLUICE_MODEL_CATALOG")]
     pub model_catalog: Option<std::path::PathBuf>,
+}
+
+impl PublishArgs {
+    /// The topic of each lane's tasks.
+    pub fn task_topics(&self) -> TaskTopics {
+        TaskTopics::new(&self.tasks_topic, &self.interactive_topic, &self.batch_topic)
+    }
 }
 
 #[derive(Debug, Clone, Args)]

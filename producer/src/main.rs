@@ -145,7 +145,8 @@ async fn copy_range(mode: Mode, publish: &PublishArgs, range: &RangeArgs, source
     let timeout = Duration::from_millis(publish.publish_timeout_ms.max(10_000));
     let ranges = tokio::task::block_in_place(|| replay::resolve(&consumer, source, &bounds, timeout))?;
     let total: i64 = ranges.values().map(replay::Range::len).sum();
-    tracing::info!(?mode, source, target = %publish.tasks_topic, ?ranges, dry_run = range.dry_run, "copying a range");
+    let targets = publish.task_topics();
+    tracing::info!(?mode, source, target = ?targets.all(), ?ranges, dry_run = range.dry_run, "copying a range");
     let producer: FutureProducer = publish
         .kafka
         .producer_config("sluice-producer", publish.publish_timeout_ms.max(30_000), 20)
@@ -158,23 +159,13 @@ async fn copy_range(mode: Mode, publish: &PublishArgs, range: &RangeArgs, source
     };
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} read, {per_sec}, {elapsed} {msg}").expect("template"));
     let verb = if range.dry_run { "would write" } else { "written" };
-    let summary = replay::run(
-        mode,
-        consumer,
-        &producer,
-        source,
-        &publish.tasks_topic,
-        &ranges,
-        filter,
-        range.dry_run,
-        |s| {
-            bar.set_position(s.read);
-            bar.set_message(format!(
-                "· {verb} {} · filtered {} · duplicates {} · unreadable {}",
-                s.written, s.filtered, s.duplicates, s.unreadable
-            ));
-        },
-    )
+    let summary = replay::run(mode, consumer, &producer, source, &targets, &ranges, filter, range.dry_run, |s| {
+        bar.set_position(s.read);
+        bar.set_message(format!(
+            "· {verb} {} · filtered {} · duplicates {} · unreadable {}",
+            s.written, s.filtered, s.duplicates, s.unreadable
+        ));
+    })
     .await?;
     bar.finish();
     println!("{}", serde_json::to_string(&summary)?);

@@ -8,6 +8,7 @@ use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
 use sluice_schemas::normalize::MAX_SEED;
+use sluice_schemas::topics::TaskTopics;
 use sluice_schemas::{
     Catalog, HEADER_SCHEMA_VERSION, Idempotency, RecordKind, SCHEMA_VERSION, TaskRecord, TaskRequest, Violation, validate,
 };
@@ -82,20 +83,20 @@ pub struct Submitter {
 #[derive(Clone)]
 pub struct TaskPublisher {
     producer: FutureProducer,
-    topic: String,
+    topics: TaskTopics,
     metrics: Metrics,
 }
 
 impl TaskPublisher {
-    pub fn new(producer: FutureProducer, topic: String, metrics: Metrics) -> TaskPublisher {
-        TaskPublisher { producer, topic, metrics }
+    pub fn new(producer: FutureProducer, topics: TaskTopics, metrics: Metrics) -> TaskPublisher {
+        TaskPublisher { producer, topics, metrics }
     }
 
-    /// A publisher to the tasks topic of `args`, on a Kafka producer of its own: client id
+    /// A publisher to the task topics of `args` (a task to its lane's), on a Kafka producer of its own: client id
     /// `sluice-producer`, a delivery given up after the publish timeout, 5 ms linger.
     pub fn connect(args: &PublishArgs, metrics: &Metrics) -> Result<TaskPublisher, KafkaError> {
         let producer: FutureProducer = args.kafka.producer_config("sluice-producer", args.publish_timeout_ms, 5).create()?;
-        Ok(TaskPublisher::new(producer, args.tasks_topic.clone(), metrics.clone()))
+        Ok(TaskPublisher::new(producer, args.task_topics(), metrics.clone()))
     }
 
     /// Builds the record of a request: validated against `task-request.schema.json` and the
@@ -239,10 +240,11 @@ impl TaskPublisher {
         );
         let started = Instant::now();
         let wall_start = std::time::SystemTime::now();
-        let sent = self.send_acked(&self.topic, &key, &payload, headers, timeout).await;
+        let topic = self.topics.of(record.priority);
+        let sent = self.send_acked(topic, &key, &payload, headers, timeout).await;
         if let Some((context, parent)) = trace {
             use sluice_service::otlp::{KafkaOperation, Span};
-            let span = Span::kafka(KafkaOperation::Send, &self.topic, *context, parent, wall_start)
+            let span = Span::kafka(KafkaOperation::Send, topic, *context, parent, wall_start)
                 .message(Some(key.as_str()), sent.as_ref().ok().copied())
                 .failed(sent.as_ref().err().map(|e| e.to_string()))
                 .attr("sluice.task.id", key.clone())

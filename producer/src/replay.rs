@@ -1,9 +1,10 @@
-//! Replay and redrive: copying records back onto the tasks topic.
+//! Replay and redrive: copying records back onto the task topics, each to its lane's.
 //!
 //! Both read a fixed range of a topic — per partition from a start (an offset, a time, or the
 //! beginning) to an end fixed when the run starts (an offset, a time, or the high watermark at
 //! that moment, so that replaying a topic into itself ends) — and write what passes the filters
-//! to the tasks topic, each record marked with the header `sluice-origin`. Workers check marked
+//! to the task topic of its lane (`priority`; the tasks topic where the lane has none of its
+//! own), each record marked with the header `sluice-origin`. Workers check marked
 //! records for existing results first, so copying a task that already finished re-announces its
 //! completion instead of running it again: both are safe to repeat.
 //!
@@ -22,7 +23,8 @@ use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
-use sluice_schemas::{DlqReason, DlqRecord, HEADER_ATTEMPT, HEADER_ORIGIN, attempt_of};
+use sluice_schemas::topics::TaskTopics;
+use sluice_schemas::{DlqReason, DlqRecord, HEADER_ATTEMPT, HEADER_ORIGIN, Priority, attempt_of};
 use thiserror::Error;
 use tokio::sync::mpsc::{Receiver, Sender};
 
@@ -124,6 +126,16 @@ struct Copy {
     key: Option<Vec<u8>>,
     value: Vec<u8>,
     headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The task's lane: which task topic the copy is written to.
+    lane: Priority,
+}
+
+/// The lane a task record names (`standard` where it names none, or is not a task record).
+fn lane_of(task: Option<&serde_json::Value>) -> Priority {
+    task.and_then(|t| t.get("priority"))
+        .and_then(|p| p.as_str())
+        .and_then(Priority::parse)
+        .unwrap_or_default()
 }
 
 /// Resolves each partition's range in `topic`.
@@ -183,14 +195,15 @@ pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: D
     Ok(ranges)
 }
 
-/// Copies the range of `source` to `tasks_topic`; `progress` is told of every record read.
+/// Copies the range of `source` to the task topics, each record to its lane's; `progress` is told
+/// of every record read.
 #[allow(clippy::too_many_arguments)]
 pub async fn run(
     mode: Mode,
     consumer: BaseConsumer,
     producer: &FutureProducer,
     source: &str,
-    tasks_topic: &str,
+    topics: &TaskTopics,
     ranges: &BTreeMap<i32, Range>,
     filter: &Filter,
     dry_run: bool,
@@ -222,7 +235,7 @@ pub async fn run(
         summary,
         seen: HashSet::new(),
     };
-    write_all(producer, tasks_topic, rx, &mut tally, &progress).await?;
+    write_all(producer, topics, rx, &mut tally, &progress).await?;
     reader.await.ok();
     let mut summary = tally.summary;
     summary.seconds = started.elapsed().as_secs_f64();
@@ -341,11 +354,11 @@ impl Tally<'_> {
     }
 }
 
-/// Writes the copies the reader sends to `tasks_topic`, at most 256 awaiting acknowledgement,
-/// until the reader is done and every write is acknowledged.
+/// Writes the copies the reader sends to their lanes' topics, at most 256 awaiting
+/// acknowledgement, until the reader is done and every write is acknowledged.
 async fn write_all(
     producer: &FutureProducer,
-    tasks_topic: &str,
+    topics: &TaskTopics,
     mut rx: Receiver<Read>,
     tally: &mut Tally<'_>,
     progress: &impl Fn(&Summary),
@@ -355,8 +368,8 @@ async fn write_all(
     loop {
         tokio::select! {
             biased;
-            Some(done) = pending.next(), if !pending.is_empty() => {
-                tally.written(done, tasks_topic)?;
+            Some((done, topic)) = pending.next(), if !pending.is_empty() => {
+                tally.written(done, topic)?;
                 progress(&tally.summary);
             }
             item = rx.recv(), if reading && pending.len() < 256 => {
@@ -366,15 +379,16 @@ async fn write_all(
                 };
                 let (p, o, copy, outcome) = item?;
                 if let Some((copy, origin)) = tally.read(p, o, copy, outcome) {
-                    pending.push_back(write(producer, tasks_topic, copy, origin));
+                    let topic = topics.of(copy.lane);
+                    pending.push_back(async move { (write(producer, topic, copy, origin).await, topic) });
                 }
                 progress(&tally.summary);
             }
             else => break,
         }
     }
-    while let Some(done) = pending.next().await {
-        tally.written(done, tasks_topic)?;
+    while let Some((done, topic)) = pending.next().await {
+        tally.written(done, topic)?;
     }
     Ok(())
 }
@@ -410,6 +424,7 @@ fn select(mode: Mode, source: &str, m: &BorrowedMessage<'_>, filter: &Filter) ->
                 key: m.key().map(<[u8]>::to_vec),
                 value: value.to_vec(),
                 headers,
+                lane: lane_of(task.as_ref()),
             };
             (Some(copy), Outcome::Copy(identity))
         }
@@ -432,7 +447,8 @@ fn select(mode: Mode, source: &str, m: &BorrowedMessage<'_>, filter: &Filter) ->
                 .task_id
                 .map(|t| t.to_string())
                 .unwrap_or_else(|| format!("{}:{}:{}", dlq.source.topic, dlq.source.partition, dlq.source.offset));
-            (Some(Copy { key, value, headers }), Outcome::Copy(identity))
+            let lane = lane_of(serde_json::from_slice(&value).ok().as_ref());
+            (Some(Copy { key, value, headers, lane }), Outcome::Copy(identity))
         }
     }
 }
@@ -454,4 +470,29 @@ async fn write(producer: &FutureProducer, topic: &str, copy: Copy, origin: Strin
         .await
         .map(|_| ())
         .map_err(|(e, _)| e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_goes_to_the_lane_its_record_names() {
+        let lane = |v: serde_json::Value| lane_of(Some(&v));
+        assert_eq!(lane(serde_json::json!({"priority": "interactive"})), Priority::Interactive);
+        assert_eq!(lane(serde_json::json!({"priority": "batch"})), Priority::Batch);
+        assert_eq!(
+            lane(serde_json::json!({"model": "terrain"})),
+            Priority::Standard,
+            "left out: standard"
+        );
+        assert_eq!(
+            lane(serde_json::json!({"priority": "urgent"})),
+            Priority::Standard,
+            "unknown: the tasks topic"
+        );
+        assert_eq!(lane_of(None), Priority::Standard, "not a task record");
+        let topics = TaskTopics::new("t", "t.i", "t.b");
+        assert_eq!(topics.of(lane(serde_json::json!({"priority": "batch"}))), "t.b");
+    }
 }

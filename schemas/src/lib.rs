@@ -11,6 +11,7 @@ pub mod normalize;
 pub mod priority;
 pub mod records;
 pub mod sampler;
+pub mod topics;
 pub mod validate;
 
 pub use catalog::{Catalog, CatalogError, CatalogModel, ModelKind, TaskMode, TextEncoders};
@@ -42,21 +43,6 @@ pub fn attempt_of(header: Option<&[u8]>) -> u32 {
 /// from (`replay:<topic>:<partition>:<offset>` or `redrive:<topic>:<partition>:<offset>`).
 /// Workers check such records for existing results before running them.
 pub const HEADER_ORIGIN: &str = "sluice-origin";
-
-/// Default topic names. Each binary lets them be overridden.
-pub mod topics {
-    pub const TASKS: &str = "sluice.tasks.v1";
-    pub const COMPLETIONS: &str = "sluice.completions.v1";
-    pub const DLQ: &str = "sluice.dlq.v1";
-    pub const PROGRESS: &str = "sluice.progress.v1";
-    pub const CONTROL: &str = "sluice.control.v1";
-    /// Pending webhook retries, one partition per delay of the retry schedule.
-    pub const WEBHOOK_RETRY: &str = "sluice.webhooks.retry.v1";
-    /// Webhook events that were given up.
-    pub const WEBHOOK_DLQ: &str = "sluice.webhooks.dlq.v1";
-    /// Workers' learned batch ceilings, compacted: the latest per device class and bucket.
-    pub const CEILINGS: &str = "sluice.ceilings.v1";
-}
 
 /// Headers on every DLQ record; the same facts are fields of [`DlqRecord`].
 pub mod dlq_headers {

@@ -73,6 +73,13 @@ pub struct KafkaArgs {
     pub repair_orphans: bool,
     #[arg(long, env = "SLUICE_TASKS_TOPIC", default_value = sluice_schemas::topics::TASKS)]
     pub tasks_topic: String,
+    /// The interactive lane's own topic, read beside the tasks topic with a window of
+    /// `SLUICE_MAX_IN_FLIGHT` of its own. Empty: the lane's tasks are in the tasks topic.
+    #[arg(long, env = "SLUICE_INTERACTIVE_TOPIC", default_value = "")]
+    pub interactive_topic: String,
+    /// The batch lane's own topic (as `SLUICE_INTERACTIVE_TOPIC`).
+    #[arg(long, env = "SLUICE_BATCH_TOPIC", default_value = "")]
+    pub batch_topic: String,
     #[arg(long, env = "SLUICE_COMPLETIONS_TOPIC", default_value = sluice_schemas::topics::COMPLETIONS)]
     pub completions_topic: String,
     #[arg(long, env = "SLUICE_DLQ_TOPIC", default_value = sluice_schemas::topics::DLQ)]
@@ -91,6 +98,13 @@ pub struct KafkaArgs {
     /// Records larger than this go to the DLQ as `too_large` without being parsed.
     #[arg(long, env = "SLUICE_MAX_TASK_BYTES", default_value_t = 1 << 20)]
     pub max_task_bytes: usize,
+}
+
+impl KafkaArgs {
+    /// The topics the worker reads tasks from, by lane.
+    pub fn task_topics(&self) -> sluice_schemas::topics::TaskTopics {
+        sluice_schemas::topics::TaskTopics::new(&self.tasks_topic, &self.interactive_topic, &self.batch_topic)
+    }
 }
 
 /// Who the worker is when `SLUICE_GROUP_INSTANCE_ID` does not say.

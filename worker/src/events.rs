@@ -418,21 +418,25 @@ impl Emit for PollGap {
 }
 
 /// Partitions were paused for backpressure, or resumed.
-pub(crate) struct Paused {
+pub(crate) struct Paused<'a> {
+    pub topic: &'a str,
     pub paused: bool,
     pub in_flight: usize,
+    /// Task topics paused now, this one included.
+    pub paused_topics: usize,
 }
 
-impl Emit for Paused {
+impl Emit for Paused<'_> {
     fn emit(self, m: &Metrics) {
-        m.paused.set(self.paused as i64);
-        tracing::debug!(in_flight = self.in_flight, paused = self.paused, "backpressure");
+        m.paused.set(self.paused_topics as i64);
+        tracing::debug!(topic = self.topic, in_flight = self.in_flight, paused = self.paused, "backpressure");
     }
 }
 
 /// Partitions were assigned to this worker.
 pub(crate) struct PartitionsAssigned<'a> {
-    pub partitions: &'a [i32],
+    /// `(topic, partition)` of each.
+    pub partitions: &'a [(&'a str, i32)],
     pub assigned_now: usize,
 }
 
@@ -440,15 +444,19 @@ impl Emit for PartitionsAssigned<'_> {
     fn emit(self, m: &Metrics) {
         m.assigned_partitions.set(self.assigned_now as i64);
         m.rebalances.with_label_values(&["assign"]).inc();
-        tracing::info!(partitions = ?self.partitions, "partitions assigned");
+        tracing::info!(
+            partitions = ?self.partitions.iter().map(|(_, p)| p).collect::<Vec<_>>(),
+            topics = ?topics_of(self.partitions),
+            "partitions assigned"
+        );
     }
 }
 
 /// Partitions were taken from this worker, after their in-flight work drained (or timed out)
 /// and what finished was committed.
 pub(crate) struct PartitionsRevoked<'a> {
-    pub topic: &'a str,
-    pub partitions: &'a [i32],
+    /// `(topic, partition)` of each.
+    pub partitions: &'a [(&'a str, i32)],
     pub assigned_now: usize,
     pub drained: Duration,
     pub abandoned: usize,
@@ -465,11 +473,12 @@ impl Emit for PartitionsRevoked<'_> {
             None => m.commits.inc_by(self.commits.len() as u64),
             Some(_) => m.commit_failures.inc(),
         }
-        for partition in self.partitions {
-            let _ = m.consumer_lag.remove_label_values(&[self.topic, &partition.to_string()]);
+        for (topic, partition) in self.partitions {
+            let _ = m.consumer_lag.remove_label_values(&[*topic, &partition.to_string()]);
         }
         tracing::info!(
-            partitions = ?self.partitions,
+            partitions = ?self.partitions.iter().map(|(_, p)| p).collect::<Vec<_>>(),
+            topics = ?topics_of(self.partitions),
             drained_ms = self.drained.as_millis() as u64,
             abandoned = self.abandoned,
             commits = ?self.commits,
@@ -479,10 +488,19 @@ impl Emit for PartitionsRevoked<'_> {
     }
 }
 
+/// The distinct topics of `partitions`, for logs.
+fn topics_of<'a>(partitions: &[(&'a str, i32)]) -> Vec<&'a str> {
+    let mut topics: Vec<&str> = partitions.iter().map(|(topic, _)| *topic).collect();
+    topics.sort_unstable();
+    topics.dedup();
+    topics
+}
+
 /// Partitions of the tasks topic were owned by no member of the stable group for longer than a
 /// revocation may take; this worker made the group rebalance (see `source::orphans`).
 pub(crate) struct OrphansRepaired<'a> {
-    pub partitions: &'a [i32],
+    /// `(topic, partition)` of each.
+    pub partitions: &'a [(String, i32)],
     pub unowned_for: Duration,
     /// Why the rebalance could not be made (tried again on the next look).
     pub error: Option<&'a str>,
@@ -492,10 +510,11 @@ impl Emit for OrphansRepaired<'_> {
     fn emit(self, m: &Metrics) {
         m.rebalances.with_label_values(&["orphans"]).inc();
         tracing::warn!(
-            partitions = ?self.partitions,
+            partitions = ?self.partitions.iter().map(|(_, p)| p).collect::<Vec<_>>(),
+            topics = ?self.partitions.iter().map(|(t, _)| t.as_str()).collect::<std::collections::BTreeSet<_>>(),
             unowned_for_ms = self.unowned_for.as_millis() as u64,
             error = self.error,
-            "partitions of the tasks topic were owned by no member of the stable group; rebalanced it"
+            "partitions of the task topics were owned by no member of the stable group; rebalanced it"
         );
     }
 }

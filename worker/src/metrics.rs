@@ -254,7 +254,10 @@ impl Metrics {
             ),
             paused: register(
                 &r,
-                IntGauge::new("sluice_worker_paused", "1 while partitions are paused for backpressure").unwrap(),
+                IntGauge::new(
+                    "sluice_worker_paused",
+                    "Task topics whose partitions are paused for backpressure (1 while paused, with one tasks topic)",
+                ).unwrap(),
             ),
             assigned_partitions: register(
                 &r,

@@ -81,6 +81,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 - name: SLUICE_TASKS_TOPIC
   value: {{ .Values.kafka.topics.tasks | quote }}
+- name: SLUICE_INTERACTIVE_TOPIC
+  value: {{ .Values.kafka.topics.interactive | default "" | quote }}
+- name: SLUICE_BATCH_TOPIC
+  value: {{ .Values.kafka.topics.batch | default "" | quote }}
 - name: SLUICE_COMPLETIONS_TOPIC
   value: {{ .Values.kafka.topics.completions | quote }}
 - name: SLUICE_PROGRESS_TOPIC

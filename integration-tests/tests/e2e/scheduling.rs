@@ -2,6 +2,7 @@
 //! task joins a running batch of its bucket at the next step, and an interactive task goes
 //! before queued batch work.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -202,4 +203,66 @@ async fn an_interactive_task_goes_before_queued_batch_work() {
     let before = batch.iter().filter(|t| start(t) < first).count();
     assert!(before <= 10, "{before} of 40 batch tiles started before the interactive one");
     worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// Lanes in topics of their own are work sources of their own. The producer puts a task in its
+/// lane's topic; a worker reads each topic with a window of `SLUICE_MAX_IN_FLIGHT` of its own.
+/// Here 60 batch tasks wait before the worker starts, with a window of 4: in one topic the
+/// interactive task after them would be read only once about 56 had finished, and the engine
+/// could not put it first. In its own topic it is read at once and runs among the first few.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_interactive_task_in_its_own_topic_is_not_behind_a_batch_backlog() {
+    use sluice_integration_tests::cluster::{API_KEY, Worker, lone_producer, post_task};
+
+    let c = terrain_cluster().await;
+    let stack = &c.stack;
+    let topics = stack.lane_topics("lane-topics", 1).unwrap();
+    let store = stack.dir.join("lane-topics").join("view.redb");
+    let mut env = topics.worker_env().to_vec();
+    env.push(("SLUICE_TENANT_LANES", "acme=interactive+standard+batch"));
+    let (mut producer, url) = lone_producer(stack, "lane-topics-producer", &store, &env).await.unwrap();
+    let submit = async |seed: u32, lane: &str| {
+        let body = json!({"model": "terrain", "width": 128, "height": 128, "seed": seed, "priority": lane, "params": {"difficulty": 50}});
+        let (status, reply) = post_task(&url, &body, Some(API_KEY)).await.unwrap();
+        assert_eq!(status, 202, "{reply}");
+        reply["task_id"].as_str().unwrap().to_owned()
+    };
+    let mut batch = Vec::new();
+    for seed in 0..60 {
+        batch.push(submit(seed, "batch").await);
+    }
+    let interactive = submit(100, "interactive").await;
+
+    let models = stack.tiny_models().unwrap().display().to_string();
+    let env = [
+        ("SLUICE_MODEL_DIR", models.as_str()),
+        ("SLUICE_ENGINE_SLOTS", "1"),
+        ("SLUICE_MAX_BATCH", "1"),
+        ("SLUICE_MAX_IN_FLIGHT", "4"),
+    ];
+    let mut worker = Worker::on_topics(stack, "lane-topics-0", "e2e-lane-topics", &topics, &env)
+        .await
+        .unwrap();
+    let ids: BTreeSet<String> = batch.iter().chain([&interactive]).cloned().collect();
+    let done = Outcomes::wait(stack.brokers(), &topics, &ids, Duration::from_secs(180)).unwrap();
+    let event = |id: &String| {
+        let event = &done.completions[id][0];
+        assert_eq!(event.status, CompletionStatus::Succeeded, "{id}: {event:?}");
+        event
+    };
+    assert_eq!(
+        event(&interactive).source.topic,
+        topics.interactive,
+        "published to its lane's topic"
+    );
+    assert!(
+        batch.iter().all(|id| event(id).source.topic == topics.batch),
+        "batch tasks in theirs"
+    );
+    let at = event(&interactive).completed_at;
+    let before = batch.iter().filter(|id| event(id).completed_at < at).count();
+    eprintln!("lane topics: {before} of 60 batch tasks finished before the interactive one");
+    assert!(before <= 12, "{before} of 60 batch tasks finished before the interactive one");
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+    producer.terminate(Duration::from_secs(30)).unwrap();
 }

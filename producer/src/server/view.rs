@@ -24,11 +24,16 @@ pub(super) struct View {
 /// Opens the store at `SLUICE_STATUS_PATH` and starts its feed.
 pub(super) fn start(args: &ServeArgs, catalog: &Catalog, metrics: &Metrics) -> Result<View, ServeError> {
     let topics = ViewTopics {
-        tasks: args.publish.tasks_topic.clone(),
+        tasks: args.publish.task_topics().all().into_iter().map(str::to_owned).collect(),
         progress: args.progress_topic.clone(),
         completions: args.completions_topic.clone(),
     };
-    let names = [topics.tasks.as_str(), topics.progress.as_str(), topics.completions.as_str()];
+    let names: Vec<&str> = topics
+        .tasks
+        .iter()
+        .chain([&topics.progress, &topics.completions])
+        .map(String::as_str)
+        .collect();
     let identity = identity::fetch(&args.publish.kafka, &names, Duration::from_secs(10))
         .inspect_err(|e| tracing::warn!(error = %e, "status view: the cluster's and topics' ids are unknown"))
         .ok();

@@ -23,7 +23,8 @@ use crate::metrics::Metrics;
 /// The topics the view reads.
 #[derive(Debug, Clone)]
 pub struct ViewTopics {
-    pub tasks: String,
+    /// The task topics: the tasks topic and each lane's own.
+    pub tasks: Vec<String>,
     pub progress: String,
     pub completions: String,
 }
@@ -41,7 +42,7 @@ impl CaughtUp {
 fn decode(topics: &ViewTopics, m: &rdkafka::message::BorrowedMessage<'_>) -> Option<(Change, DateTime<Utc>)> {
     use rdkafka::message::Headers;
     let (topic, payload) = (m.topic(), m.payload()?);
-    if topic == topics.tasks {
+    if topics.tasks.iter().any(|t| t == topic) {
         let r: sluice_schemas::TaskRecord = serde_json::from_slice(payload).ok()?;
         // A redriven record is the original, byte for byte, with its attempt in a header.
         let attempt = sluice_schemas::attempt_of(
@@ -146,7 +147,12 @@ impl Feed {
         retention: Retention,
         caught_up: CaughtUp,
     ) -> Feed {
-        let names = [topics.tasks.clone(), topics.progress.clone(), topics.completions.clone()];
+        let names: Vec<String> = topics
+            .tasks
+            .iter()
+            .chain([&topics.progress, &topics.completions])
+            .cloned()
+            .collect();
         let read_to = store.positions().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "status view: stored positions unreadable; reading the topics from their beginning");
             Default::default()
@@ -154,7 +160,7 @@ impl Feed {
         if !read_to.is_empty() {
             tracing::info!(partitions = read_to.len(), "status view: reading on from the stored positions");
         }
-        let whole = WholeTopics::new(names.to_vec()).starting_at(read_to.clone());
+        let whole = WholeTopics::new(names).starting_at(read_to.clone());
         Feed {
             consumer,
             topics,

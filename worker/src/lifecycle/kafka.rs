@@ -34,8 +34,8 @@ fn failed(what: &'static str) -> impl Fn(KafkaError) -> StartError {
 }
 
 impl Clients {
-    /// Creates the clients and subscribes to the tasks topic (the group is joined by the first
-    /// poll). `fatal` fires if exactly-once delivery is fenced.
+    /// Creates the clients and subscribes to the task topics, a lane's own among them (the group
+    /// is joined by the first poll). `fatal` fires if exactly-once delivery is fenced.
     pub(super) async fn connect(setup: &Setup<'_>) -> Result<Clients, StartError> {
         let Setup {
             config,
@@ -45,6 +45,8 @@ impl Clients {
         } = *setup;
         let k = &config.kafka;
         let d = &config.delivery;
+        let task_topics = k.task_topics();
+        let topics = task_topics.all();
         let producer: FutureProducer = k
             .client
             .producer_config(worker_id, 30_000, 20)
@@ -65,7 +67,7 @@ impl Clients {
             committer.clone(),
             metrics.clone(),
             d.drain_timeout(),
-            k.tasks_topic.clone(),
+            topics.iter().map(|t| t.to_string()).collect(),
         );
         let settings = consumer_settings(config, worker_id);
         let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -75,9 +77,7 @@ impl Clients {
                 .create_with_context(context)
                 .map_err(failed("creating the Kafka consumer"))?,
         );
-        consumer
-            .subscribe(&[k.tasks_topic.as_str()])
-            .map_err(failed("subscribing to the tasks topic"))?;
+        consumer.subscribe(&topics).map_err(failed("subscribing to the task topics"))?;
         Ok(Clients {
             producer,
             committer,

@@ -66,8 +66,10 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
         tracing::warn!("the control topic was not read to its end in time; starting anyway (a cancel not read yet may be missed)");
     }
 
-    let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * 2 + 16);
-    let (job_tx, job_rx) = mpsc::channel(d.max_in_flight + 16);
+    // Each task topic has a window of `max_in_flight` of its own (`source::poll`).
+    let windows = config.kafka.task_topics().all().len();
+    let (record_tx, record_rx) = mpsc::channel(d.max_in_flight * windows * 2 + 16);
+    let (job_tx, job_rx) = mpsc::channel(d.max_in_flight * windows + 16);
     let (batcher, requests) = Batcher::new(
         job_rx,
         adaptive,
@@ -90,10 +92,11 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
     };
     if let Some(member) = kafka::orphan_repair_member(config, worker_id) {
         let (consumer, close, metrics) = (clients.consumer.clone(), control.close.clone(), metrics.clone());
-        let (group, topic, drain) = (config.kafka.group_id.clone(), config.kafka.tasks_topic.clone(), d.drain_timeout());
+        let topics = config.kafka.task_topics().all().into_iter().map(str::to_owned).collect();
+        let (group, drain) = (config.kafka.group_id.clone(), d.drain_timeout());
         std::thread::Builder::new()
             .name("sluice-orphans".into())
-            .spawn(move || source::orphans::watch(consumer, member, group, topic, drain, close, metrics))
+            .spawn(move || source::orphans::watch(consumer, member, group, topics, drain, close, metrics))
             .map_err(StartError::Thread)?;
     }
     let stages = vec![

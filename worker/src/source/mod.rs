@@ -1,7 +1,7 @@
-//! Reading the tasks topic. The consumer is polled on its own OS thread, so long inference never
-//! blocks polling (no member is kicked for exceeding `max.poll.interval.ms`). Backpressure pauses
-//! the assigned partitions when too many tasks are in flight and resumes them when half have
-//! finished. Rebalance callbacks run on this thread: on a revoke, in-flight tasks of the revoked
+//! Reading the task topics (the tasks topic, and each lane's own where it has one). The consumer
+//! is polled on its own OS thread, so long inference never blocks polling (no member is kicked for
+//! exceeding `max.poll.interval.ms`). Backpressure pauses a topic's assigned partitions when too
+//! many of its tasks are in flight and resumes them when half have finished. Rebalance callbacks run on this thread: on a revoke, in-flight tasks of the revoked
 //! partitions get up to the drain timeout to finish, then what is done is committed (in the
 //! worker's delivery mode: [`crate::source::commit`]).
 
@@ -18,8 +18,8 @@ pub(crate) mod redelivery;
 
 pub(crate) use poll::{SourceControl, poll_loop};
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
@@ -37,8 +37,10 @@ pub(crate) struct SourceContext {
     committer: Arc<Committer>,
     metrics: Metrics,
     drain_timeout: Duration,
-    paused: AtomicBool,
-    topic: String,
+    /// Task topics paused for backpressure: a partition of one assigned now starts paused.
+    paused: Mutex<BTreeSet<String>>,
+    /// The task topics read, one per lane with a topic of its own.
+    topics: Vec<String>,
 }
 
 impl SourceContext {
@@ -47,16 +49,20 @@ impl SourceContext {
         committer: Arc<Committer>,
         metrics: Metrics,
         drain_timeout: Duration,
-        topic: String,
+        topics: Vec<String>,
     ) -> SourceContext {
         SourceContext {
             offsets,
             committer,
             metrics,
             drain_timeout,
-            paused: AtomicBool::new(false),
-            topic,
+            paused: Mutex::new(BTreeSet::new()),
+            topics,
         }
+    }
+
+    fn paused(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        self.paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -72,6 +78,11 @@ fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
         .collect()
 }
 
+/// `(topic, partition)` of each, as events name them.
+fn named(partitions: &[TopicPartition]) -> Vec<(&str, i32)> {
+    partitions.iter().map(|tp| (&*tp.topic, tp.partition)).collect()
+}
+
 /// The consumer reads the read leases back from its group's commits.
 impl crate::source::redelivery::CommittedMetadata for TaskConsumer {
     fn committed_metadata(&self, tp: &TopicPartition, timeout: Duration) -> Result<String, String> {
@@ -85,9 +96,9 @@ impl crate::source::redelivery::CommittedMetadata for TaskConsumer {
 
 impl ClientContext for SourceContext {
     fn stats(&self, statistics: Statistics) {
-        let Some(topic) = statistics.topics.get(&self.topic) else { return };
         let committed = self.offsets.committed_offsets();
         for (tp, committed) in committed {
+            let Some(topic) = statistics.topics.get(&*tp.topic) else { continue };
             let Some(p) = topic.partitions.get(&tp.partition) else { continue };
             if p.hi_offset < 0 {
                 continue;
@@ -116,8 +127,7 @@ impl ConsumerContext for SourceContext {
             let (commits, committed) = self.committer.commit_revoked(consumer, &self.offsets, &partitions);
             let commits: Vec<(i32, i64)> = commits.iter().map(|c| (c.tp.partition, c.offset)).collect();
             PartitionsRevoked {
-                topic: &self.topic,
-                partitions: &partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
+                partitions: &named(&partitions),
                 assigned_now: self.offsets.assigned().len(),
                 drained: started.elapsed(),
                 abandoned,
@@ -133,11 +143,17 @@ impl ConsumerContext for SourceContext {
             Rebalance::Assign(tpl) => {
                 let partitions = partitions_of(tpl);
                 self.offsets.assign(&partitions);
-                if self.paused.load(Ordering::SeqCst) {
-                    let _ = consumer.pause(tpl);
+                let paused = self.paused();
+                if !paused.is_empty() {
+                    let mut pause = TopicPartitionList::new();
+                    for tp in partitions.iter().filter(|tp| paused.contains(&*tp.topic)) {
+                        pause.add_partition(&tp.topic, tp.partition);
+                    }
+                    let _ = consumer.pause(&pause);
                 }
+                drop(paused);
                 PartitionsAssigned {
-                    partitions: &partitions.iter().map(|p| p.partition).collect::<Vec<_>>(),
+                    partitions: &named(&partitions),
                     assigned_now: self.offsets.assigned().len(),
                 }
                 .emit(&self.metrics);

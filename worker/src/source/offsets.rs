@@ -565,6 +565,17 @@ impl Offsets {
         self.lock().in_flight
     }
 
+    /// Records of `topic`'s partitions read and not yet finished.
+    pub fn in_flight_of(&self, topic: &str) -> usize {
+        let state = self.lock();
+        state
+            .partitions
+            .iter()
+            .filter(|(tp, _)| &*tp.topic == topic)
+            .map(|(_, p)| p.pending.len())
+            .sum()
+    }
+
     /// Records read whose offsets are not committed yet, finished or not: what a new owner
     /// would read again if this consumer died now.
     pub fn uncommitted(&self) -> usize {

@@ -1,4 +1,4 @@
-//! Orphaned partitions: partitions of the tasks topic that no member of the group owns while the
+//! Orphaned partitions: partitions of the task topics that no member of the group owns while the
 //! group says it is stable, so their tasks never run.
 //!
 //! How it happens (classic protocol, cooperative-sticky, static members): an incremental
@@ -8,7 +8,7 @@
 //! identity and gets its cached assignment back without a rebalance: the second phase never
 //! comes. No member can see this from its own assignment; the group's description shows it.
 //!
-//! The repair: every worker compares the group's assignments with the topic's partitions every
+//! The repair: every worker compares the group's assignments with the topics' partitions every
 //! few seconds. Partitions unowned while the group stays stable for longer than a revocation
 //! may take (the drain timeout, plus a margin) are handed out by a rebalance: a short-lived
 //! member without a static identity joins the group, which makes the leader assign every
@@ -76,11 +76,14 @@ pub(crate) fn assigned_partitions(bytes: &[u8], topic: &str) -> Result<Vec<i32>,
     Ok(found)
 }
 
+/// A partition of one of the task topics: `(topic, partition)`.
+pub(crate) type Part = (String, i32);
+
 /// Which partitions have been unowned, while the group stayed stable, for longer than `grace`.
 #[derive(Debug)]
 pub(crate) struct Watch {
     grace: Duration,
-    since: BTreeMap<i32, Instant>,
+    since: BTreeMap<Part, Instant>,
 }
 
 impl Watch {
@@ -94,21 +97,21 @@ impl Watch {
     /// One look at the group: `None` when it is not stable (a rebalance is under way, which
     /// starts every count again), else the partitions no member owns. Returns the orphaned
     /// ones, then starts counting afresh.
-    pub(crate) fn observe(&mut self, now: Instant, unowned: Option<&BTreeSet<i32>>) -> Option<(BTreeSet<i32>, Duration)> {
+    pub(crate) fn observe(&mut self, now: Instant, unowned: Option<&BTreeSet<Part>>) -> Option<(BTreeSet<Part>, Duration)> {
         let Some(unowned) = unowned else {
             self.since.clear();
             return None;
         };
         self.since.retain(|p, _| unowned.contains(p));
         for p in unowned {
-            self.since.entry(*p).or_insert(now);
+            self.since.entry(p.clone()).or_insert(now);
         }
         let oldest = self.since.values().min().copied()?;
-        let orphaned: BTreeSet<i32> = self
+        let orphaned: BTreeSet<Part> = self
             .since
             .iter()
             .filter(|(_, since)| now.duration_since(**since) >= self.grace)
-            .map(|(p, _)| *p)
+            .map(|(p, _)| p.clone())
             .collect();
         if orphaned.is_empty() {
             return None;
@@ -118,9 +121,9 @@ impl Watch {
     }
 }
 
-/// The partitions of `topic` that no member of `group` owns, or `None` while the group is not
+/// The partitions of `topics` that no member of `group` owns, or `None` while the group is not
 /// stable (or is not a classic consumer group).
-fn unowned(consumer: &TaskConsumer, group: &str, topic: &str, timeout: Duration) -> Result<Option<BTreeSet<i32>>, String> {
+fn unowned(consumer: &TaskConsumer, group: &str, topics: &[String], timeout: Duration) -> Result<Option<BTreeSet<Part>>, String> {
     let groups = consumer.fetch_group_list(Some(group), timeout).map_err(|e| e.to_string())?;
     let Some(info) = groups.groups().iter().find(|g| g.name() == group) else {
         return Ok(None);
@@ -128,23 +131,27 @@ fn unowned(consumer: &TaskConsumer, group: &str, topic: &str, timeout: Duration)
     if info.state() != "Stable" || info.protocol_type() != "consumer" {
         return Ok(None);
     }
-    let mut owned = BTreeSet::new();
-    for member in info.members() {
-        let bytes = member.assignment().unwrap_or_default();
-        owned.extend(assigned_partitions(bytes, topic).map_err(|e| format!("member {}: {e}", member.id()))?);
+    let mut unowned = BTreeSet::new();
+    for topic in topics {
+        let mut owned = BTreeSet::new();
+        for member in info.members() {
+            let bytes = member.assignment().unwrap_or_default();
+            owned.extend(assigned_partitions(bytes, topic).map_err(|e| format!("member {}: {e}", member.id()))?);
+        }
+        let metadata = consumer.fetch_metadata(Some(topic), timeout).map_err(|e| e.to_string())?;
+        let Some(described) = metadata.topics().iter().find(|t| t.name() == topic) else {
+            return Ok(None);
+        };
+        unowned.extend(
+            described
+                .partitions()
+                .iter()
+                .map(|p| p.id())
+                .filter(|p| !owned.contains(p))
+                .map(|p| (topic.clone(), p)),
+        );
     }
-    let metadata = consumer.fetch_metadata(Some(topic), timeout).map_err(|e| e.to_string())?;
-    let Some(described) = metadata.topics().iter().find(|t| t.name() == topic) else {
-        return Ok(None);
-    };
-    Ok(Some(
-        described
-            .partitions()
-            .iter()
-            .map(|p| p.id())
-            .filter(|p| !owned.contains(p))
-            .collect(),
-    ))
+    Ok(Some(unowned))
 }
 
 /// Marks when the repairing member has been through a rebalance.
@@ -161,11 +168,11 @@ impl ConsumerContext for Joined {
 }
 
 /// Joins the group as a member without a static identity, until assigned, and leaves: two
-/// rebalances, the first of which assigns every partition of the topic.
-fn rebalance(config: &ClientConfig, topic: &str) -> Result<(), KafkaError> {
+/// rebalances, the first of which assigns every partition of the topics.
+fn rebalance(config: &ClientConfig, topics: &[String]) -> Result<(), KafkaError> {
     let joined = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let member: BaseConsumer<Joined> = config.create_with_context(Joined(joined.clone()))?;
-    member.subscribe(&[topic])?;
+    member.subscribe(&topics.iter().map(String::as_str).collect::<Vec<_>>())?;
     let deadline = Instant::now() + JOIN_TIMEOUT;
     while !joined.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
         // Records it may be handed are dropped: it never commits, so the real owner reads them.
@@ -181,7 +188,7 @@ pub(crate) fn watch(
     consumer: Arc<TaskConsumer>,
     member: ClientConfig,
     group: String,
-    topic: String,
+    topics: Vec<String>,
     drain_timeout: Duration,
     close: CancellationToken,
     metrics: Metrics,
@@ -189,7 +196,7 @@ pub(crate) fn watch(
     let mut watch = Watch::new(drain_timeout + MARGIN);
     while !close.is_cancelled() {
         std::thread::sleep(EVERY);
-        let seen = match unowned(&consumer, &group, &topic, Duration::from_secs(5)) {
+        let seen = match unowned(&consumer, &group, &topics, Duration::from_secs(5)) {
             Ok(seen) => seen,
             Err(error) => {
                 tracing::debug!(error, "describing the group failed; trying again");
@@ -197,9 +204,9 @@ pub(crate) fn watch(
             }
         };
         if let Some((partitions, unowned_for)) = watch.observe(Instant::now(), seen.as_ref()) {
-            let error = rebalance(&member, &topic).err().map(|e| e.to_string());
+            let error = rebalance(&member, &topics).err().map(|e| e.to_string());
             OrphansRepaired {
-                partitions: &partitions.iter().copied().collect::<Vec<_>>(),
+                partitions: &partitions.iter().cloned().collect::<Vec<_>>(),
                 unowned_for,
                 error: error.as_deref(),
             }
@@ -246,7 +253,7 @@ mod tests {
         let grace = Duration::from_secs(10);
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let set = |ps: &[i32]| ps.iter().copied().collect::<BTreeSet<i32>>();
+        let set = |ps: &[i32]| ps.iter().map(|p| ("t".to_owned(), *p)).collect::<BTreeSet<Part>>();
         let mut w = Watch::new(grace);
         assert_eq!(w.observe(at(0), Some(&set(&[4, 5]))), None);
         assert_eq!(w.observe(at(6), Some(&set(&[4, 5, 6]))), None);

@@ -1,10 +1,15 @@
-//! The poll thread: reads the tasks topic, pauses and resumes it under backpressure, hands each
+//! The poll thread: reads the task topics, pauses and resumes each under backpressure, hands each
 //! record to the pipeline, and leaves the group when told to.
+//!
+//! Each task topic (the tasks topic, and a lane's own topic where it has one:
+//! `SLUICE_INTERACTIVE_TOPIC`, `SLUICE_BATCH_TOPIC`) is a work source of its own with its own
+//! window of `max_in_flight` records: a backlog read from one never pauses the reading of
+//! another, so an interactive task is read while a batch backlog fills its lane's window.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use rdkafka::TopicPartitionList;
 use rdkafka::consumer::Consumer;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use sluice_service::backpressure::Backpressure;
@@ -41,7 +46,12 @@ pub(crate) fn poll_loop(
 ) {
     let mut tx = Some(tx);
     let mut last_error_log: Option<Instant> = None;
-    let mut backpressure = Backpressure::new(max_in_flight);
+    let mut windows: Vec<(String, Backpressure)> = consumer
+        .context()
+        .topics
+        .iter()
+        .map(|t| (t.clone(), Backpressure::new(max_in_flight)))
+        .collect();
     let mut last_poll = Instant::now();
     while !control.close.is_cancelled() {
         PollGap { gap: last_poll.elapsed() }.emit(&metrics);
@@ -50,11 +60,18 @@ pub(crate) fn poll_loop(
             tx = None; // closes the pipeline's input: the stages drain and end
             tracing::info!("stopped reading new tasks");
         }
-        let in_flight = offsets.in_flight();
-        // Stopping: paused for good (nothing read now would be tracked).
-        let counted = if tx.is_none() { usize::MAX } else { in_flight };
-        if let Some(pause) = backpressure.update(counted) {
-            set_paused(&consumer, &metrics, pause, in_flight);
+        let one_topic = windows.len() == 1;
+        for (topic, window) in &mut windows {
+            let in_flight = if one_topic {
+                offsets.in_flight()
+            } else {
+                offsets.in_flight_of(topic)
+            };
+            // Stopping: paused for good (nothing read now would be tracked).
+            let counted = if tx.is_none() { usize::MAX } else { in_flight };
+            if let Some(pause) = window.update(counted) {
+                set_paused(&consumer, &metrics, topic, pause, in_flight);
+            }
         }
         match consumer.poll(Duration::from_millis(100)) {
             None => {}
@@ -93,15 +110,33 @@ pub(crate) fn poll_loop(
     leave(&consumer);
 }
 
-/// Pauses or resumes fetching from every assigned partition.
-fn set_paused(consumer: &TaskConsumer, metrics: &Metrics, pause: bool, in_flight: usize) {
-    consumer.context().paused.store(pause, Ordering::SeqCst);
-    Paused { paused: pause, in_flight }.emit(metrics);
-    if let Ok(assignment) = consumer.assignment() {
-        let r = if pause {
-            consumer.pause(&assignment)
+/// Pauses or resumes fetching from every assigned partition of `topic`.
+fn set_paused(consumer: &TaskConsumer, metrics: &Metrics, topic: &str, pause: bool, in_flight: usize) {
+    let paused_topics = {
+        let mut paused = consumer.context().paused();
+        if pause {
+            paused.insert(topic.to_owned());
         } else {
-            consumer.resume(&assignment)
+            paused.remove(topic);
+        }
+        paused.len()
+    };
+    Paused {
+        topic,
+        paused: pause,
+        in_flight,
+        paused_topics,
+    }
+    .emit(metrics);
+    if let Ok(assignment) = consumer.assignment() {
+        let mut partitions = TopicPartitionList::new();
+        for e in assignment.elements().iter().filter(|e| e.topic() == topic) {
+            partitions.add_partition(topic, e.partition());
+        }
+        let r = if pause {
+            consumer.pause(&partitions)
+        } else {
+            consumer.resume(&partitions)
         };
         if let Err(e) = r {
             tracing::warn!(error = %e, pause, "pause/resume failed");
