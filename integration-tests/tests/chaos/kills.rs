@@ -24,11 +24,12 @@ async fn workers_killed_and_restarted_lose_nothing_at_least_once() {
 }
 
 /// Kill -9 in a loop, in delivery mode `mode`: nothing lost, never two objects; exactly once, a
-/// `read_committed` reader sees no duplicate completion.
+/// `read_committed` reader sees no duplicate completion. Half the tasks are in the batch lane's
+/// own topic, so a worker reads, commits and hands off two task topics at once.
 async fn workers_killed_and_restarted(mode: &str) {
     let _serial = SERIAL.lock().await;
     let stack = stack().await;
-    let topics = stack.topics(&format!("kill-{mode}"), 8).unwrap();
+    let topics = stack.lane_topics(&format!("kill-{mode}"), 4).unwrap();
     let (n, spread) = if full() { (2400, 60) } else { (400, 15) };
     let group = format!("chaos-kill-{mode}");
     let delivery = [("SLUICE_DELIVERY", mode)];
@@ -40,13 +41,20 @@ async fn workers_killed_and_restarted(mode: &str) {
         w.wait_assigned(Duration::from_secs(60)).await.unwrap();
     }
     let started = Instant::now();
-    let all = tasks(n, 0);
-    let publisher = publish_paced(stack, &topics.tasks, all.clone(), Duration::from_secs(spread));
+    let mut all = tasks(n, 0);
+    for (_, task) in all.iter_mut().skip(1).step_by(2) {
+        task["priority"] = "batch".into();
+    }
+    let (standard, batch): (Vec<_>, Vec<_>) = all.iter().cloned().partition(|(_, t)| t.get("priority").is_none());
+    let publishers = [
+        publish_paced(stack, &topics.tasks, standard, Duration::from_secs(spread)),
+        publish_paced(stack, &topics.batch, batch, Duration::from_secs(spread)),
+    ];
 
     // Kill a random worker 2–4 s after the group settled, while tasks arrive, and start it
     // again.
     let (mut kills, mut at_risk) = (0usize, 0usize);
-    while !publisher.is_finished() || kills < 3 {
+    while !publishers.iter().all(|p| p.is_finished()) || kills < 3 {
         let pause = 2000 + u64::from(uuid::Uuid::new_v4().as_bytes()[0]) * 8;
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let victim = &mut workers[usize::from(uuid::Uuid::new_v4().as_bytes()[0] & 1)];
@@ -61,8 +69,11 @@ async fn workers_killed_and_restarted(mode: &str) {
             w.wait_assigned(Duration::from_secs(60)).await.unwrap();
         }
     }
-    let acked = publisher.await.unwrap();
-    assert_eq!(acked.len(), n, "the broker took every task");
+    let mut acked = 0;
+    for publisher in publishers {
+        acked += publisher.await.unwrap().len();
+    }
+    assert_eq!(acked, n, "the broker took every task");
     let done = outcomes(stack, &topics, &ids_of(&all), Duration::from_secs(600));
     let succeeded = done.with_status(CompletionStatus::Succeeded).len();
     let (extra, differing) = duplicates(&done);
