@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedHeaders;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use serde_json::Value;
 use sluice_schemas::normalize::MAX_SEED;
 use sluice_schemas::topics::TaskTopics;
@@ -97,6 +97,12 @@ impl TaskPublisher {
     pub fn connect(args: &PublishArgs, metrics: &Metrics) -> Result<TaskPublisher, KafkaError> {
         let producer: FutureProducer = args.kafka.producer_config("sluice-producer", args.publish_timeout_ms, 5).create()?;
         Ok(TaskPublisher::new(producer, args.task_topics(), metrics.clone()))
+    }
+
+    /// Checks that the cluster has every task topic (a setup mistake otherwise): one metadata
+    /// request, up to 5 s; a cluster that does not answer passes. Blocks.
+    pub fn check_topics(&self) -> Result<(), sluice_service::kafka::MissingTopics> {
+        kafka::check_topics(self.producer.client(), &self.topics.all(), Duration::from_secs(5))
     }
 
     /// Builds the record of a request: validated against `task-request.schema.json` and the

@@ -252,6 +252,36 @@ impl WholeTopics {
     }
 }
 
+/// Task topics that the cluster does not have: a setup mistake, told at startup rather than as
+/// records that never arrive (a worker) or publishes that time out (a producer).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "task topics missing on the cluster: {}; create them (docs/chart.md lists the topics) or point SLUICE_TASKS_TOPIC, SLUICE_INTERACTIVE_TOPIC and SLUICE_BATCH_TOPIC at existing ones",
+    .0.join(", ")
+)]
+pub struct MissingTopics(pub Vec<String>);
+
+/// Checks that every one of `topics` exists, with one metadata request for all topics (which
+/// creates none, whatever the broker's auto-creation setting). A cluster that does not answer
+/// within `timeout` passes: a client rides out a broker outage as it always does, and this check
+/// is for topics the cluster says it does not have.
+pub fn check_topics<C: rdkafka::ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    topics: &[&str],
+    timeout: std::time::Duration,
+) -> Result<(), MissingTopics> {
+    let Ok(metadata) = client.fetch_metadata(None, timeout) else {
+        return Ok(());
+    };
+    let present: std::collections::HashSet<&str> = metadata.topics().iter().map(|t| t.name()).collect();
+    missing(topics, &present)
+}
+
+fn missing(topics: &[&str], present: &std::collections::HashSet<&str>) -> Result<(), MissingTopics> {
+    let absent: Vec<String> = topics.iter().filter(|t| !present.contains(**t)).map(|t| t.to_string()).collect();
+    if absent.is_empty() { Ok(()) } else { Err(MissingTopics(absent)) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,5 +332,17 @@ mod tests {
         let bad = Cli::try_parse_from(["x", "--kafka-option", "sasl.password:hunter2"]).unwrap_err();
         assert!(!bad.to_string().contains("hunter2"), "{bad}");
         assert!(bad.to_string().contains("--kafka-option"), "{bad}");
+    }
+
+    #[test]
+    fn every_absent_topic_is_named() {
+        let present = ["t", "t.i"].into_iter().collect();
+        assert_eq!(missing(&["t", "t.i"], &present), Ok(()));
+        let err = missing(&["t", "t.b", "t.x"], &present).unwrap_err();
+        assert_eq!(err, MissingTopics(vec!["t.b".into(), "t.x".into()]));
+        assert!(
+            err.to_string().starts_with("task topics missing on the cluster: t.b, t.x;"),
+            "{err}"
+        );
     }
 }

@@ -34,6 +34,43 @@ async fn setup_mistakes_are_clear_startup_errors() {
     let (status, log) = run("no-model", &[("SLUICE_MODEL_DIR", "/nonexistent/models")]);
     assert_eq!(status.code(), Some(2), "{log}");
     assert!(log.contains("/nonexistent/models/terrain/model.onnx does not exist"), "{log}");
+    // A lane's topic that was never created: both binaries say so instead of waiting on it.
+    let (status, log) = run("no-lane-topic", &[("SLUICE_INTERACTIVE_TOPIC", "sluice.tasks.never-created")]);
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(
+        log.contains("task topics missing on the cluster: sluice.tasks.never-created"),
+        "{log}"
+    );
+    let mut env = stack.vars();
+    env.extend(
+        [
+            ("SLUICE_BATCH_TOPIC", "sluice.tasks.never-created"),
+            ("SLUICE_API_KEYS", "acme:k"),
+            ("SLUICE_STATUS_PATH", "/nonexistent/never-opened.redb"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
+    for (name, port) in [
+        ("SLUICE_LISTEN", sluice_integration_tests::free_port()),
+        ("SLUICE_METRICS_LISTEN", sluice_integration_tests::free_port()),
+    ] {
+        env.push((name.into(), format!("127.0.0.1:{port}")));
+    }
+    let mut producer = Service::spawn(
+        "no-lane-topic-producer",
+        &bin("sluice-producer"),
+        &["serve"],
+        &env,
+        &stack.dir.join("logs"),
+    )
+    .unwrap();
+    let status = producer.wait(Duration::from_secs(30)).unwrap();
+    let log = producer.log_text();
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(
+        log.contains("task topics missing on the cluster: sluice.tasks.never-created"),
+        "{log}"
+    );
 }
 
 /// Nothing is open unless configured open. A producer without API keys refuses to start unless

@@ -63,6 +63,8 @@ pub enum ServeError {
     Notifier(#[from] NotifierError),
     #[error("creating the Kafka producer")]
     Publisher(#[source] KafkaError),
+    #[error(transparent)]
+    Topics(#[from] sluice_service::kafka::MissingTopics),
     #[error("invalid input store URL {url}")]
     InputStore {
         url: String,
@@ -94,6 +96,11 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
     let lanes = TenantLanes::parse(&args.tenant_lanes)?;
     let catalog = Catalog::load(args.publish.model_catalog.as_deref())?;
     tracing::info!(models = ?catalog.names(), "model catalog");
+    let publisher = TaskPublisher::connect(&args.publish, &metrics).map_err(ServeError::Publisher)?;
+    let checking = publisher.clone();
+    tokio::task::spawn_blocking(move || checking.check_topics())
+        .await
+        .expect("the topic check does not panic")?;
     let view = view::start(&args, &catalog, &metrics)?;
     start_backlog(&args, &metrics)?;
     let presigner = Arc::new(Presigner::new(Duration::from_secs(args.presign_ttl_seconds)));
@@ -121,7 +128,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> Resul
         control_topic: args.control_topic.clone(),
         presigner,
         view_caught_up: Some(view.caught_up),
-        publisher: TaskPublisher::connect(&args.publish, &metrics).map_err(ServeError::Publisher)?,
+        publisher,
         keys,
         lanes,
         metrics,

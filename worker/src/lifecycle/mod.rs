@@ -58,6 +58,8 @@ pub enum StartError {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Topics(#[from] sluice_service::kafka::MissingTopics),
     #[error("SLUICE_TEST_FAULTS: {0}")]
     Faults(String),
     #[error("starting the poll thread: {0}")]
