@@ -263,6 +263,7 @@ for label, change, needle in [
     ("no catalog", lambda v: v.__setitem__("catalog", ""), "catalog"),
     ("models from S3 without a URL", lambda v: v["models"]["s3"].__setitem__("url", ""), "models.s3.url"),
     ("no source of API keys", lambda v: v.__setitem__("existingSecret", ""), "producer.allowAnonymous"),
+    ("one topic for two lanes", lambda v: v["kafka"].setdefault("topics", {}).update({"interactive": "x.lanes", "batch": "x.lanes"}), "kafka.topics.batch"),
 ]:
     bad = copy.deepcopy(base)
     change(bad)
@@ -271,6 +272,17 @@ for label, change, needle in [
         check(False, f"the chart rendered with {label}")
     except helm_python.HelmError as e:
         check(needle in str(e), f"{label}: the error does not name {needle}: {e}")
+
+# Lanes kept in the tasks topic: KEDA watches that one topic, once, and the pods are told so.
+tasks_topic = yaml.safe_load((chart_dir / "values.yaml").read_text())["kafka"]["topics"]["tasks"]
+one_topic = copy.deepcopy(base)
+one_topic["kafka"].setdefault("topics", {}).update({"interactive": "", "batch": tasks_topic})
+rendered = [d for _, d in render(one_topic)]
+so = next(d for d in rendered if d["kind"] == "ScaledObject")
+check([t["metadata"]["topic"] for t in so["spec"]["triggers"]] == [tasks_topic], "lanes off: one trigger, the tasks topic")
+worker = next(d for d in rendered if d["kind"] == "StatefulSet")
+lane_env = env_of(next(c for c in worker["spec"]["template"]["spec"]["containers"] if c["name"] == "worker"))
+check(lane_env.get("SLUICE_INTERACTIVE_TOPIC") == "", "lanes off: SLUICE_INTERACTIVE_TOPIC empty")
 
 # Anonymous access renders only when asked for by name, and then says so to the producer.
 anonymous = copy.deepcopy(base)

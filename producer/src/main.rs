@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use futures::StreamExt;
-use rdkafka::producer::FutureProducer;
+use rdkafka::producer::{FutureProducer, Producer};
 use sluice_producer::config::{Cli, Command, PublishArgs, RangeArgs, ServeArgs, SubmitArgs};
 use sluice_producer::metrics::Metrics;
 use sluice_producer::publish::{Submitter, TaskPublisher};
@@ -66,6 +66,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     let metrics = Metrics::new();
     let publisher = TaskPublisher::connect(&args.publish, &metrics).context("creating the Kafka producer")?;
+    // A producer's metadata requests may create a topic that does not exist (the broker's
+    // auto-creation): one the workers do not read would hold the tasks for good.
+    tokio::task::block_in_place(|| publisher.check_topics())?;
     let catalog = Arc::new(Catalog::load(args.publish.model_catalog.as_deref())?);
     let timeout = Duration::from_millis(args.publish.publish_timeout_ms);
     let reader: Box<dyn tokio::io::AsyncRead + Unpin> = if args.input == Path::new("-") {
@@ -152,6 +155,9 @@ async fn copy_range(mode: Mode, publish: &PublishArgs, range: &RangeArgs, source
         .producer_config("sluice-producer", publish.publish_timeout_ms.max(30_000), 20)
         .create()
         .context("creating the Kafka producer")?;
+    if !range.dry_run {
+        tokio::task::block_in_place(|| sluice_service::kafka::check_topics(producer.client(), &targets.all(), Duration::from_secs(5)))?;
+    }
     let bar = if range.no_progress {
         indicatif::ProgressBar::hidden()
     } else {

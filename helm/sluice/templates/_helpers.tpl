@@ -81,6 +81,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 - name: SLUICE_TASKS_TOPIC
   value: {{ .Values.kafka.topics.tasks | quote }}
+{{- with .Values.kafka.topics }}
+{{- if and .interactive (eq .interactive (.batch | default "")) }}
+{{- fail "kafka.topics.interactive and kafka.topics.batch name one topic: the batch lane's backlog would stand in front of interactive tasks again; give each its own, or leave kafka.topics.batch empty" }}
+{{- end }}
+{{- end }}
 - name: SLUICE_INTERACTIVE_TOPIC
   value: {{ .Values.kafka.topics.interactive | default "" | quote }}
 - name: SLUICE_BATCH_TOPIC

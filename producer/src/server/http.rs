@@ -24,6 +24,6 @@ pub(super) async fn listen(args: &ServeArgs, metrics: &Metrics) -> Result<TcpLis
     let listener = TcpListener::bind(args.listen)
         .await
         .map_err(|source| ServeError::Listener { addr: args.listen, source })?;
-    tracing::info!(listen = %args.listen, metrics = %args.metrics_listen, topic = %args.publish.tasks_topic, "producer listening");
+    tracing::info!(listen = %args.listen, metrics = %args.metrics_listen, topics = ?args.publish.task_topics().all(), "producer listening");
     Ok(listener)
 }

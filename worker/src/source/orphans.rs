@@ -140,7 +140,9 @@ fn unowned(consumer: &TaskConsumer, group: &str, topics: &[String], timeout: Dur
         }
         let metadata = consumer.fetch_metadata(Some(topic), timeout).map_err(|e| e.to_string())?;
         let Some(described) = metadata.topics().iter().find(|t| t.name() == topic) else {
-            return Ok(None);
+            // Gone from the cluster (deleted while the worker runs): the others are still watched.
+            tracing::warn!(topic, "orphan watch: a task topic is not in the cluster's metadata");
+            continue;
         };
         unowned.extend(
             described
