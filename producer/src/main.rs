@@ -156,7 +156,7 @@ async fn copy_range(mode: Mode, publish: &PublishArgs, range: &RangeArgs, source
         .create()
         .context("creating the Kafka producer")?;
     if !range.dry_run {
-        tokio::task::block_in_place(|| sluice_service::kafka::check_topics(producer.client(), &targets.all(), Duration::from_secs(5)))?;
+        tokio::task::block_in_place(|| sluice_service::kafka::check_topics(producer.client(), &targets.all()))?;
     }
     let bar = if range.no_progress {
         indicatif::ProgressBar::hidden()

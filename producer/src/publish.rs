@@ -100,9 +100,9 @@ impl TaskPublisher {
     }
 
     /// Checks that the cluster has every task topic (a setup mistake otherwise): one metadata
-    /// request, up to 5 s; a cluster that does not answer passes. Blocks.
+    /// request ([`kafka::check_topics`]). Blocks.
     pub fn check_topics(&self) -> Result<(), sluice_service::kafka::MissingTopics> {
-        kafka::check_topics(self.producer.client(), &self.topics.all(), Duration::from_secs(5))
+        kafka::check_topics(self.producer.client(), &self.topics.all())
     }
 
     /// Builds the record of a request: validated against `task-request.schema.json` and the

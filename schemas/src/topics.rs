@@ -71,6 +71,11 @@ impl TaskTopics {
         all
     }
 
+    /// [`TaskTopics::all`], owned.
+    pub fn names(&self) -> Vec<String> {
+        self.all().into_iter().map(str::to_owned).collect()
+    }
+
     /// Whether some lane has a topic of its own.
     pub fn has_lane_topics(&self) -> bool {
         self.all().len() > 1

@@ -261,16 +261,15 @@ impl WholeTopics {
 )]
 pub struct MissingTopics(pub Vec<String>);
 
+/// How long [`check_topics`] waits for the cluster to say which topics it has.
+const TOPIC_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Checks that every one of `topics` exists, with one metadata request for all topics (which
-/// creates none, whatever the broker's auto-creation setting). A cluster that does not answer
-/// within `timeout` passes: a client rides out a broker outage as it always does, and this check
+/// creates none, whatever the broker's auto-creation setting). Blocks. A cluster that does not
+/// answer within 5 s passes: a client rides out a broker outage as it always does, and this check
 /// is for topics the cluster says it does not have.
-pub fn check_topics<C: rdkafka::ClientContext>(
-    client: &rdkafka::client::Client<C>,
-    topics: &[&str],
-    timeout: std::time::Duration,
-) -> Result<(), MissingTopics> {
-    let Ok(metadata) = client.fetch_metadata(None, timeout) else {
+pub fn check_topics<C: rdkafka::ClientContext>(client: &rdkafka::client::Client<C>, topics: &[&str]) -> Result<(), MissingTopics> {
+    let Ok(metadata) = client.fetch_metadata(None, TOPIC_CHECK_TIMEOUT) else {
         return Ok(());
     };
     let present: std::collections::HashSet<&str> = metadata.topics().iter().map(|t| t.name()).collect();

@@ -489,8 +489,8 @@ impl Emit for PartitionsRevoked<'_> {
 }
 
 /// The distinct topics of `partitions`, for logs.
-fn topics_of<'a>(partitions: &[(&'a str, i32)]) -> Vec<&'a str> {
-    let mut topics: Vec<&str> = partitions.iter().map(|(topic, _)| *topic).collect();
+fn topics_of<T: AsRef<str>>(partitions: &[(T, i32)]) -> Vec<&str> {
+    let mut topics: Vec<&str> = partitions.iter().map(|(topic, _)| topic.as_ref()).collect();
     topics.sort_unstable();
     topics.dedup();
     topics
@@ -511,7 +511,7 @@ impl Emit for OrphansRepaired<'_> {
         m.rebalances.with_label_values(&["orphans"]).inc();
         tracing::warn!(
             partitions = ?self.partitions.iter().map(|(_, p)| p).collect::<Vec<_>>(),
-            topics = ?self.partitions.iter().map(|(t, _)| t.as_str()).collect::<std::collections::BTreeSet<_>>(),
+            topics = ?topics_of(self.partitions),
             unowned_for_ms = self.unowned_for.as_millis() as u64,
             error = self.error,
             "partitions of the task topics were owned by no member of the stable group; rebalanced it"

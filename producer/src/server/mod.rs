@@ -157,7 +157,7 @@ fn start_backlog(args: &ServeArgs, metrics: &Metrics) -> Result<(), ServeError> 
     }
     let settings = crate::backlog::Settings {
         group: args.worker_group.clone(),
-        topics: args.publish.task_topics().all().into_iter().map(str::to_owned).collect(),
+        topics: args.publish.task_topics().names(),
         interval: Duration::from_millis(args.backlog_interval_ms),
     };
     crate::backlog::start(&args.publish.kafka, settings, metrics.clone()).map_err(ServeError::Backlog)

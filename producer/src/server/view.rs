@@ -24,7 +24,7 @@ pub(super) struct View {
 /// Opens the store at `SLUICE_STATUS_PATH` and starts its feed.
 pub(super) fn start(args: &ServeArgs, catalog: &Catalog, metrics: &Metrics) -> Result<View, ServeError> {
     let topics = ViewTopics {
-        tasks: args.publish.task_topics().all().into_iter().map(str::to_owned).collect(),
+        tasks: args.publish.task_topics().names(),
         progress: args.progress_topic.clone(),
         completions: args.completions_topic.clone(),
     };

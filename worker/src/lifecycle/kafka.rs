@@ -67,7 +67,7 @@ impl Clients {
             committer.clone(),
             metrics.clone(),
             d.drain_timeout(),
-            topics.iter().map(|t| t.to_string()).collect(),
+            task_topics.names(),
         );
         let settings = consumer_settings(config, worker_id);
         let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -77,13 +77,10 @@ impl Clients {
                 .create_with_context(context)
                 .map_err(failed("creating the Kafka consumer"))?,
         );
-        let (checking, names) = (consumer.clone(), topics.iter().map(|t| t.to_string()).collect::<Vec<_>>());
-        tokio::task::spawn_blocking(move || {
-            let names: Vec<&str> = names.iter().map(String::as_str).collect();
-            sluice_service::kafka::check_topics(checking.client(), &names, TOPIC_CHECK_TIMEOUT)
-        })
-        .await
-        .expect("the topic check does not panic")?;
+        let (checking, names) = (consumer.clone(), task_topics.clone());
+        tokio::task::spawn_blocking(move || sluice_service::kafka::check_topics(checking.client(), &names.all()))
+            .await
+            .expect("the topic check does not panic")?;
         consumer.subscribe(&topics).map_err(failed("subscribing to the task topics"))?;
         Ok(Clients {
             producer,
@@ -213,10 +210,6 @@ pub(super) fn orphan_repair_member(config: &Config, worker_id: &str) -> Option<r
         ("queued.max.messages.kbytes", "1024"),
     ]))
 }
-
-/// How long startup waits for the cluster to say which topics it has; past it the worker starts
-/// anyway (a broker away is ridden out, not a setup mistake).
-const TOPIC_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How long a transaction may stay open: the longest a worker killed mid-transaction, and not
 /// restarted under the same identity, holds back `read_committed` readers of its partitions.

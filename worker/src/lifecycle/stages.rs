@@ -92,7 +92,7 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
     };
     if let Some(member) = kafka::orphan_repair_member(config, worker_id) {
         let (consumer, close, metrics) = (clients.consumer.clone(), control.close.clone(), metrics.clone());
-        let topics = config.kafka.task_topics().all().into_iter().map(str::to_owned).collect();
+        let topics = config.kafka.task_topics().names();
         let (group, drain) = (config.kafka.group_id.clone(), d.drain_timeout());
         std::thread::Builder::new()
             .name("sluice-orphans".into())
