@@ -22,6 +22,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -31,7 +32,7 @@ import sluice
 from sluice import _protocol as p
 from sluice import types, webhooks
 from sluice.aio import AsyncClient
-from sluice.kafka import Record, completions
+from sluice.kafka import Completions, Record, completions
 
 pytestmark = pytest.mark.stack
 
@@ -275,6 +276,47 @@ def test_the_fanout_example(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert len(list(tmp_path.glob("*.png"))) == 4
+
+
+class _AppendsWhileJoining(Completions):
+    """A reader that has a record appended to its topic after it found where to start and
+    before it starts fetching, as a busy worker's completions can be."""
+
+    def __init__(self, append: Callable[[], None], *args: Any, **kwargs: Any) -> None:
+        self._append = append
+        super().__init__(*args, **kwargs)
+
+    def _start_at_time(self, consumer: Any, partitions: list[Any], from_ms: int) -> None:
+        super()._start_at_time(consumer, partitions, from_ms)
+        self._append()
+
+
+def test_a_completion_appended_while_the_reader_joins_is_read() -> None:
+    """`from_time` on a partition with nothing at or after it starts at the end found before the
+    lookup, not at `OFFSET_END`, which librdkafka resolves when fetching starts: a record appended
+    in between was skipped."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
+
+    topic = f"python-client-join-{uuid.uuid4()}"
+    admin = AdminClient({"bootstrap.servers": BROKERS})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    producer = Producer({"bootstrap.servers": BROKERS})
+
+    def completion(task_id: str) -> None:
+        body = {"version": 1, "task_id": task_id, "status": "succeeded", "outputs": []}
+        producer.produce(topic, key=task_id.encode(), value=json.dumps(body).encode(), partition=0)
+        assert producer.flush(30) == 0
+
+    completion("before")
+    time.sleep(0.05)
+    started = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    seen: list[str | None] = []
+    with _AppendsWhileJoining(lambda: completion("while-joining"), BROKERS, f"python-client-{uuid.uuid4()}", topic=topic, dlq_topic=None, from_time=started) as reader:
+        reader.run(lambda r: seen.append(r.task_id), idle_timeout=5)
+    assert seen == ["while-joining"]
 
 
 def test_the_completion_consumer_sees_each_task_once_across_a_worker_kill(client: sluice.Client) -> None:

@@ -126,25 +126,38 @@ class Completions:
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         if self._from_ms is None or not partitions:
             return
-        from confluent_kafka import TopicPartition
-
-        committed = consumer.committed(partitions, timeout=30)
-        fresh = [tp for tp in committed if tp.offset < 0]  # nothing committed by the group
-        if fresh:
-            found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, self._from_ms) for tp in fresh], timeout=30)
-            positions = {(tp.topic, tp.partition): tp for tp in found}
-            for tp in partitions:
-                at = positions.get((tp.topic, tp.partition))
-                if at is None:
-                    continue
-                if at.error is not None:
-                    raise SluiceError(f"finding {tp.topic}/{tp.partition} at the replay time: {at.error}")
-                # -1: nothing at or after that time, so only what comes next.
-                tp.offset = at.offset if at.offset >= 0 else -1
+        self._start_at_time(consumer, partitions, self._from_ms)
         if self._cooperative:
             consumer.incremental_assign(partitions)
         else:
             consumer.assign(partitions)
+
+    def _start_at_time(self, consumer: Any, partitions: list[Any], from_ms: int) -> None:
+        """Sets where each partition the group has not committed starts: its first record at or
+        after `from_ms`, or, where there is none, its end as it was before the lookup. Not the
+        end at assignment (`OFFSET_END`): that is resolved later, when fetching starts, and a
+        record appended in between would be skipped. `read_committed`, the end is the last
+        stable offset, so a transaction still open is read once it commits."""
+        from confluent_kafka import TopicPartition
+
+        committed = consumer.committed(partitions, timeout=30)
+        fresh = [tp for tp in committed if tp.offset < 0]  # nothing committed by the group
+        if not fresh:
+            return
+        ends = {
+            (tp.topic, tp.partition): consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=30, cached=False)[1]
+            for tp in fresh
+        }
+        found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, from_ms) for tp in fresh], timeout=30)
+        positions = {(tp.topic, tp.partition): tp for tp in found}
+        for tp in partitions:
+            at = positions.get((tp.topic, tp.partition))
+            if at is None:
+                continue
+            if at.error is not None:
+                raise SluiceError(f"finding {tp.topic}/{tp.partition} at the replay time: {at.error}")
+            # Nothing at or after that time: from the end found before the lookup.
+            tp.offset = at.offset if at.offset >= 0 else ends[(tp.topic, tp.partition)]
 
     def __enter__(self) -> Completions:
         return self
