@@ -180,11 +180,16 @@ pub fn resolve(consumer: &BaseConsumer, topic: &str, bounds: &Bounds, timeout: D
             })
             .collect())
     };
+    // The watermarks first: a record appended after the time lookups found nothing at or after
+    // a time would otherwise lie between the lookup and a later end, and be left out.
+    let mut watermarks = BTreeMap::new();
+    for p in &partitions {
+        watermarks.insert(*p, consumer.fetch_watermarks(topic, *p, timeout)?);
+    }
     let since = by_time(bounds.since)?;
     let until = by_time(bounds.until)?;
     let mut ranges = BTreeMap::new();
-    for p in partitions {
-        let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
+    for (p, (low, high)) in watermarks {
         // An explicit offset wins over a time for the same end of the range.
         let start = bounds.from_offsets.get(&p).or(since.get(&p)).copied().unwrap_or(low);
         let end = bounds.to_offsets.get(&p).or(until.get(&p)).copied().unwrap_or(high);
