@@ -460,8 +460,8 @@ pub(crate) struct PartitionsRevoked<'a> {
     pub assigned_now: usize,
     pub drained: Duration,
     pub abandoned: usize,
-    /// (partition, offset) of each commit made before letting go.
-    pub commits: &'a [(i32, i64)],
+    /// (topic, partition, offset) of each commit made before letting go.
+    pub commits: &'a [(&'a str, i32, i64)],
     pub commit_error: Option<String>,
 }
 

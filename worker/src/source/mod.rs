@@ -125,7 +125,7 @@ impl ConsumerContext for SourceContext {
             let started = Instant::now();
             let abandoned = self.offsets.wait_drained(&partitions, self.drain_timeout);
             let (commits, committed) = self.committer.commit_revoked(consumer, &self.offsets, &partitions);
-            let commits: Vec<(i32, i64)> = commits.iter().map(|c| (c.tp.partition, c.offset)).collect();
+            let commits: Vec<(&str, i32, i64)> = commits.iter().map(|c| (&*c.tp.topic, c.tp.partition, c.offset)).collect();
             PartitionsRevoked {
                 partitions: &named(&partitions),
                 assigned_now: self.offsets.assigned().len(),
