@@ -199,7 +199,8 @@ async fn a_restarted_producer_keeps_its_status_view() {
 
 /// A status store never mixes two clusters: a producer run against one stack, then with the
 /// same store file against a fresh stack (another cluster id, other topic ids), shows only the
-/// new stack's tasks; it says why it rebuilt the store.
+/// new stack's tasks; it says why it rebuilt the store. Topics added on the same cluster (the
+/// lanes') keep it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_status_store_moved_to_another_cluster_shows_only_that_clusters_tasks() {
     let c = terrain_cluster().await;
@@ -240,5 +241,16 @@ async fn a_status_store_moved_to_another_cluster_shows_only_that_clusters_tasks(
     let tasks = listed(&url).await;
     assert!(tasks.contains(&old) && !tasks.contains(&new), "{tasks:?}");
     again.terminate(Duration::from_secs(10)).unwrap();
+    // The same cluster with the lanes given topics of their own: the store is kept, the lane
+    // topics (new to it) are read from their beginning, and nothing is rebuilt.
+    let lanes = [
+        ("SLUICE_INTERACTIVE_TOPIC", sluice_schemas::topics::TASKS_INTERACTIVE),
+        ("SLUICE_BATCH_TOPIC", sluice_schemas::topics::TASKS_BATCH),
+    ];
+    let (mut laned, url) = lone_producer(&c.stack, "moved-producer-a3", &store, &lanes).await.unwrap();
+    let log = laned.log_text();
+    assert!(log.contains("topics new to it") && !log.contains("rebuilding"), "{log}");
+    assert!(listed(&url).await.contains(&old));
+    laned.terminate(Duration::from_secs(10)).unwrap();
     fresh.down().unwrap();
 }

@@ -18,6 +18,19 @@ pub struct Identity {
     pub topics: BTreeMap<String, String>,
 }
 
+impl Identity {
+    /// Whether a store read from `self` reads on as `now`: the same cluster, and every topic of
+    /// both the same incarnation. A topic only in `now` is new to the store (read from its
+    /// beginning); one only in `self` is no longer read.
+    pub fn continues_as(&self, now: &Identity) -> bool {
+        self.cluster == now.cluster
+            && self
+                .topics
+                .iter()
+                .all(|(topic, id)| now.topics.get(topic).is_none_or(|now_id| now_id == id))
+    }
+}
+
 /// The identity of `topics` on the cluster `kafka` names, or why it could not be read within
 /// `timeout` (a topic that does not exist is an error too: the view would read nothing of it).
 pub fn fetch(kafka: &KafkaClientArgs, topics: &[&str], timeout: Duration) -> Result<Identity, String> {

@@ -90,7 +90,16 @@ impl StatusStore {
                 .filter(|s| s.format() == Some(FORMAT));
             match (kept, identity) {
                 (Some(store), Some(now)) => match store.identity() {
-                    Some(then) if then == *now => return Ok((store, true)),
+                    Some(then) if then.continues_as(now) => {
+                        if then != *now {
+                            // Topics newly read (a lane given a topic of its own): recorded, and
+                            // read from their beginning; the others read on.
+                            let added: Vec<&String> = now.topics.keys().filter(|t| !then.topics.contains_key(*t)).collect();
+                            tracing::info!(?added, "status store kept; topics new to it are read from their beginning");
+                            store.record_topics(now)?;
+                        }
+                        return Ok((store, true));
+                    }
                     then => tracing::warn!(
                         path = %path.display(),
                         stored = ?then,
@@ -110,7 +119,23 @@ impl StatusStore {
         Ok((StatusStore::create(path, identity)?, false))
     }
 
-    /// What the store was read from, as recorded when it was created.
+    /// Records the ids of `identity`'s topics not recorded yet (one no longer read stays
+    /// recorded: read again later under another id, the store is rebuilt).
+    fn record_topics(&self, identity: &Identity) -> Result<(), StatusError> {
+        let tx = self.db.begin_write().map_err(store_error)?;
+        {
+            let mut table = tx.open_table(IDENTITY).map_err(store_error)?;
+            for (topic, id) in &identity.topics {
+                let key = format!("topic\0{topic}");
+                if table.get(key.as_str()).map_err(store_error)?.is_none() {
+                    table.insert(key.as_str(), id.as_str()).map_err(store_error)?;
+                }
+            }
+        }
+        tx.commit().map_err(store_error)
+    }
+
+    /// What the store was read from: as recorded when it was created, and the topics added since.
     fn identity(&self) -> Option<Identity> {
         let tx = self.db.begin_read().ok()?;
         let table = tx.open_table(IDENTITY).ok()?;
@@ -578,11 +603,23 @@ mod tests {
     }
 
     /// A store read from another cluster, from a topic since re-created (a new topic id), or
-    /// whose cluster cannot be told now, is rebuilt; the same cluster and topics keep it.
+    /// whose cluster cannot be told now, is rebuilt; the same cluster and topics keep it, and so
+    /// does a topic more (a lane's own) or fewer.
     #[test]
     fn a_store_of_another_cluster_or_of_re_created_topics_is_rebuilt() {
+        let with_lane = |lane_id: &str| {
+            let mut i = identity("c1", "t1");
+            i.topics.insert("interactive".into(), lane_id.into());
+            i
+        };
+        let without_tasks = Identity {
+            cluster: "c1".into(),
+            topics: Default::default(),
+        };
         for (now, keeps) in [
             (Some(identity("c1", "t1")), true),
+            (Some(with_lane("i1")), true),
+            (Some(without_tasks), true),
             (Some(identity("c2", "t1")), false),
             (Some(identity("c1", "t2")), false),
             (None, false),
@@ -597,11 +634,20 @@ mod tests {
             assert_eq!(s.get("t", a).unwrap().is_some(), keeps, "{now:?}");
             drop(s);
             if let Some(now) = &now {
-                // Rebuilt for `now`, it is kept for `now` next time.
+                // Rebuilt for `now` (or its new topics recorded), it is kept for `now` next time.
                 assert!(StatusStore::open(&path, Some(now)).unwrap().1, "{now:?}");
             }
             let _ = std::fs::remove_file(path);
         }
+        // A topic added is recorded: once it is re-created, the store is rebuilt.
+        let (s, path) = store();
+        drop(s);
+        assert!(StatusStore::open(&path, Some(&with_lane("i1"))).unwrap().1);
+        assert!(
+            !StatusStore::open(&path, Some(&with_lane("i2"))).unwrap().1,
+            "the lane's topic re-created"
+        );
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]
