@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ import pytest
 import sluice
 from sluice import _protocol as p
 from sluice import webhooks
-from sluice.kafka import decode
+from sluice.kafka import Completions, decode
 
 
 def test_the_event_stream_parser_follows_the_format() -> None:
@@ -207,6 +208,30 @@ def test_records_decode_by_topic_and_refuse_what_is_not_the_schema() -> None:
     for bad in (b"not json", b'{"version": 2}', b'{"version": 1}'):
         with pytest.raises(sluice.RecordDecodeError):
             decode("sluice.completions.v1", 0, 0, None, None, bad, "sluice.dlq.v1")
+
+
+class _LookupsFail:
+    """The consumer the assign callback is handed, its lookups failing (a broker away)."""
+
+    def __init__(self) -> None:
+        self.assigned: list[Any] | None = None
+
+    def committed(self, partitions: list[Any], timeout: float) -> list[Any]:
+        raise RuntimeError("KafkaError{code=_TIMED_OUT}")
+
+    def assign(self, partitions: list[Any]) -> None:
+        self.assigned = partitions
+
+
+def test_a_reader_that_cannot_find_where_from_time_starts_reads_nothing_and_says_so() -> None:
+    kafka = pytest.importorskip("confluent_kafka")  # the kafka extra
+    with Completions("127.0.0.1:1", "g", from_time=datetime.now(timezone.utc)) as reader:
+        consumer = _LookupsFail()
+        reader._on_assign(consumer, [kafka.TopicPartition("sluice.completions.v1", 0)])
+        assert consumer.assigned == [], "not assigned from the group's commits or the beginning"
+        for _ in range(2):
+            with pytest.raises(sluice.SluiceError, match="from_time"):
+                reader.poll(0)
 
 
 def _sse(*events: tuple[str, str, dict[str, Any]]) -> bytes:

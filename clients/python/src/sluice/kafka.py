@@ -120,13 +120,20 @@ class Completions:
         self._poll_timeout = poll_timeout
         self._from_ms = None if from_time is None else int(from_time.timestamp() * 1000)
         self._closed = False
+        self._failed: SluiceError | None = None
         topics = [topic] + ([dlq_topic] if dlq_topic else [])
         self._consumer.subscribe(topics, on_assign=self._on_assign)
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         if self._from_ms is None or not partitions:
             return
-        self._start_at_time(consumer, partitions, self._from_ms)
+        try:
+            self._start_at_time(consumer, partitions, self._from_ms)
+        except Exception as e:
+            # Nothing assigned: left to itself, confluent-kafka would assign the partitions from
+            # the group's commits or their beginning, not from `from_time`.
+            self._failed = SluiceError(f"finding where to start at from_time: {e}")
+            partitions = []
         if self._cooperative:
             consumer.incremental_assign(partitions)
         else:
@@ -144,20 +151,20 @@ class Completions:
         fresh = [tp for tp in committed if tp.offset < 0]  # nothing committed by the group
         if not fresh:
             return
-        ends = {
-            (tp.topic, tp.partition): consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=30, cached=False)[1]
-            for tp in fresh
-        }
+        # Timestamp -1 asks for the end; `read_committed`, the broker answers the last stable offset.
+        ends = {(tp.topic, tp.partition): tp for tp in consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, -1) for tp in fresh], timeout=30)}
         found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, from_ms) for tp in fresh], timeout=30)
         positions = {(tp.topic, tp.partition): tp for tp in found}
         for tp in partitions:
             at = positions.get((tp.topic, tp.partition))
             if at is None:
                 continue
-            if at.error is not None:
-                raise SluiceError(f"finding {tp.topic}/{tp.partition} at the replay time: {at.error}")
+            end = ends[(tp.topic, tp.partition)]
+            for error in (at.error, end.error):
+                if error is not None:
+                    raise SluiceError(f"finding {tp.topic}/{tp.partition} at the replay time: {error}")
             # Nothing at or after that time: from the end found before the lookup.
-            tp.offset = at.offset if at.offset >= 0 else ends[(tp.topic, tp.partition)]
+            tp.offset = at.offset if at.offset >= 0 else end.offset
 
     def __enter__(self) -> Completions:
         return self
@@ -178,7 +185,10 @@ class Completions:
     def poll(self, timeout: float | None = None) -> tuple[Record, Any] | None:
         """The next record and its raw message (pass it to `commit`), or `None` after `timeout`.
         A record that does not decode raises `RecordDecodeError`, the consumer left before it
-        (`skip` commits past it)."""
+        (`skip` commits past it). After a failure to find where `from_time` starts, every call
+        raises it: the reader was assigned nothing."""
+        if self._failed is not None:
+            raise self._failed
         message = self._consumer.poll(self._poll_timeout if timeout is None else timeout)
         if message is None:
             return None
