@@ -247,10 +247,19 @@ async fn a_status_store_moved_to_another_cluster_shows_only_that_clusters_tasks(
         ("SLUICE_INTERACTIVE_TOPIC", sluice_schemas::topics::TASKS_INTERACTIVE),
         ("SLUICE_BATCH_TOPIC", sluice_schemas::topics::TASKS_BATCH),
     ];
+    // A batch task in its lane's topic before then, through a producer with a store of its own.
+    let elsewhere = c.stack.dir.join("moved").join("other.redb");
+    let (mut other, url) = lone_producer(&c.stack, "moved-producer-lanes", &elsewhere, &lanes).await.unwrap();
+    let body = json!({"model": "terrain", "width": 128, "height": 128, "seed": 3, "priority": "batch"});
+    let (status, reply) = post_task(&url, &body, Some(API_KEY)).await.unwrap();
+    assert_eq!(status, 202, "{reply}");
+    let batch = reply["task_id"].as_str().unwrap().to_owned();
+    other.terminate(Duration::from_secs(10)).unwrap();
     let (mut laned, url) = lone_producer(&c.stack, "moved-producer-a3", &store, &lanes).await.unwrap();
     let log = laned.log_text();
     assert!(log.contains("topics new to it") && !log.contains("rebuilding"), "{log}");
-    assert!(listed(&url).await.contains(&old));
+    let tasks = listed(&url).await;
+    assert!(tasks.contains(&old) && tasks.contains(&batch), "{tasks:?}");
     laned.terminate(Duration::from_secs(10)).unwrap();
     fresh.down().unwrap();
 }

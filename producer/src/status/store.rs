@@ -91,10 +91,10 @@ impl StatusStore {
             match (kept, identity) {
                 (Some(store), Some(now)) => match store.identity() {
                     Some(then) if then.continues_as(now) => {
-                        if then != *now {
-                            // Topics newly read (a lane given a topic of its own): recorded, and
-                            // read from their beginning; the others read on.
-                            let added: Vec<&String> = now.topics.keys().filter(|t| !then.topics.contains_key(*t)).collect();
+                        // Topics newly read (a lane given a topic of its own): recorded, and read
+                        // from their beginning; the others read on.
+                        let added: Vec<&String> = now.topics.keys().filter(|t| !then.topics.contains_key(*t)).collect();
+                        if !added.is_empty() {
                             tracing::info!(?added, "status store kept; topics new to it are read from their beginning");
                             store.record_topics(now)?;
                         }
