@@ -1,6 +1,7 @@
 //! The store: the view in redb tables, a tenant's tasks indexed newest first, and how far each
 //! partition has been read, all written in the same transactions.
 
+use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::path::Path;
 
@@ -42,6 +43,19 @@ fn tenant_key(tenant: &str, created_at: DateTime<Utc>, id: Uuid) -> String {
     format!("{tenant}\0{inverted:020}\0{id}")
 }
 
+/// The identity table's key of a topic's id: this prefix and the topic's name.
+const TOPIC_KEY: &str = "topic\0";
+
+/// Writes each topic's id into the identity table.
+fn insert_topics(table: &mut redb::Table<&str, &str>, topics: &BTreeMap<String, String>) -> Result<(), StatusError> {
+    for (topic, id) in topics {
+        table
+            .insert(format!("{TOPIC_KEY}{topic}").as_str(), id.as_str())
+            .map_err(store_error)?;
+    }
+    Ok(())
+}
+
 /// The embedded store.
 pub struct StatusStore {
     db: Database,
@@ -68,9 +82,7 @@ impl StatusStore {
             let mut table = tx.open_table(IDENTITY).map_err(store_error)?;
             if let Some(identity) = identity {
                 table.insert("cluster", identity.cluster.as_str()).map_err(store_error)?;
-                for (topic, id) in &identity.topics {
-                    table.insert(format!("topic\0{topic}").as_str(), id.as_str()).map_err(store_error)?;
-                }
+                insert_topics(&mut table, &identity.topics)?;
             }
         }
         tx.commit().map_err(store_error)?;
@@ -93,10 +105,15 @@ impl StatusStore {
                     Some(then) if then.continues_as(now) => {
                         // Topics newly read (a lane given a topic of its own): recorded, and read
                         // from their beginning; the others read on.
-                        let added: Vec<&String> = now.topics.keys().filter(|t| !then.topics.contains_key(*t)).collect();
+                        let added: BTreeMap<String, String> = now
+                            .topics
+                            .iter()
+                            .filter(|(t, _)| !then.topics.contains_key(*t))
+                            .map(|(t, id)| (t.clone(), id.clone()))
+                            .collect();
                         if !added.is_empty() {
-                            tracing::info!(?added, "status store kept; topics new to it are read from their beginning");
-                            store.record_topics(now)?;
+                            tracing::info!(added = ?added.keys().collect::<Vec<_>>(), "status store kept; topics new to it are read from their beginning");
+                            store.record_topics(&added)?;
                         }
                         return Ok((store, true));
                     }
@@ -119,19 +136,11 @@ impl StatusStore {
         Ok((StatusStore::create(path, identity)?, false))
     }
 
-    /// Records the ids of `identity`'s topics not recorded yet (one no longer read stays
-    /// recorded: read again later under another id, the store is rebuilt).
-    fn record_topics(&self, identity: &Identity) -> Result<(), StatusError> {
+    /// Records the ids of topics new to the store, beside those recorded (one no longer read
+    /// stays recorded: read again later under another id, the store is rebuilt).
+    fn record_topics(&self, added: &BTreeMap<String, String>) -> Result<(), StatusError> {
         let tx = self.db.begin_write().map_err(store_error)?;
-        {
-            let mut table = tx.open_table(IDENTITY).map_err(store_error)?;
-            for (topic, id) in &identity.topics {
-                let key = format!("topic\0{topic}");
-                if table.get(key.as_str()).map_err(store_error)?.is_none() {
-                    table.insert(key.as_str(), id.as_str()).map_err(store_error)?;
-                }
-            }
-        }
+        insert_topics(&mut tx.open_table(IDENTITY).map_err(store_error)?, added)?;
         tx.commit().map_err(store_error)
     }
 
@@ -140,10 +149,10 @@ impl StatusStore {
         let tx = self.db.begin_read().ok()?;
         let table = tx.open_table(IDENTITY).ok()?;
         let cluster = table.get("cluster").ok()??.value().to_owned();
-        let mut topics = std::collections::BTreeMap::new();
+        let mut topics = BTreeMap::new();
         for entry in table.iter().ok()? {
             let (k, v) = entry.ok()?;
-            if let Some(topic) = k.value().strip_prefix("topic\0") {
+            if let Some(topic) = k.value().strip_prefix(TOPIC_KEY) {
                 topics.insert(topic.to_owned(), v.value().to_owned());
             }
         }
