@@ -362,6 +362,12 @@ pub struct DeliveryArgs {
     /// How often finished offsets are committed, milliseconds.
     #[arg(long, env = "SLUICE_COMMIT_INTERVAL_MS", default_value_t = 500)]
     pub commit_interval_ms: u64,
+    /// Exactly-once: the least time between the starts of two transactions, milliseconds. A
+    /// task that finishes after a quiet spell is announced by a transaction begun at once; under
+    /// load, each transaction carries what finished in this long rather than the two or three
+    /// tasks of one round trip (0: back to back). See docs/delivery.md.
+    #[arg(long, env = "SLUICE_TRANSACTION_INTERVAL_MS", default_value_t = 30)]
+    pub transaction_interval_ms: u64,
     /// On a revoke, how long in-flight tasks of the revoked partitions may take to finish.
     #[arg(long, env = "SLUICE_DRAIN_TIMEOUT_MS", default_value_t = 10_000)]
     pub drain_timeout_ms: u64,
@@ -388,6 +394,9 @@ pub struct DeliveryArgs {
 impl DeliveryArgs {
     pub fn commit_interval(&self) -> Duration {
         Duration::from_millis(self.commit_interval_ms)
+    }
+    pub fn transaction_interval(&self) -> Duration {
+        Duration::from_millis(self.transaction_interval_ms)
     }
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.drain_timeout_ms)

@@ -17,6 +17,7 @@
 //! - [`dlq`]: malformed records, panics, redrive;
 //! - [`replay`]: replay by time;
 //! - [`scheduling`]: turns between buckets, joining a running batch, priority lanes.
+//! - [`transactions`]: exactly-once transactions carry what finished in their interval.
 
 mod api;
 mod cancel_and_deadlines;
@@ -32,4 +33,5 @@ mod security;
 mod stacks;
 mod status;
 mod terrain;
+mod transactions;
 mod webhooks;

@@ -109,6 +109,7 @@ pub(super) async fn start(setup: &Setup<'_>, loaded: &Loaded, clients: &Clients)
         clients.consumer.clone(),
         clients.offsets.clone(),
         d.commit_interval(),
+        d.transaction_interval(),
         metrics.clone(),
         control.close.clone(),
     ));

@@ -173,13 +173,14 @@ impl Committer {
         self.transactional.is_some()
     }
 
-    /// Commits what can be committed now. Returns how many partitions were committed. Blocks.
-    pub(crate) fn commit_now(&self, consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics) -> usize {
+    /// Commits what can be committed now. Returns whether there was anything to commit (a
+    /// transaction, or a commit, was tried). Blocks.
+    pub(crate) fn commit_now(&self, consumer: &TaskConsumer, offsets: &Offsets, metrics: &Metrics) -> bool {
         let _one = self.lock.lock().expect("commit lock");
         let commits = offsets.commit_candidates();
         let outbox_waiting = self.transactional.as_ref().is_some_and(|t| t.outbox.len() > 0);
         if commits.is_empty() && !outbox_waiting {
-            return 0;
+            return false;
         }
         let began = std::time::Instant::now();
         let result = self.commit(consumer, &commits);
@@ -192,7 +193,7 @@ impl Committer {
             error: result.as_ref().err().map(|e| e.to_string()).as_deref(),
         }
         .emit(metrics);
-        if result.is_ok() { commits.len() } else { 0 }
+        true
     }
 
     /// Exactly-once: records model calls' starts with a plain offset commit (no offset moves:
@@ -351,40 +352,65 @@ fn retrying(mut step: impl FnMut() -> Result<(), KafkaError>) -> Result<(), Kafk
     }
 }
 
-/// Commits until `stop` fires: on a timer, and at once when the tracker asks (a lease extension)
-/// or, in exactly-once mode, whenever a task was acknowledged — transactions run back to back
-/// while tasks finish, each taking what finished during the one before. A commit can block for
-/// as long as the broker is unreachable, so it runs on the blocking pool, one at a time.
+/// Commits until `stop` fires: on a timer, at once when the tracker asks (a lease extension, a
+/// model call's starts: work waits on those) and, in exactly-once mode, whenever a task was
+/// acknowledged — but then no sooner than `transaction_interval` after the last transaction
+/// began: while tasks finish, each transaction takes what finished since the one before. A commit can block for as long as the broker is
+/// unreachable, so it runs on the blocking pool, one at a time.
+///
+/// Why the interval: back to back, a transaction took 5–20 ms on the local broker and carried
+/// the 2–5 tasks of the ~1 ms model that finished meanwhile (60–155 a second); each costs the
+/// worker ~1.5 ms of CPU in librdkafka's round trips and thread switches, and the broker its
+/// markers: ~0.25 ms of the worker's CPU per task (docs/benchmarks.md, "Transactions at most
+/// every 30 ms"). A task waits at most the interval for its announcement, and only under load:
+/// the first to finish after a quiet spell goes at once.
 pub(crate) async fn commit_loop(
     committer: Arc<Committer>,
     consumer: Arc<TaskConsumer>,
     offsets: Arc<Offsets>,
     interval: Duration,
+    transaction_interval: Duration,
     metrics: Metrics,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let eager = committer.is_transactional();
+    // A commit something waits on (a read lease, a model call's starts) arrived during the
+    // interval: it goes at once.
+    let mut wanted = false;
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = offsets.commit_wanted.notified() => {}
-            _ = offsets.acked.notified(), if eager => {}
-            _ = stop.cancelled() => return,
+        if !std::mem::take(&mut wanted) {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = offsets.commit_wanted.notified() => {}
+                _ = offsets.acked.notified(), if eager => {}
+                _ = stop.cancelled() => return,
+            }
         }
+        let began = tokio::time::Instant::now();
         let (c, k, o, m) = (committer.clone(), consumer.clone(), offsets.clone(), metrics.clone());
         let mut running = tokio::task::spawn_blocking(move || {
             c.commit_starts(&k, &o); // first: model calls wait on it
             c.commit_now(&k, &o, &m)
         });
-        loop {
+        let tried = loop {
             tokio::select! {
-                _ = &mut running => break,
+                done = &mut running => break done.unwrap_or(false),
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(Duration::from_secs(10)) => {
                     tracing::warn!("an offset commit has not returned for 10 s (broker unreachable?)");
                 }
+            }
+        };
+        // Acknowledgements in the meantime are kept (`notify_one` stores one), so what finishes
+        // now goes with the next transaction, at the end of the interval; work waiting on a
+        // commit does not wait for it.
+        if eager && tried {
+            tokio::select! {
+                _ = tokio::time::sleep_until(began + transaction_interval) => {}
+                _ = offsets.commit_wanted.notified() => wanted = true,
+                _ = stop.cancelled() => return,
             }
         }
     }

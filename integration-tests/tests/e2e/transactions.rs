@@ -1,0 +1,83 @@
+//! Exactly-once transactions under a trickle of tasks: the first task to finish after a quiet
+//! spell is announced at once, and the tasks finishing after it wait for the end of
+//! `SLUICE_TRANSACTION_INTERVAL_MS` and share a transaction, instead of one transaction each.
+
+use std::time::Duration;
+
+use sluice_integration_tests::cluster::Worker;
+use sluice_integration_tests::kafka::producer;
+use sluice_integration_tests::{Outcomes, ids_of, publish_tasks, terrain_task};
+use sluice_schemas::CompletionStatus;
+
+use crate::stacks::replay_stack;
+
+/// How far apart the worker's transactions begin, at least.
+const INTERVAL: Duration = Duration::from_secs(6);
+
+/// Transactions of the worker so far (each is timed in `sluice_worker_commit_seconds`).
+async fn transactions(worker: &Worker) -> f64 {
+    worker.metric("sluice_worker_commit_seconds_count").await.unwrap_or(0.0)
+}
+
+/// On one partition whose read lease is committed: a task after a quiet spell is visible
+/// `read_committed` well inside the interval; 20 tasks sent one every 100 ms after it all
+/// complete, once each, in at most two more transactions (back to back, about one each).
+#[tokio::test(flavor = "multi_thread")]
+async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
+    let stack = replay_stack().await;
+    let topics = stack.topics("txn-interval", 1).unwrap();
+    let models = stack.tiny_models().unwrap().display().to_string();
+    let interval = INTERVAL.as_millis().to_string();
+    let mut worker = Worker::on_topics(
+        stack,
+        "txn-interval",
+        "txn-interval",
+        &topics,
+        &[
+            ("SLUICE_MODEL_DIR", models.as_str()),
+            ("SLUICE_TRANSACTION_INTERVAL_MS", interval.as_str()),
+        ],
+    )
+    .await
+    .unwrap();
+    worker.wait_assigned(Duration::from_secs(60)).await.unwrap();
+    // A first task: the partition's read lease is committed before it runs (at once, as work
+    // waits on it), and its outcome waits for the end of that transaction's interval.
+    let kafka = producer(stack.brokers()).unwrap();
+    let warm = vec![terrain_task(60_999, 128, 128, 10)];
+    publish_tasks(&kafka, &topics.tasks, &warm).await.unwrap();
+    tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics, &ids_of(&warm), Duration::from_secs(120))).unwrap();
+    // A quiet spell longer than the interval.
+    tokio::time::sleep(INTERVAL + Duration::from_secs(1)).await;
+    let before = transactions(&worker).await;
+
+    let first = vec![terrain_task(61_000, 128, 128, 10)];
+    publish_tasks(&kafka, &topics.tasks, &first).await.unwrap();
+    let at_once = INTERVAL - Duration::from_secs(1);
+    let seen = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics, &ids_of(&first), at_once));
+    assert!(
+        seen.is_ok(),
+        "the first task after a quiet spell waited for the interval: not visible within {at_once:?}: {seen:?}"
+    );
+
+    let trickle: Vec<_> = (0..20).map(|i| terrain_task(61_001 + i, 128, 128, 10)).collect();
+    for task in &trickle {
+        publish_tasks(&kafka, &topics.tasks, std::slice::from_ref(task)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let all = ids_of(&[first, trickle].concat());
+    let done = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics, &all, Duration::from_secs(120))).unwrap();
+    assert_eq!(done.with_status(CompletionStatus::Succeeded), all);
+    assert!(done.completions.values().all(|cs| cs.len() == 1), "each announced once");
+    // The count moves once the commit has returned, a moment after its records became visible.
+    let made = sluice_integration_tests::wait_for("the second transaction counted", Duration::from_secs(10), async || {
+        Some(transactions(&worker).await - before).filter(|n| *n >= 2.0)
+    })
+    .await
+    .unwrap_or(transactions(&worker).await - before);
+    assert!(
+        (2.0..=3.0).contains(&made),
+        "21 tasks over ~2 s made {made} transactions; with an interval of {INTERVAL:?}: the first at once, then one (or two) for the rest"
+    );
+    worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
