@@ -469,14 +469,24 @@ const DELIVERY_MODES: [(&str, &str, &[(&str, &str)]); 3] = [
     ),
 ];
 
+/// Modes `pipeline` runs only where `SLUICE_BENCH_PIPELINE_MODES` names them: exactly-once with
+/// its transactions back to back, as before `SLUICE_TRANSACTION_INTERVAL_MS`.
+const OTHER_MODES: [(&str, &str, &[(&str, &str)]); 1] = [(
+    "back-to-back",
+    "exactly-once, transactions back to back",
+    &[("SLUICE_TRANSACTION_INTERVAL_MS", "0")],
+)];
+
 /// The rows `pipeline` runs after its raw figure, in order: `SLUICE_BENCH_PIPELINE_MODES`, a
-/// comma-separated list of [`DELIVERY_MODES`]' short names and `peer` (the plain Python
-/// consumer), a name may come more than once; by default each once, the peer last.
+/// comma-separated list of [`DELIVERY_MODES`]' and [`OTHER_MODES`]' short names and `peer` (the
+/// plain Python consumer), a name may come more than once; by default each of
+/// [`DELIVERY_MODES`] once, the peer last.
 fn pipeline_modes() -> anyhow::Result<Vec<String>> {
     let names: Vec<&str> = DELIVERY_MODES.iter().map(|(name, _, _)| *name).chain(["peer"]).collect();
     let Ok(list) = std::env::var("SLUICE_BENCH_PIPELINE_MODES") else {
         return Ok(names.iter().map(|n| n.to_string()).collect());
     };
+    let names: Vec<&str> = names.into_iter().chain(OTHER_MODES.iter().map(|(name, _, _)| *name)).collect();
     let modes: Vec<String> = list
         .split(',')
         .map(str::trim)
@@ -540,7 +550,7 @@ async fn pipeline(
     };
     let mut raw_before = raw().await?;
     for mode in &modes {
-        let mut row = if let Some((_, label, settings)) = DELIVERY_MODES.iter().find(|(name, _, _)| name == mode) {
+        let mut row = if let Some((_, label, settings)) = DELIVERY_MODES.iter().chain(&OTHER_MODES).find(|(name, _, _)| name == mode) {
             let scenario = format!("{scenario}, {label}");
             end_to_end(stack, &scenario, model_dir, batch, tasks, raw_before, &tile_task, settings).await?
         } else {
