@@ -355,8 +355,9 @@ fn retrying(mut step: impl FnMut() -> Result<(), KafkaError>) -> Result<(), Kafk
 /// Commits until `stop` fires: on a timer, at once when the tracker asks (a lease extension, a
 /// model call's starts: work waits on those) and, in exactly-once mode, whenever a task was
 /// acknowledged — but then no sooner than `transaction_interval` after the last transaction
-/// began: while tasks finish, each transaction takes what finished since the one before. A commit can block for as long as the broker is
-/// unreachable, so it runs on the blocking pool, one at a time.
+/// began: while tasks finish, each transaction takes what finished since the one before. A
+/// commit can block for as long as the broker is unreachable, so it runs on the blocking pool,
+/// one at a time.
 ///
 /// Why the interval: back to back, a transaction took 5–20 ms on the local broker and carried
 /// the 2–5 tasks of the ~1 ms model that finished meanwhile (60–155 a second); each costs the
