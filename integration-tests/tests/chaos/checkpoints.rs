@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde_json::Value;
+use sluice_integration_tests::cluster::metric_sum;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::process::bin;
 use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, publish_to_partition};
@@ -301,7 +302,7 @@ fn started_steps(stack: &Stack, id: &str) -> Vec<u32> {
 
 /// A drain that gives a running task up keeps its state first: a 100-step 256² task of 4
 /// images (tens of seconds here) on a catalog that checkpoints every 50 steps, its worker stopped
-/// with SIGTERM and a 500 ms grace two seconds into its run. While draining, the worker keeps the
+/// with SIGTERM and a 500 ms grace once the task made two model calls. While draining, the worker keeps the
 /// task's state after every step, so checkpoints off the every-50 grid are stored; the next
 /// worker carries on from the last one, and the images are the uninterrupted run's, byte for
 /// byte.
@@ -324,8 +325,16 @@ async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_
         .await
         .unwrap();
     in_flight(&w, 1.0).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Stopped once the task is running (a fixed sleep was, on a loaded 2-core machine, at times
+    // before its first step: then the drain released it unstarted and kept nothing).
+    sluice_integration_tests::wait_for("two model calls of the task", Duration::from_secs(60), async || {
+        let text = w.metrics().await.ok()?;
+        (metric_sum(&text, "sluice_worker_model_call_seconds_count") >= 2.0).then_some(())
+    })
+    .await
+    .unwrap();
     w.service.terminate(Duration::from_secs(30)).unwrap();
+    let stopped_log = w.service.log_text();
     let stored = checkpoint_steps(&sink, &id).await;
     let mut w = worker_with(stack, "drain-checkpoint-0", group, &topics, &env).await;
     let done = Outcomes::wait(stack.brokers(), &topics, &BTreeSet::from([id.clone()]), Duration::from_secs(180)).unwrap();
@@ -344,9 +353,11 @@ async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_
     assert_eq!(image.status, CompletionStatus::Succeeded, "{image:?}");
     assert!(
         stored.iter().any(|s| s % 50 != 0),
-        "a checkpoint of the drain, off the every-50 grid: {stored:?}"
+        "a checkpoint of the drain, off the every-50 grid: {stored:?}; the stopped worker's log:\n{stopped_log}"
     );
     assert_eq!(resumed, stored.iter().max().copied(), "carried on from the last step kept");
+    // Leaving the group did not wait out the drain timeout for the task it had given up.
+    assert!(!stopped_log.contains("shutdown step timed out"), "{stopped_log}");
     assert!(same_images(image, &twin_image), "the images are the uninterrupted run's");
     w.service.terminate(Duration::from_secs(30)).unwrap();
 }

@@ -207,6 +207,9 @@ struct State {
     partitions: HashMap<TopicPartition, Partition>,
     generation: u64,
     in_flight: usize,
+    /// The shutdown grace is over and what was still running was given up
+    /// ([`Offsets::hand_off_all`]): a revoke no longer waits for it.
+    given_up: bool,
 }
 
 /// The tracker. Shared by the source thread (which tracks records as it reads them and drains
@@ -453,12 +456,17 @@ impl Offsets {
     }
 
     /// Hands off every record started and not finished (the shutdown grace is over): the final
-    /// commit records them as not started by this owner.
+    /// commit records them as not started by this owner, and the revoke of leaving the group
+    /// does not wait for them (the drain timeout would hold the exit, and the group, for
+    /// nothing: the worker gave them up).
     pub(crate) fn hand_off_all(&self) {
         let mut state = self.lock();
+        state.given_up = true;
         for p in state.partitions.values_mut() {
             p.hand_off();
         }
+        drop(state);
+        self.finished.notify_all();
     }
 
     /// Waits until the broker acknowledged version `version` of the starts of `origin`'s
@@ -655,8 +663,8 @@ impl Offsets {
         self.lock().partitions.iter().map(|(tp, p)| (tp.clone(), p.committed)).collect()
     }
 
-    /// Blocks until every record of `partitions` is finished or `timeout` passes. Returns how
-    /// many are still pending.
+    /// Blocks until every record of `partitions` is finished, `timeout` passes or the worker
+    /// gives up what it runs ([`Offsets::hand_off_all`]). Returns how many are still pending.
     pub fn wait_drained(&self, partitions: &[TopicPartition], timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
         let pending = |state: &State| {
@@ -677,7 +685,7 @@ impl Offsets {
         loop {
             let left = pending(&state);
             let now = Instant::now();
-            if left == 0 || now >= deadline {
+            if left == 0 || now >= deadline || state.given_up {
                 return left;
             }
             state = self.finished.wait_timeout(state, deadline - now).expect("offsets lock").0;
@@ -976,6 +984,27 @@ mod tests {
         // And gives up after the timeout with what is left.
         offsets.track(&tp(0), 2).unwrap();
         assert_eq!(offsets.wait_drained(&[tp(0)], Duration::from_millis(20)), 1);
+    }
+
+    #[test]
+    fn once_the_shutdown_gives_work_up_a_revoke_waits_for_it_no_longer() {
+        let offsets = Arc::new(Offsets::new());
+        assign(&offsets, &[tp(0)]);
+        let o = offsets.track(&tp(0), 1).unwrap();
+        assert!(offsets.keep_or_release(&o), "record 1 runs");
+        // A revoke already waiting for it (a rebalance during the shutdown grace) is released...
+        let waiting = {
+            let offsets = offsets.clone();
+            std::thread::spawn(move || offsets.wait_drained(&[tp(0)], Duration::from_secs(60)))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        offsets.hand_off_all();
+        assert_eq!(waiting.join().unwrap(), 1, "it is still running");
+        // ... and the revoke of leaving the group does not wait at all.
+        assert_eq!(offsets.wait_drained(&[tp(0)], Duration::from_secs(60)), 1);
+        assert!(started.elapsed() < Duration::from_secs(30), "neither waited out its timeout");
+        assert!(offsets.is_handed_off(&o), "handed off, not crashed");
     }
 
     #[test]
