@@ -363,9 +363,10 @@ pub struct DeliveryArgs {
     #[arg(long, env = "SLUICE_COMMIT_INTERVAL_MS", default_value_t = 500)]
     pub commit_interval_ms: u64,
     /// Exactly-once: the least time between the starts of two transactions, milliseconds. A
-    /// task that finishes after a quiet spell is announced by a transaction begun at once; under
-    /// load, each transaction carries what finished in this long rather than the two or three
-    /// tasks of one round trip (0: back to back). See docs/delivery.md.
+    /// task that finishes after a quiet spell, or of the interactive lane, is announced by a
+    /// transaction begun at once; under load, each transaction carries what finished in this long
+    /// rather than the two or three tasks of one round trip (0: back to back). See
+    /// docs/delivery.md.
     #[arg(long, env = "SLUICE_TRANSACTION_INTERVAL_MS", default_value_t = 30)]
     pub transaction_interval_ms: u64,
     /// On a revoke, how long in-flight tasks of the revoked partitions may take to finish.

@@ -355,7 +355,8 @@ fn retrying(mut step: impl FnMut() -> Result<(), KafkaError>) -> Result<(), Kafk
 /// Commits until `stop` fires: on a timer, at once when the tracker asks (a lease extension, a
 /// model call's starts: work waits on those) and, in exactly-once mode, whenever a task was
 /// acknowledged — but then no sooner than `transaction_interval` after the last transaction
-/// began: while tasks finish, each transaction takes what finished since the one before. A
+/// began, unless an interactive task finished: while tasks finish, each transaction takes what
+/// finished since the one before. A
 /// commit can block for as long as the broker is unreachable, so it runs on the blocking pool,
 /// one at a time.
 ///
@@ -406,11 +407,12 @@ pub(crate) async fn commit_loop(
         };
         // Acknowledgements in the meantime are kept (`notify_one` stores one), so what finishes
         // now goes with the next transaction, at the end of the interval; work waiting on a
-        // commit does not wait for it.
+        // commit, and an interactive task's announcement, do not wait for it.
         if eager && tried {
             tokio::select! {
                 _ = tokio::time::sleep_until(began + transaction_interval) => {}
                 _ = offsets.commit_wanted.notified() => wanted = true,
+                _ = offsets.acked_interactive.notified() => wanted = true,
                 _ = stop.cancelled() => return,
             }
         }

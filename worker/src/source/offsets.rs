@@ -222,6 +222,9 @@ pub struct Offsets {
     pub(crate) commit_wanted: tokio::sync::Notify,
     /// Woken on every acknowledgement (the transactional committer commits as they come).
     pub(crate) acked: tokio::sync::Notify,
+    /// Woken when an interactive task is acknowledged: in exactly-once mode the transaction
+    /// that announces it begins at once, not at the end of the transaction interval.
+    pub(crate) acked_interactive: tokio::sync::Notify,
     /// Woken after every successful commit (lease extensions wait on it).
     committed_now: tokio::sync::Notify,
 }
@@ -305,6 +308,16 @@ impl Offsets {
         self.finished.notify_all();
         self.acked.notify_one();
         true
+    }
+
+    /// [`Offsets::ack`] for a task of the interactive lane, whose announcement does not wait
+    /// out the transaction interval.
+    pub fn ack_interactive(&self, origin: &Origin) -> bool {
+        let acked = self.ack(origin);
+        if acked {
+            self.acked_interactive.notify_one();
+        }
+        acked
     }
 
     /// Whether an earlier owner (or this one, under this assignment) announced `origin`'s
