@@ -58,7 +58,9 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
 
     let first = vec![terrain_task(61_000, 128, 128, 10)];
     publish_tasks(&kafka, &topics.tasks, &first).await.unwrap();
+    let sent = std::time::Instant::now();
     let seen = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics, &ids_of(&first), AT_ONCE));
+    println!("the first task after a quiet spell seen {:?} after its send", sent.elapsed());
     assert!(
         seen.is_ok(),
         "the first task after a quiet spell waited for the interval: not visible within {AT_ONCE:?}: {seen:?}"
@@ -94,7 +96,9 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
     interactive.1["priority"] = serde_json::json!("interactive");
     let interactive = vec![interactive];
     publish_tasks(&kafka, &topics.tasks, &interactive).await.unwrap();
+    let sent = std::time::Instant::now();
     let seen = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics, &ids_of(&interactive), AT_ONCE));
+    println!("the interactive task seen {:?} after its send", sent.elapsed());
     assert!(
         seen.is_ok(),
         "an interactive task waited for the transaction interval: not visible within {AT_ONCE:?}: {seen:?}"
