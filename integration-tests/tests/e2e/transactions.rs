@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
-use sluice_integration_tests::{Outcomes, ids_of, publish_tasks, terrain_task};
+use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, terrain_task};
 use sluice_schemas::CompletionStatus;
 
 use crate::stacks::replay_stack;
@@ -21,6 +21,21 @@ const AT_ONCE: Duration = Duration::from_secs(5);
 /// Transactions of the worker so far (each is timed in `sluice_worker_commit_seconds`).
 async fn transactions(worker: &Worker) -> f64 {
     worker.metric("sluice_worker_commit_seconds_count").await.unwrap_or(0.0)
+}
+
+/// Sends `tasks` and asserts that their outcomes are visible `read_committed` within
+/// [`AT_ONCE`]: their transaction did not wait for the interval.
+async fn seen_at_once(stack: &Stack, topics: &Topics, tasks: &[(String, serde_json::Value)], what: &str) {
+    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, tasks)
+        .await
+        .unwrap();
+    let sent = std::time::Instant::now();
+    let seen = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), topics, &ids_of(tasks), AT_ONCE));
+    println!("{what} seen {:?} after its send", sent.elapsed());
+    assert!(
+        seen.is_ok(),
+        "{what} waited for the interval: not visible within {AT_ONCE:?}: {seen:?}"
+    );
 }
 
 /// On one partition whose read lease is committed: a task after a quiet spell is visible
@@ -57,14 +72,7 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
     let before = transactions(&worker).await;
 
     let first = vec![terrain_task(61_000, 128, 128, 10)];
-    publish_tasks(&kafka, &topics.tasks, &first).await.unwrap();
-    let sent = std::time::Instant::now();
-    let seen = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics, &ids_of(&first), AT_ONCE));
-    println!("the first task after a quiet spell seen {:?} after its send", sent.elapsed());
-    assert!(
-        seen.is_ok(),
-        "the first task after a quiet spell waited for the interval: not visible within {AT_ONCE:?}: {seen:?}"
-    );
+    seen_at_once(stack, &topics, &first, "the first task after a quiet spell").await;
 
     let trickle: Vec<_> = (0..20).map(|i| terrain_task(61_001 + i, 128, 128, 10)).collect();
     for task in &trickle {
@@ -94,14 +102,6 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
     // for the end of the interval (as the trickle's did).
     let mut interactive = terrain_task(62_000, 128, 128, 10);
     interactive.1["priority"] = serde_json::json!("interactive");
-    let interactive = vec![interactive];
-    publish_tasks(&kafka, &topics.tasks, &interactive).await.unwrap();
-    let sent = std::time::Instant::now();
-    let seen = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), &topics, &ids_of(&interactive), AT_ONCE));
-    println!("the interactive task seen {:?} after its send", sent.elapsed());
-    assert!(
-        seen.is_ok(),
-        "an interactive task waited for the transaction interval: not visible within {AT_ONCE:?}: {seen:?}"
-    );
+    seen_at_once(stack, &topics, &[interactive], "an interactive task").await;
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }

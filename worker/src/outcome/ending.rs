@@ -45,6 +45,14 @@ impl From<Job> for Failed {
 }
 
 impl Failed {
+    /// The task's lane; a record that never became a task is of none, so `standard`.
+    pub(super) fn lane(&self) -> sluice_schemas::Priority {
+        match self {
+            Failed::Task(job) => job.task.priority,
+            Failed::Record { .. } => sluice_schemas::Priority::Standard,
+        }
+    }
+
     pub(super) fn into_parts(self) -> (TaskIdentity, Record) {
         match self {
             Failed::Task(job) => (TaskIdentity::of(&job.task), job.record),

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use sluice_schemas::{CompletionError, CompletionEvent, CompletionStatus, DlqReason, OutputRef, Priority, SCHEMA_VERSION, Timings};
+use sluice_schemas::{CompletionError, CompletionEvent, CompletionStatus, DlqReason, OutputRef, SCHEMA_VERSION, Timings};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -90,7 +90,7 @@ impl Outcomes {
 
     async fn fail_now(&self, failed: Failed, failure: Failure) {
         let i = &self.inner;
-        let interactive = matches!(&failed, Failed::Task(job) if job.task.priority == Priority::Interactive);
+        let lane = failed.lane();
         let (identity, record) = failed.into_parts();
         let sent = retry(i.retry, "publish_dlq", &i.metrics, &i.abandon, || {
             i.publisher.dead_letter(&record, &failure, identity.task_id)
@@ -133,11 +133,7 @@ impl Outcomes {
             offset: record.origin.offset,
         }
         .emit(&i.metrics);
-        if interactive {
-            i.offsets.ack_interactive(&record.origin);
-        } else {
-            i.offsets.ack(&record.origin);
-        }
+        i.offsets.ack_in_lane(&record.origin, lane);
     }
 
     /// A task succeeded: publishes its completion and acknowledges it. Returns false when the
@@ -170,18 +166,8 @@ impl Outcomes {
             duplicate,
         }
         .emit(&self.inner.metrics);
-        self.acknowledge(job);
+        self.inner.offsets.ack_in_lane(&job.record.origin, job.task.priority);
         true
-    }
-
-    /// Acknowledges a job's record; an interactive task's announcement does not wait out the
-    /// transaction interval (`SLUICE_TRANSACTION_INTERVAL_MS`).
-    fn acknowledge(&self, job: &Job) {
-        if job.task.priority == Priority::Interactive {
-            self.inner.offsets.ack_interactive(&job.record.origin);
-        } else {
-            self.inner.offsets.ack(&job.record.origin);
-        }
     }
 
     /// A task that ends without a result: cancelled by its client (before it ran, or between
@@ -201,7 +187,7 @@ impl Outcomes {
             status,
         }
         .emit(&self.inner.metrics);
-        self.acknowledge(job);
+        self.inner.offsets.ack_in_lane(&job.record.origin, job.task.priority);
         true
     }
 

@@ -310,11 +310,11 @@ impl Offsets {
         true
     }
 
-    /// [`Offsets::ack`] for a task of the interactive lane, whose announcement does not wait
-    /// out the transaction interval.
-    pub fn ack_interactive(&self, origin: &Origin) -> bool {
+    /// [`Offsets::ack`] for a task of lane `lane`: an interactive task's announcement does not
+    /// wait out the transaction interval (`SLUICE_TRANSACTION_INTERVAL_MS`).
+    pub fn ack_in_lane(&self, origin: &Origin, lane: sluice_schemas::Priority) -> bool {
         let acked = self.ack(origin);
-        if acked {
+        if acked && lane == sluice_schemas::Priority::Interactive {
             self.acked_interactive.notify_one();
         }
         acked
