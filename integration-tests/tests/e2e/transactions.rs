@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use rdkafka::producer::FutureProducer;
 use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, terrain_task};
@@ -23,12 +24,10 @@ async fn transactions(worker: &Worker) -> f64 {
     worker.metric("sluice_worker_commit_seconds_count").await.unwrap_or(0.0)
 }
 
-/// Sends `tasks` and asserts that their outcomes are visible `read_committed` within
+/// Sends `tasks` with `kafka` and asserts that their outcomes are visible `read_committed` within
 /// [`AT_ONCE`]: their transaction did not wait for the interval.
-async fn seen_at_once(stack: &Stack, topics: &Topics, tasks: &[(String, serde_json::Value)], what: &str) {
-    publish_tasks(&producer(stack.brokers()).unwrap(), &topics.tasks, tasks)
-        .await
-        .unwrap();
+async fn seen_at_once(stack: &Stack, kafka: &FutureProducer, topics: &Topics, tasks: &[(String, serde_json::Value)], what: &str) {
+    publish_tasks(kafka, &topics.tasks, tasks).await.unwrap();
     let sent = std::time::Instant::now();
     let seen = tokio::task::block_in_place(|| Outcomes::wait(stack.brokers(), topics, &ids_of(tasks), AT_ONCE));
     println!("{what} seen {:?} after its send", sent.elapsed());
@@ -72,7 +71,7 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
     let before = transactions(&worker).await;
 
     let first = vec![terrain_task(61_000, 128, 128, 10)];
-    seen_at_once(stack, &topics, &first, "the first task after a quiet spell").await;
+    seen_at_once(stack, &kafka, &topics, &first, "the first task after a quiet spell").await;
 
     let trickle: Vec<_> = (0..20).map(|i| terrain_task(61_001 + i, 128, 128, 10)).collect();
     for task in &trickle {
@@ -102,6 +101,6 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
     // for the end of the interval (as the trickle's did).
     let mut interactive = terrain_task(62_000, 128, 128, 10);
     interactive.1["priority"] = serde_json::json!("interactive");
-    seen_at_once(stack, &topics, &[interactive], "an interactive task").await;
+    seen_at_once(stack, &kafka, &topics, &[interactive], "an interactive task").await;
     worker.service.terminate(Duration::from_secs(30)).unwrap();
 }

@@ -356,9 +356,8 @@ fn retrying(mut step: impl FnMut() -> Result<(), KafkaError>) -> Result<(), Kafk
 /// model call's starts: work waits on those) and, in exactly-once mode, whenever a task was
 /// acknowledged — but then no sooner than `transaction_interval` after the last transaction
 /// began, unless an interactive task finished: while tasks finish, each transaction takes what
-/// finished since the one before. A
-/// commit can block for as long as the broker is unreachable, so it runs on the blocking pool,
-/// one at a time.
+/// finished since the one before. A commit can block for as long as the broker is unreachable,
+/// so it runs on the blocking pool, one at a time.
 ///
 /// Why the interval: back to back, a transaction took 5–20 ms on the local broker and carried
 /// the 2–5 tasks of the ~1 ms model that finished meanwhile (60–155 a second); each costs the
@@ -378,8 +377,8 @@ pub(crate) async fn commit_loop(
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let eager = committer.is_transactional();
-    // A commit something waits on (a read lease, a model call's starts) arrived during the
-    // interval: it goes at once.
+    // A commit something waits on (a read lease, a model call's starts) or an interactive task's
+    // announcement arrived during the interval: it goes at once.
     let mut wanted = false;
     loop {
         if !std::mem::take(&mut wanted) {
