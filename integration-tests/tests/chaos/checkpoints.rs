@@ -394,7 +394,15 @@ async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_
         publish_to_partition(&kafka, &topics.tasks, partition as i32, task).await.unwrap();
     }
     in_flight(&first, 2.0).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The second worker joins once both tasks are running (one bucket: its calls run both rows,
+    // the second task joining at a step boundary), not after a fixed sleep, which on a loaded
+    // machine could come before their first step.
+    sluice_integration_tests::wait_for("three model calls of the tasks", Duration::from_secs(60), async || {
+        let text = first.metrics().await.ok()?;
+        (metric_sum(&text, "sluice_worker_model_call_seconds_count") >= 3.0).then_some(())
+    })
+    .await
+    .unwrap();
     let mut second = worker_with(stack, "rebalance-checkpoint-1", group, &topics, &env).await;
     let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&tasks), Duration::from_secs(300)).unwrap();
     let mut rows = Vec::new();
