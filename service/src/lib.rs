@@ -14,3 +14,4 @@ pub mod otlp;
 pub mod shutdown;
 pub mod telemetry;
 pub mod trace;
+pub mod transaction_producer;

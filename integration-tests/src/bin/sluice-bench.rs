@@ -816,6 +816,16 @@ async fn end_to_end(
         .await?
         .context("waiting for completions")?;
     let cpu_after = pids.map(cpu_seconds);
+    // What the worker's delivery mode cost in round trips: each commit is a transaction in
+    // exactly-once mode.
+    if let Ok(text) = worker.metrics().await {
+        use sluice_integration_tests::cluster::{metric_sum, metric_value};
+        eprintln!(
+            "== {scenario}: {} commits in {} model calls",
+            metric_value(&text, "sluice_worker_commit_seconds_count").unwrap_or(0.0),
+            metric_sum(&text, "sluice_worker_model_call_seconds_count"),
+        );
+    }
     drop(worker);
     anyhow::ensure!(done.iter().all(|c| c.status == CompletionStatus::Succeeded), "some tasks failed");
     done.sort_by_key(|c| c.completed_at);

@@ -1,7 +1,8 @@
 //! Exactly-once transactions under a trickle of tasks: the first task to finish after a quiet
 //! spell is announced at once, and the tasks finishing after it wait for the end of
 //! `SLUICE_TRANSACTION_INTERVAL_MS` and share a transaction, instead of one transaction each;
-//! an interactive task does not wait for it.
+//! an interactive task does not wait for it. And the transactional producer aborts at once with
+//! records still queued.
 
 use std::time::Duration;
 
@@ -103,4 +104,52 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
     interactive.1["priority"] = serde_json::json!("interactive");
     seen_at_once(stack, &kafka, &topics, &[interactive], "an interactive task").await;
     worker.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// The committer's transactional producer has no polling thread (`sluice_service::
+/// transaction_producer`), and librdkafka's abort waits for the reports of the records it
+/// purges to be served: an abort with records still queued (a long linger keeps them so)
+/// returns at once, not at its timeout, and a `read_committed` reader sees only the next,
+/// committed transaction's records.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_aborted_with_records_still_queued_aborts_at_once() {
+    use rdkafka::config::ClientConfig;
+    use rdkafka::message::OwnedHeaders;
+    use sluice_integration_tests::TopicReader;
+    use sluice_service::transaction_producer::TransactionProducer;
+
+    let stack = replay_stack().await;
+    let topics = stack.topics("txn-abort", 1).unwrap();
+    let brokers = stack.brokers().to_owned();
+    let topic = topics.completions.clone();
+    let aborted_in = tokio::task::spawn_blocking(move || {
+        let producer = TransactionProducer::create(
+            ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("transactional.id", "e2e-txn-abort")
+                .set("linger.ms", "5000"),
+        )
+        .unwrap();
+        producer.init_transactions(Duration::from_secs(30)).unwrap();
+        let none = OwnedHeaders::new();
+        producer.begin_transaction().unwrap();
+        for i in 0..3 {
+            producer.send(&topic, None, format!("aborted {i}").as_bytes(), &none).unwrap();
+        }
+        let began = std::time::Instant::now();
+        producer.abort_transaction(Duration::from_secs(20)).unwrap();
+        let aborted_in = began.elapsed();
+        producer.begin_transaction().unwrap();
+        producer.send(&topic, None, b"committed", &none).unwrap();
+        producer.delivered(Duration::from_secs(30)).unwrap();
+        producer.commit_transaction(Duration::from_secs(10)).unwrap();
+        aborted_in
+    })
+    .await
+    .unwrap();
+    println!("aborted with 3 records queued in {aborted_in:?}");
+    assert!(aborted_in < Duration::from_secs(4), "the abort waited {aborted_in:?}");
+    let seen = TopicReader::snapshot(stack.brokers(), &topics.completions, Duration::from_secs(3)).unwrap();
+    let values: Vec<&[u8]> = seen.iter().map(|r| r.value.as_slice()).collect();
+    assert_eq!(values, [b"committed".as_slice()]);
 }

@@ -23,9 +23,9 @@ use std::time::Duration;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use sluice_service::kafka_failure::{self, Failure};
+use sluice_service::transaction_producer::TransactionProducer;
 use tokio_util::sync::CancellationToken;
 
 use crate::events::{Emit, OffsetsCommitted};
@@ -38,9 +38,9 @@ use crate::source::redelivery::lease_metadata;
 /// How long one transactional step may block.
 const TXN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The longest a commit waits for the delivery reports it has seen to be dropped (see
-/// `Transactional::transaction`); past it, rdkafka's own flush waits instead.
-const DELIVERY_REPORTS_SETTLE: Duration = Duration::from_millis(20);
+/// The longest a commit waits for its records' delivery: past librdkafka's own message timeout
+/// (the transaction's, 15 s), which fails a record not delivered by then.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The offsets of `commits`, each with its lease and its started records as metadata.
 pub(crate) fn list_of(commits: &[Commit]) -> TopicPartitionList {
@@ -139,7 +139,7 @@ impl Outbox {
 /// records keep their order: the group coordinator applies transactional offsets by their
 /// position in its log, and `read_committed` readers never read past an open transaction.
 pub(crate) struct Transactional {
-    producers: [FutureProducer; 2],
+    producers: [TransactionProducer; 2],
     /// Which of `producers` runs the next transaction.
     turn: std::sync::atomic::AtomicUsize,
     outbox: Arc<Outbox>,
@@ -245,7 +245,7 @@ impl Committer {
 }
 
 impl Transactional {
-    pub(crate) fn new(producers: [FutureProducer; 2], outbox: Arc<Outbox>, fatal: CancellationToken) -> Transactional {
+    pub(crate) fn new(producers: [TransactionProducer; 2], outbox: Arc<Outbox>, fatal: CancellationToken) -> Transactional {
         Transactional {
             producers,
             turn: std::sync::atomic::AtomicUsize::new(0),
@@ -279,12 +279,11 @@ impl Transactional {
         result
     }
 
-    fn transaction(producer: &FutureProducer, consumer: &TaskConsumer, commits: &[Commit], taken: &Taken) -> Result<(), KafkaError> {
+    fn transaction(producer: &TransactionProducer, consumer: &TaskConsumer, commits: &[Commit], taken: &Taken) -> Result<(), KafkaError> {
         producer.begin_transaction()?;
-        let mut deliveries = Vec::new();
         for (_, (_, records)) in taken {
             for r in records {
-                deliveries.push(Self::enqueue(producer, r)?);
+                producer.send(&r.topic, r.key.as_deref(), &r.payload, &r.headers)?;
             }
         }
         if !commits.is_empty() {
@@ -295,44 +294,11 @@ impl Transactional {
             let offsets = list_of(commits);
             retrying(|| producer.send_offsets_to_transaction(&offsets, &group, TXN_TIMEOUT))?;
         }
-        // Every record delivered before the commit. rdkafka's commit_transaction flushes first,
-        // and its flush, finding any message still counted, polls the producer's event queue
-        // for a whole 100 ms (its poll returns at the deadline, not at an event), while the
-        // producer's own thread serves that queue. A message is counted until its delivery
-        // report is dropped, just after its future resolves: measured, a tenth of a second
-        // added to one transaction in three or four. So: every delivery future, then until the
-        // count is zero (microseconds), then the commit, whose flush then returns at once.
-        for delivery in futures::executor::block_on(futures::future::join_all(deliveries)) {
-            match delivery {
-                Ok(Ok(_)) => {}
-                Ok(Err((e, _))) => return Err(e),
-                Err(_cancelled) => return Err(KafkaError::Canceled),
-            }
-        }
-        let settled = std::time::Instant::now() + DELIVERY_REPORTS_SETTLE;
-        while producer.in_flight_count() > 0 && std::time::Instant::now() < settled {
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        // Every record delivered before the commit, its report served: rdkafka's
+        // commit_transaction flushes first, and its flush, finding anything still counted,
+        // waits a whole 100 ms (its poll returns at the deadline, not at an event).
+        producer.delivered(DELIVERY_TIMEOUT)?;
         retrying(|| producer.commit_transaction(TXN_TIMEOUT))
-    }
-
-    /// Queues one record of the open transaction; the commit awaits its delivery.
-    fn enqueue(producer: &FutureProducer, r: &OutRecord) -> Result<rdkafka::producer::DeliveryFuture, KafkaError> {
-        loop {
-            let mut record = FutureRecord::<[u8], [u8]>::to(&r.topic)
-                .payload(&r.payload)
-                .headers(r.headers.clone());
-            if let Some(key) = &r.key {
-                record = record.key(key);
-            }
-            match producer.send_result(record) {
-                Ok(delivery) => return Ok(delivery),
-                Err((e, _)) if kafka_failure::classify(&e) == Failure::QueueFull => {
-                    producer.poll(Duration::from_millis(10));
-                }
-                Err((e, _)) => return Err(e),
-            }
-        }
     }
 }
 
