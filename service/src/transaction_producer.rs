@@ -25,9 +25,12 @@ use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, Prod
 
 use crate::kafka_failure::{self, Failure};
 
-/// How long [`TransactionProducer::delivered`] waits between looks at the queue while records
-/// are on their way (a delivery takes a few milliseconds on a local broker).
-const DELIVERY_POLL: Duration = Duration::from_micros(200);
+/// How long [`TransactionProducer::delivered`] first waits between looks at the queue while
+/// records are on their way (a delivery takes a few milliseconds on a local broker), doubling
+/// up to [`DELIVERY_POLL_MAX`]: a record late by at most that, and a broker away for the 15 s a
+/// record may take costs ~500 wake-ups a second, not thousands.
+const DELIVERY_POLL: Duration = Duration::from_micros(100);
+const DELIVERY_POLL_MAX: Duration = Duration::from_millis(2);
 
 /// The first delivery failure since the transaction began.
 #[derive(Default)]
@@ -67,7 +70,12 @@ impl TransactionProducer {
     /// transaction's records, errors logged while idle): a failure reported now is not this
     /// transaction's.
     pub fn begin_transaction(&self) -> KafkaResult<()> {
-        self.serve_queue(Instant::now() + Duration::from_secs(1));
+        if !self.serve_queue(Instant::now() + Duration::from_secs(1)) {
+            tracing::warn!(
+                outstanding = self.inner.in_flight_count(),
+                "the transactional producer still counts records of an earlier transaction; beginning anyway"
+            );
+        }
         self.inner.context().failed.lock().expect("delivery reports lock").take();
         self.inner.begin_transaction()
     }
@@ -105,6 +113,7 @@ impl TransactionProducer {
     /// way, reports and errors not served); false at `deadline` with some left. Each poll takes
     /// one event without waiting: rdkafka's `poll` with a timeout would wait out all of it.
     fn serve_queue(&self, deadline: Instant) -> bool {
+        let mut wait = DELIVERY_POLL;
         loop {
             while self.inner.in_flight_count() > 0 {
                 let before = self.inner.in_flight_count();
@@ -119,7 +128,8 @@ impl TransactionProducer {
             if Instant::now() >= deadline {
                 return false;
             }
-            std::thread::sleep(DELIVERY_POLL);
+            std::thread::sleep(wait);
+            wait = (wait * 2).min(DELIVERY_POLL_MAX);
         }
     }
 

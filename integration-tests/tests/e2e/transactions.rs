@@ -109,8 +109,8 @@ async fn under_load_a_transaction_carries_what_finished_in_its_interval() {
 /// The committer's transactional producer has no polling thread (`sluice_service::
 /// transaction_producer`), and librdkafka's abort waits for the reports of the records it
 /// purges to be served: an abort with records still queued (a long linger keeps them so)
-/// returns at once, not at its timeout, and a `read_committed` reader sees only the next,
-/// committed transaction's records.
+/// returns at once, not at its timeout, and the producer's next transaction commits (its record
+/// waits out the linger too) and is the only one a reader sees.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_aborted_with_records_still_queued_aborts_at_once() {
     use rdkafka::config::ClientConfig;
