@@ -34,7 +34,7 @@ const DELIVERY_POLL_MAX: Duration = Duration::from_millis(2);
 
 /// The first delivery failure since the transaction began.
 #[derive(Default)]
-pub struct Reports {
+struct Reports {
     failed: Mutex<Option<KafkaError>>,
 }
 

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice_integration_tests::cluster::metric_sum;
+use sluice_integration_tests::cluster::Worker;
 use sluice_integration_tests::kafka::producer;
 use sluice_integration_tests::process::bin;
 use sluice_integration_tests::{Outcomes, Stack, Topics, ids_of, publish_tasks, publish_to_partition};
@@ -195,7 +195,6 @@ async fn kills_in_a_loop_re_run_at_most_a_checkpoint_interval_each_and_the_image
     let group = "chaos-checkpoint-kills";
     let task = sluice_integration_tests::sd_task(90_003, 256, 40, 1);
     let id = task.0.clone();
-    let calls = "sluice_worker_model_call_seconds_count{model=\"sd-tiny\"}";
     let mut ran = Vec::new();
     for (kill, steps) in [5.0, 3.0, 6.0, 7.0].into_iter().enumerate() {
         let mut w = worker_with(stack, "checkpoint-kills-0", group, &topics, &env).await;
@@ -205,11 +204,7 @@ async fn kills_in_a_loop_re_run_at_most_a_checkpoint_interval_each_and_the_image
                 .await
                 .unwrap();
         }
-        let counted = sluice_integration_tests::wait_for("the worker's steps", Duration::from_secs(120), async || {
-            w.metric(calls).await.filter(|&n| n >= steps)
-        })
-        .await
-        .unwrap();
+        let counted = model_calls(&w, steps, Duration::from_secs(120)).await;
         w.service.kill9();
         ran.push(counted as u32);
     }
@@ -327,12 +322,7 @@ async fn a_drain_keeps_a_running_tasks_last_step_and_the_next_worker_carries_on_
     in_flight(&w, 1.0).await;
     // Stopped once the task is running (a fixed sleep was, on a loaded 2-core machine, at times
     // before its first step: then the drain released it unstarted and kept nothing).
-    sluice_integration_tests::wait_for("two model calls of the task", Duration::from_secs(60), async || {
-        let text = w.metrics().await.ok()?;
-        (metric_sum(&text, "sluice_worker_model_call_seconds_count") >= 2.0).then_some(())
-    })
-    .await
-    .unwrap();
+    model_calls(&w, 2.0, Duration::from_secs(60)).await;
     w.service.terminate(Duration::from_secs(30)).unwrap();
     let stopped_log = w.service.log_text();
     let stored = checkpoint_steps(&sink, &id).await;
@@ -397,12 +387,7 @@ async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_
     // The second worker joins once both tasks are running (one bucket: its calls run both rows,
     // the second task joining at a step boundary), not after a fixed sleep, which on a loaded
     // machine could come before their first step.
-    sluice_integration_tests::wait_for("three model calls of the tasks", Duration::from_secs(60), async || {
-        let text = first.metrics().await.ok()?;
-        (metric_sum(&text, "sluice_worker_model_call_seconds_count") >= 3.0).then_some(())
-    })
-    .await
-    .unwrap();
+    model_calls(&first, 3.0, Duration::from_secs(60)).await;
     let mut second = worker_with(stack, "rebalance-checkpoint-1", group, &topics, &env).await;
     let done = Outcomes::wait(stack.brokers(), &topics, &ids_of(&tasks), Duration::from_secs(300)).unwrap();
     let mut rows = Vec::new();
@@ -465,6 +450,17 @@ async fn a_rebalance_keeps_a_moved_tasks_last_step_and_its_new_owner_carries_on_
     assert!(same, "the moved task's images are the uninterrupted run's");
     first.service.terminate(Duration::from_secs(30)).unwrap();
     second.service.terminate(Duration::from_secs(30)).unwrap();
+}
+
+/// Waits (at most `timeout`) until `w` has made at least `n` model calls of sd-tiny (each a step
+/// of the tasks it runs), and returns how many it has made.
+async fn model_calls(w: &Worker, n: f64, timeout: Duration) -> f64 {
+    let calls = "sluice_worker_model_call_seconds_count{model=\"sd-tiny\"}";
+    sluice_integration_tests::wait_for("the worker's model calls", timeout, async || {
+        w.metric(calls).await.filter(|&c| c >= n)
+    })
+    .await
+    .unwrap()
 }
 
 /// The demo catalog with sd-tiny keeping checkpoints every `every` steps and taking up to 100,
